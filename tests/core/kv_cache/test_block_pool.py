@@ -1,0 +1,82 @@
+"""Exact behaviour of the block pool and manager on tiny pools: block ids, ref counts, eviction order."""
+
+import pytest
+
+from tideserve.core.kv_cache.block_pool import BlockPool
+from tideserve.core.kv_cache.manager import KVCacheManager
+
+
+def test_allocate_takes_from_head_and_release_appends_tail_first():
+    pool = BlockPool(6)
+    a = pool.allocate(3)
+    assert [b.block_id for b in a] == [0, 1, 2]
+    assert [b.ref_cnt for b in a] == [1, 1, 1]
+    pool.release(a[::-1])
+    assert pool.free_block_ids() == [3, 4, 5, 2, 1, 0]
+    pool.check_invariants()
+
+
+def test_allocate_more_than_free_raises_and_changes_nothing():
+    pool = BlockPool(2)
+    with pytest.raises(ValueError, match="only 2 are free"):
+        pool.allocate(3)
+    assert pool.num_free_blocks == 2
+
+
+def test_manager_allocates_on_demand_one_block_at_a_time():
+    kv = KVCacheManager(10, block_size=4, enable_prefix_caching=False)
+    tokens = list(range(6))
+    assert kv.allocate_slots("a", tokens, 0, 6) == [0, 1]
+    tokens.append(6)
+    assert kv.allocate_slots("a", tokens, 6, 1) == []  # slot 7 still in block 1
+    tokens.append(7)
+    assert kv.allocate_slots("a", tokens, 7, 1) == []
+    tokens.append(8)
+    assert kv.allocate_slots("a", tokens, 8, 1) == [2]  # position 8 opens a third block
+    assert kv.block_ids("a") == [0, 1, 2]
+    kv.free("a")
+    assert kv.num_free_blocks == 10
+    kv.check_invariants()
+
+
+def test_allocation_that_cannot_fit_changes_nothing():
+    kv = KVCacheManager(3, block_size=4, enable_prefix_caching=False)
+    assert kv.allocate_slots("a", list(range(8)), 0, 8) == [0, 1]
+    assert kv.allocate_slots("b", list(range(9)), 0, 9) is None
+    assert kv.block_ids("b") == []
+    assert kv.num_free_blocks == 1
+    kv.check_invariants()
+
+
+def test_prefix_hit_shares_blocks_and_caps_at_last_token():
+    kv = KVCacheManager(10, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(12))  # three full blocks
+    assert kv.allocate_slots("a", prompt, 0, 12) == [0, 1, 2]
+    # The same prompt again: at most (12 - 1) // 4 = 2 blocks are reused, the last token is recomputed.
+    hit = kv.get_computed_blocks("b", prompt)
+    assert [b.block_id for b in hit] == [0, 1]
+    assert kv.allocate_slots("b", prompt, 0, 4, hit) == [0, 1, 3]
+    assert [kv.pool.blocks[i].ref_cnt for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    assert kv.prefix_stats.hits == 8 and kv.prefix_stats.queries == 12
+    kv.check_invariants()
+
+
+def test_freed_blocks_stay_cached_and_evict_oldest_first_tail_first():
+    kv = KVCacheManager(6, block_size=2, enable_prefix_caching=True)
+    kv.allocate_slots("a", [1, 2, 3, 4, 5, 6], 0, 6)  # blocks 0, 1, 2
+    kv.free("a")
+    # Free queue: never-used 3, 4, 5, then a's blocks tail first: 2, 1, 0.
+    assert kv.pool.free_block_ids() == [3, 4, 5, 2, 1, 0]
+    # A request with the same first two blocks revives them from the free queue.
+    hit = kv.get_computed_blocks("b", [1, 2, 3, 4, 9])
+    assert [b.block_id for b in hit] == [0, 1]
+    # A large new request now evicts 3, 4, 5 and then a's tail block 2 (the longest prefix) first.
+    assert kv.allocate_slots("c", list(range(100, 108)), 0, 8) == [3, 4, 5, 2]
+    assert kv.get_computed_blocks("d", [1, 2, 3, 4, 5, 6, 7])[:3] != []
+    kv.check_invariants()
+
+
+def test_prefix_caching_off_never_hits():
+    kv = KVCacheManager(6, block_size=2, enable_prefix_caching=False)
+    kv.allocate_slots("a", [1, 2, 3, 4], 0, 4)
+    assert kv.get_computed_blocks("b", [1, 2, 3, 4, 5]) == []

@@ -1,0 +1,96 @@
+"""Scheduler decisions on a tiny pool, without a model: budgets, chunking, FCFS and preemption."""
+
+from tideserve.config import SchedulerConfig
+from tideserve.core.kv_cache.manager import KVCacheManager
+from tideserve.core.scheduler import Scheduler
+from tideserve.request import Request, RequestStatus
+from tideserve.sampling_params import SamplingParams
+
+
+def make(num_blocks=10, block=4, budget=16, max_seqs=8, chunked=True):
+    kv = KVCacheManager(num_blocks, block, enable_prefix_caching=False)
+    return Scheduler(SchedulerConfig(max_seqs, budget, chunked), kv, max_model_len=1000)
+
+
+def req(rid, n_prompt, max_tokens=100):
+    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   eos_token_id=0, max_tokens=max_tokens)
+
+
+def step(s, token=7):
+    out = s.schedule()
+    sampled = {}
+    for rid, n in out.num_scheduled_tokens.items():
+        r = s.requests[rid]
+        if r.num_computed_tokens >= r.num_tokens:
+            sampled[rid] = token
+    s.update_from_output(sampled)
+    return out
+
+
+def test_decodes_first_then_waiting_fcfs_under_budget():
+    s = make(budget=10)
+    s.add_request(req("a", 6))
+    out = step(s)
+    assert out.num_scheduled_tokens == {"a": 6}
+    s.add_request(req("b", 5))
+    s.add_request(req("c", 5))
+    out = step(s)
+    # a decodes (1 token), then b fits whole (5), then c is chunked to the remaining 4.
+    assert out.num_scheduled_tokens == {"a": 1, "b": 5, "c": 4}
+    assert s.requests["c"].num_computed_tokens == 4 and s.requests["c"].output_token_ids == []
+    out = step(s)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 1}
+    assert s.requests["c"].output_token_ids == [7]
+
+
+def test_chunked_prefill_off_waits_for_room():
+    s = make(budget=8, chunked=False)
+    s.add_request(req("a", 12))
+    assert s.schedule().num_scheduled_tokens == {}
+
+
+def test_max_num_seqs_caps_running():
+    s = make(max_seqs=2, budget=100)
+    for r in "abc":
+        s.add_request(req(r, 2))
+    out = step(s)
+    assert set(out.num_scheduled_tokens) == {"a", "b"}
+    assert [r.request_id for r in s.waiting] == ["c"]
+
+
+def test_preempts_newest_and_requeues_it_first():
+    s = make(num_blocks=4, block=4, budget=100)
+    s.add_request(req("a", 7))
+    s.add_request(req("b", 7))
+    step(s)  # a: 2 blocks for 7 tokens, b: 2 -> pool full; each samples its 8th token
+    step(s)  # position 7 still fits in each second block
+    out = step(s)  # position 8 needs a third block: none free, so b (the newest) is preempted
+    assert out.preempted_ids == ["b"]
+    assert s.requests["b"].status == RequestStatus.PREEMPTED
+    assert s.requests["b"].num_computed_tokens == 0
+    assert s.waiting[0].request_id == "b"
+    assert s.num_preemptions == 1
+    s.kv.check_invariants()
+
+
+def test_finished_requests_free_blocks_at_once():
+    s = make()
+    s.add_request(req("a", 4, max_tokens=2))
+    step(s)
+    step(s)
+    assert "a" not in s.requests and not s.running
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_abort_waiting_and_running():
+    s = make()
+    s.add_request(req("a", 4))
+    s.add_request(req("b", 4))
+    step(s)
+    s.add_request(req("c", 4))
+    assert s.finish_request("a", RequestStatus.FINISHED_ABORTED).status == RequestStatus.FINISHED_ABORTED
+    assert s.finish_request("c", RequestStatus.FINISHED_ABORTED) is not None
+    assert [r.request_id for r in s.running] == ["b"]
+    assert not s.waiting
+    assert s.schedule().finished_ids == ["a", "c"]

@@ -1,0 +1,110 @@
+"""The pool of physical KV blocks: ref counts, a free queue, and the prefix-hash index.
+
+Invariants (checked by ``check_invariants`` in tests):
+- a block is in the free queue iff its ref count is 0;
+- a free block may still hold a cached prefix (it keeps its hash until it is reused: lazy eviction);
+- the free queue is ordered least recently freed first, so eviction takes the oldest cached block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BlockHash = int
+
+
+@dataclass(slots=True)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+
+
+class BlockPool:
+    """Fixed set of blocks; the free queue is a dict used as an O(1)-removable ordered set."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}.")
+        self.blocks: list[KVBlock] = [KVBlock(i) for i in range(num_blocks)]
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
+        self.cached: dict[BlockHash, KVBlock] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue, oldest first (next to be reused first)."""
+        return list(self._free)
+
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / len(self.blocks)
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take n blocks from the head of the free queue, evicting any cached prefix they hold."""
+        if n > len(self._free):
+            raise ValueError(f"cannot allocate {n} blocks: only {len(self._free)} are free.")
+        out = []
+        for _ in range(n):
+            block_id = next(iter(self._free))
+            del self._free[block_id]
+            block = self.blocks[block_id]
+            self._evict_hash(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take one more reference on each (cache hit); a cached free block leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def release(self, blocks_tail_first: list[KVBlock]) -> None:
+        """Drop one reference on each, in the given order; blocks reaching 0 join the free queue's tail."""
+        for block in blocks_tail_first:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} released more often than taken"
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = None
+
+    def lookup(self, block_hash: BlockHash) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def publish(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Make a full block findable by its prefix hash (first writer wins; duplicates stay private)."""
+        if block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def evict_cached(self) -> int:
+        """Forget every cached prefix held by free blocks; returns how many were dropped."""
+        dropped = 0
+        for block_id in self._free:
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._evict_hash(block)
+                dropped += 1
+        return dropped
+
+    def _evict_hash(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+
+    def check_invariants(self) -> None:
+        for block in self.blocks:
+            assert (block.ref_cnt == 0) == (block.block_id in self._free), block
+            if block.block_hash is not None:
+                assert self.cached.get(block.block_hash) is block, block
+        assert len(self.cached) == sum(b.block_hash is not None for b in self.blocks)

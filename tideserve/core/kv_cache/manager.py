@@ -1,0 +1,135 @@
+"""Per-request block tables over the block pool, with prefix caching.
+
+A request's block table covers exactly ceil(num_computed_tokens / block_size) blocks after a step. Full
+blocks are identified by a chained hash (parent hash, the block's token ids, an extra key for anything
+else that changes the KV), so a new request can reuse every cached full block of its prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tideserve.core.kv_cache.block_pool import BlockHash, BlockPool, KVBlock
+
+_ROOT_HASH: BlockHash = hash(("tideserve-root",)) & 0xFFFFFFFFFFFF
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_key: object = None) -> BlockHash:
+    return hash((parent, tuple(token_ids), extra_key))
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # prompt tokens found cached
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 extra_key: object = None) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.extra_key = extra_key
+        self.pool = BlockPool(num_blocks)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_hashes: dict[str, list[BlockHash]] = {}
+        self.prefix_stats = PrefixCacheStats()
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ----------------------------------------------------------------- prefix cache
+    def _full_block_hashes(self, request_id: str, token_ids: Sequence[int],
+                           num_tokens: int | None = None) -> list[BlockHash]:
+        """Hashes of every full block of token_ids[:num_tokens], extending what was computed before."""
+        hashes = self.req_hashes.setdefault(request_id, [])
+        bs = self.block_size
+        parent = hashes[-1] if hashes else _ROOT_HASH
+        limit = len(token_ids) if num_tokens is None else num_tokens
+        for i in range(len(hashes), limit // bs):
+            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs], self.extra_key)
+            hashes.append(parent)
+        return hashes
+
+    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> list[KVBlock]:
+        """Cached full blocks of a new request's tokens, left to right until the first miss.
+
+        Capped so the last token is always computed: the request needs its logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hashes = self._full_block_hashes(request_id, token_ids)
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hit: list[KVBlock] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hit.append(block)
+        self.prefix_stats.queries += len(token_ids)
+        self.prefix_stats.hits += len(hit) * self.block_size
+        return hit
+
+    # ----------------------------------------------------------------- allocation
+    def allocate_slots(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                       num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = ()) -> list[int] | None:
+        """Make room for num_new_tokens after the computed ones (and a prefix hit, if any).
+
+        ``num_computed_tokens`` excludes the tokens of ``new_computed_blocks``. Returns the ids of the
+        blocks appended to the request's table, or None (changing nothing) when the pool is too small.
+        """
+        table = self.req_blocks.setdefault(request_id, [])
+        num_hit_tokens = len(new_computed_blocks) * self.block_size
+        total = num_computed_tokens + num_hit_tokens + num_new_tokens
+        num_new_blocks = max(0, self.blocks_needed(total) - len(table) - len(new_computed_blocks))
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+            if not table:
+                del self.req_blocks[request_id]
+            return None
+        self.pool.touch(list(new_computed_blocks))
+        table.extend(new_computed_blocks)
+        new_blocks = self.pool.allocate(num_new_blocks)
+        table.extend(new_blocks)
+        if self.enable_prefix_caching:
+            self._publish_full_blocks(request_id, token_ids, min(total, len(token_ids)))
+        return [b.block_id for b in new_computed_blocks] + [b.block_id for b in new_blocks]
+
+    def _publish_full_blocks(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+        hashes = self._full_block_hashes(request_id, token_ids, num_tokens)
+        table = self.req_blocks[request_id]
+        for i in range(num_tokens // self.block_size):
+            if table[i].block_hash is not None:
+                continue
+            self.pool.publish(table[i], hashes[i])
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks at once, tail first so shared prefix roots live longest."""
+        table = self.req_blocks.pop(request_id, None)
+        self.req_hashes.pop(request_id, None)
+        if table:
+            self.pool.release(table[::-1])
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.evict_cached()
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        total_refs = sum(b.ref_cnt for b in self.pool.blocks)
+        assert total_refs == sum(len(t) for t in self.req_blocks.values()), "ref counts != table lengths"

@@ -1,0 +1,212 @@
+"""Continuous batching: which requests run this step, and how many tokens each.
+
+One rule covers every phase: a request's ``num_computed_tokens`` catches up with its token count under one
+per-step token budget. Running requests go first (decodes, and prefills still in progress), then waiting
+requests in arrival order; a prompt larger than what remains of the budget is prefilled in chunks. When no
+block is free, the newest running request is preempted: its blocks are freed and it goes back to the
+front of the waiting queue, to be recomputed later. Plain Python over integers: no torch here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from tideserve.config import SchedulerConfig
+from tideserve.core.kv_cache.manager import KVCacheManager
+from tideserve.request import Request, RequestStatus
+from tideserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has no state for: first scheduled, or resumed after preemption."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + outputs so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    eos_token_id: int | None
+    block_ids: list[int]
+    num_computed_tokens: int  # includes any prefix-cache hit
+
+
+@dataclass
+class CachedRequestData:
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # since the previous step
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0  # cumulative
+    kv_cache_usage: float = 0.0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_step: list[str] = []
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- requests in and out
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use.")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request now (abort, stop string): its blocks are freed at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        request.status = status
+        self._release(request)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions, self.kv.usage())
+
+    # ----------------------------------------------------------------- one step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_ids=self._finished_since_step)
+        self._finished_since_step = []
+        budget = self.config.max_num_batched_tokens
+        preempted_now = False
+
+        scheduled_running: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute (should not happen); leave it
+                i += 1
+                continue
+            while True:
+                new_ids = self.kv.allocate_slots(request.request_id, request.all_token_ids,
+                                                 request.num_computed_tokens, num_new)
+                if new_ids is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                preempted_now = True
+                if victim is request:
+                    break
+            if new_ids is None:
+                break
+            scheduled_running.append(request)
+            out.cached_requests.append(
+                CachedRequestData(request.request_id, new_ids, request.num_computed_tokens))
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        if not preempted_now:
+            budget = self._schedule_waiting(out, budget)
+
+        for request_id, num in out.num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num
+        return out
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            token_ids = request.all_token_ids
+            hit_blocks = self.kv.get_computed_blocks(request.request_id, token_ids)
+            num_hit = len(hit_blocks) * self.kv.block_size
+            num_new = len(token_ids) - num_hit
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            new_ids = self.kv.allocate_slots(request.request_id, token_ids, 0, num_new, hit_blocks)
+            if new_ids is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit
+            self.running.append(request)
+            out.new_requests.append(NewRequestData(
+                request.request_id, token_ids, request.num_prompt_tokens, request.sampling_params,
+                request.generator, request.eos_token_id, new_ids, num_hit))
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted_ids.append(request.request_id)
+        out.num_scheduled_tokens.pop(request.request_id, None)
+        logger.warning(
+            "Request %s preempted (mode=recompute): KV cache full, %d/%d blocks free, %d running, "
+            "%d waiting.", request.request_id, self.kv.num_free_blocks, self.kv.num_blocks,
+            len(self.running), len(self.waiting))
+
+    # ----------------------------------------------------------------- after the forward pass
+    def update_from_output(self, sampled: dict[str, int]) -> list[Request]:
+        """Append each request's new token, apply stop checks; returns the requests that got a token."""
+        updated = []
+        for request_id, token_id in sampled.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.output_token_ids.append(token_id)
+            if request.check_stop_token():
+                self.running.remove(request)
+                del self.requests[request_id]
+                self._release(request)
+            updated.append(request)
+        return updated
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        self._finished_since_step.append(request.request_id)

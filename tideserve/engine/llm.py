@@ -1,0 +1,93 @@
+"""The offline API: ``LLM(...).generate(prompts, params)`` and ``LLM.chat(messages)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tideserve.engine.llm_engine import EngineArgs, LLMEngine
+from tideserve.outputs import RequestOutput
+from tideserve.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """Runs a model over a batch of prompts with continuous batching; outputs come back in input order."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        known = set(EngineArgs.__dataclass_fields__) - {"extra"}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {sorted(unknown)}; known: {sorted(known)}.")
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt: text or token ids
+        prompts = list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        # Validate every prompt before adding any, so a bad one loses nothing.
+        checked = []
+        for prompt, p in zip(prompts, params):
+            text, token_ids = self.engine.tokenize_prompt(prompt)
+            self.engine.check_lengths(len(token_ids), p)
+            checked.append((prompt, token_ids, p))
+        return self._run([(prompt, token_ids, p) for prompt, token_ids, p in checked], use_tqdm)
+
+    def chat(self, messages: list[Message] | Sequence[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        params = self._params_per_prompt(sampling_params, len(conversations))
+        checked = []
+        for conv, p in zip(conversations, params):
+            token_ids = self.engine.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt)
+            self.engine.check_lengths(len(token_ids), p)
+            checked.append((self.engine.tokenizer.decode(token_ids, skip_special_tokens=False), token_ids, p))
+        return self._run(checked, use_tqdm)
+
+    def _run(self, items: list[tuple[Prompt, list[int], SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
+        order: dict[str, int] = {}
+        for i, (prompt, token_ids, p) in enumerate(items):
+            text = prompt if isinstance(prompt, str) else None
+            rid = self.engine.add_request(text or token_ids, p, prompt_token_ids=token_ids)
+            order[rid] = i
+        results: list[RequestOutput | None] = [None] * len(items)
+        bar = _progress(len(items)) if use_tqdm else None
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id in order:
+                    results[order[out.request_id]] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [r for r in results if r is not None]
+
+    @staticmethod
+    def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"sampling_params has {len(params)} entries but there are {n} prompts.")
+        return params
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="Generating", unit="req")

@@ -1,0 +1,113 @@
+"""Engine-side output handling: incremental detokenization, stop strings, logprobs, n > 1 grouping.
+
+Each child request (one per sample when n > 1) keeps a detokenizer; the parent's RequestOutput carries one
+CompletionOutput per child, in index order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tideserve.outputs import CompletionOutput, Logprob, RequestOutput
+from tideserve.request import Request, RequestStatus
+from tideserve.tokenizer.detokenizer import IncrementalDetokenizer
+from tideserve.tokenizer.tokenizer import Tokenizer
+
+
+@dataclass
+class ChildState:
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finished: bool = False
+
+    def completion(self) -> CompletionOutput:
+        req = self.request
+        return CompletionOutput(
+            index=self.index, text=self.detokenizer.text, token_ids=list(req.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob, logprobs=self.logprobs,
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason)
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[ChildState] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children)
+
+    def output(self) -> RequestOutput:
+        first = self.children[0].request
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+            outputs=[c.completion() for c in self.children], finished=self.finished,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics={"arrival_time": first.arrival_time,
+                     "first_token_time": first.first_token_time or 0.0})
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.child_to_parent: dict[str, ChildState] = {}
+        self._child_parent_id: dict[str, str] = {}
+
+    def add(self, parent_id: str, prompt: str | None, prompt_token_ids: list[int],
+            children: list[Request]) -> None:
+        parent = ParentState(parent_id, prompt, prompt_token_ids)
+        for index, req in enumerate(children):
+            params = req.sampling_params
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                stop=list(params.stop), include_stop_str_in_output=params.include_stop_str_in_output)
+            child = ChildState(index, req, detok, [] if params.logprobs is not None else None,
+                               0.0 if params.logprobs is not None else None)
+            parent.children.append(child)
+            self.child_to_parent[req.request_id] = child
+            self._child_parent_id[req.request_id] = parent_id
+        self.parents[parent_id] = parent
+
+    def child_ids(self, parent_id: str) -> list[str]:
+        parent = self.parents.get(parent_id)
+        return [c.request.request_id for c in parent.children] if parent else []
+
+    def on_token(self, request: Request, token_id: int, logprobs: dict[int, Logprob] | None) -> str | None:
+        """Feed one new token; returns the stop string it completed, if any."""
+        child = self.child_to_parent[request.request_id]
+        if child.logprobs is not None and logprobs is not None:
+            child.logprobs.append(logprobs)
+            if token_id in logprobs:
+                child.cumulative_logprob += logprobs[token_id].logprob
+        return child.detokenizer.append([token_id])
+
+    def on_finished(self, request: Request) -> None:
+        child = self.child_to_parent.get(request.request_id)
+        if child is not None and not child.finished:
+            child.finished = True
+            child.detokenizer.finish()
+
+    def output_for(self, request_id: str) -> RequestOutput | None:
+        parent_id = self._child_parent_id.get(request_id)
+        return self.parents[parent_id].output() if parent_id else None
+
+    def pop_if_finished(self, parent_id: str) -> None:
+        parent = self.parents.get(parent_id)
+        if parent and parent.finished:
+            del self.parents[parent_id]
+            for c in parent.children:
+                self.child_to_parent.pop(c.request.request_id, None)
+                self._child_parent_id.pop(c.request.request_id, None)
+
+    def parent_of(self, request_id: str) -> str | None:
+        return self._child_parent_id.get(request_id)
+
+
+def finish_status(stop_string: str | None) -> RequestStatus:
+    return RequestStatus.FINISHED_STOPPED if stop_string is not None else RequestStatus.FINISHED_LENGTH

@@ -1,0 +1,225 @@
+"""The model's shape and numerics, read once from an HF config.json or GGUF metadata.
+
+One dataclass serves both formats so that the model and the runner never look at either format directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from tideserve.model.registry import hf_architecture_for_gguf, resolve_model_class
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ROPE_TYPES = ("llama3", "linear")
+
+
+@dataclass
+class ArchConfig:
+    """Decoder-only transformer hyper-parameters (Llama family: Llama 2/3, Mistral, SmolLM, Qwen2).
+
+    ``rope_scaling`` is None for plain RoPE, else a dict with ``rope_type`` in ("llama3", "linear") and
+    that type's HF parameters, or ``rope_type == "freq_factors"`` with a per-frequency divisor list
+    (how llama.cpp stores llama3 scaling in GGUF: the ``rope_freqs`` tensor).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False  # Llama's attention_bias also puts a bias on o_proj; Qwen2 does not
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        resolve_model_class(self.architecture)  # unknown architecture -> ValueError listing supported
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        self.rope_scaling = _normalize_rope_scaling(self.rope_scaling)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> ArchConfig:
+        """Build from a parsed config.json (transformers v4 ``rope_theta``/``rope_scaling`` or v5
+        ``rope_parameters``)."""
+        archs = config.get("architectures") or []
+        if not archs:
+            model_type = config.get("model_type", "")
+            archs = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                      "qwen2": "Qwen2ForCausalLM"}.get(model_type, model_type or "<missing>")]
+        architecture = archs[0]
+        resolve_model_class(architecture)
+        if config.get("mlp_bias"):
+            raise ValueError("config.json mlp_bias=true is not supported")
+        if config.get("use_sliding_window"):
+            logger.warning("config.json use_sliding_window=true is ignored: attention spans the full context")
+
+        num_heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        rope_theta, rope_scaling = _hf_rope(config)
+        if rope_scaling and "original_max_position_embeddings" not in rope_scaling:
+            rope_scaling["original_max_position_embeddings"] = config.get("max_position_embeddings")
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        attention_bias = bool(config.get("attention_bias", False))
+        eos = config.get("eos_token_id")
+        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        bos = config.get("bos_token_id")
+        return cls(
+            architecture=architecture,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_hidden_layers=int(config["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(config.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, reader: Any) -> ArchConfig:
+        """Build from a ``gguf.GGUFReader``'s key/value metadata (and its tensor list, for the vocab size,
+        tied embeddings and llama3 rope factors)."""
+        gguf_arch = gguf_metadata_value(reader, "general.architecture")
+        if gguf_arch is None:
+            raise ValueError("GGUF file has no general.architecture metadata")
+        architecture = hf_architecture_for_gguf(str(gguf_arch))
+
+        def get(key: str, default: Any = None) -> Any:
+            value = gguf_metadata_value(reader, key.format(arch=gguf_arch))
+            return default if value is None else value
+
+        def need(key: str) -> Any:
+            value = get(key)
+            if value is None:
+                raise ValueError(f"GGUF metadata {key.format(arch=gguf_arch)!r} is missing")
+            return value
+
+        tensors = {t.name: t for t in reader.tensors}
+        hidden = int(need("{arch}.embedding_length"))
+        num_heads = int(need("{arch}.attention.head_count"))
+        embd = tensors.get("token_embd.weight")
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        if embd is not None:
+            vocab_size = int(embd.shape[-1])  # GGUF shapes are [in, out]: [hidden, vocab]
+        elif tokens is not None:
+            vocab_size = len(tokens.data)
+        else:
+            vocab_size = int(need("{arch}.vocab_size"))
+
+        rope_scaling: dict[str, Any] | None = None
+        scaling_type = get("{arch}.rope.scaling.type")
+        if "rope_freqs.weight" in tensors:
+            factors = tensors["rope_freqs.weight"].data
+            rope_scaling = {"rope_type": "freq_factors", "freq_factors": [float(f) for f in factors]}
+        elif scaling_type not in (None, "none"):
+            rope_scaling = {"rope_type": str(scaling_type), "factor": float(get("{arch}.rope.scaling.factor", 1.0))}
+
+        eos_ids: list[int] = []
+        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            value = get(key)
+            if value is not None and int(value) not in eos_ids:
+                eos_ids.append(int(value))
+        bos = get("tokenizer.ggml.bos_token_id")
+        head_count_kv = get("{arch}.attention.head_count_kv", num_heads)
+        return cls(
+            architecture=architecture,
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=int(need("{arch}.feed_forward_length")),
+            num_hidden_layers=int(need("{arch}.block_count")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(head_count_kv),
+            head_dim=int(get("{arch}.attention.key_length", hidden // num_heads)),
+            rms_norm_eps=float(get("{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(get("{arch}.rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(get("{arch}.context_length", 2048)),
+            tie_word_embeddings="output.weight" not in tensors,
+            qkv_bias="blk.0.attn_q.bias" in tensors,
+            o_bias="blk.0.attn_output.bias" in tensors,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either transformers config layout."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type layout
+        params = params["full_attention"]
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        return theta, scaling
+    scaling = config.get("rope_scaling")
+    return float(config.get("rope_theta", 10000.0)), dict(scaling) if scaling else None
+
+
+def _normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """None for plain RoPE; else a dict whose ``rope_type`` we implement (unknown types raise)."""
+    if not scaling:
+        return None
+    scaling = dict(scaling)
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    if rope_type == "default":
+        return None
+    if rope_type == "freq_factors":
+        return {"rope_type": rope_type, **scaling}
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    required = ("factor",) if rope_type == "linear" else (
+        "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in required if k not in scaling]
+    if missing:
+        raise ValueError(f"rope_scaling of type {rope_type!r} is missing {', '.join(missing)}")
+    return {"rope_type": rope_type, **scaling}
+
+
+def gguf_metadata_value(reader: Any, key: str) -> Any:
+    """A GGUF metadata value as a Python scalar/str/list, or None when absent."""
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    if hasattr(f, "contents"):
+        return f.contents()
+    # gguf < 0.11: decode the last part by hand (scalars and strings only)
+    part = f.parts[f.data[0]]
+    if part.dtype.kind == "u" and part.dtype.itemsize == 1:
+        return bytes(part).decode("utf-8")
+    return part.tolist()[0]

@@ -1,0 +1,96 @@
+"""Paged attention over block-structured KV caches.
+
+The model code sees one flat batch of tokens from many requests, no padding. The runner orders the batch
+so that every single-token query (decodes) comes first, then the multi-token queries (prefill chunks).
+New keys and values are written into the cache through ``slot_mapping``; every read goes through the
+block tables, expanded by the runner into per-request slot lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One request's multi-token query inside the flat batch.
+
+    ``context_len`` counts every key the query attends to (cached prefix + this chunk). When it equals
+    ``query_len`` nothing is cached yet, and the chunk's own keys are used directly with a causal mask.
+    """
+
+    start: int
+    query_len: int
+    context_len: int
+    slots: torch.Tensor | None = None  # [context_len] cache slots of the whole context (None when no prefix)
+    mask: torch.Tensor | None = None  # [1, 1, query_len, context_len] bool, True = may attend
+
+
+@dataclass
+class AttentionMetadata:
+    """What attention needs to know about the flat batch; built once per step by the model runner."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes in the cache
+    num_decode_tokens: int = 0  # the first num_decode_tokens tokens are single-token queries
+    decode_slots: torch.Tensor | None = None  # [num_decodes, max_context] int64, padded with slot 0
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context] bool, True = real key
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+          mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    """q: [B, H, Lq, D]; k, v: [B, KVH, Lk, D]. Grouped-query heads are expanded here when needed."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if num_heads != num_kv_heads:
+        group = num_heads // num_kv_heads
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Store this step's K/V in the paged cache, then attend.
+
+    q: [T, H, D]; k, v: [T, KVH, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D].
+    Returns [T, H, D].
+    """
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
+    v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if nd:
+        assert meta.decode_slots is not None
+        b, lk = meta.decode_slots.shape
+        idx = meta.decode_slots.reshape(-1)
+        kd = k_flat.index_select(0, idx).view(b, lk, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+        vd = v_flat.index_select(0, idx).view(b, lk, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+        qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
+        out[:nd] = _sdpa(qd, kd, vd, scale, mask=meta.decode_mask).squeeze(2)
+    for span in meta.prefills:
+        end = span.start + span.query_len
+        qs = q[span.start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
+        if span.slots is None:
+            ks = k[span.start:end].transpose(0, 1).unsqueeze(0)
+            vs = v[span.start:end].transpose(0, 1).unsqueeze(0)
+            o = _sdpa(qs, ks, vs, scale, causal=True)
+        else:
+            ks = k_flat.index_select(0, span.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+            vs = v_flat.index_select(0, span.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+            o = _sdpa(qs, ks, vs, scale, mask=span.mask)
+        out[span.start:end] = o.squeeze(0).transpose(0, 1)
+    return out

@@ -1,0 +1,210 @@
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM/SmolLM2, Qwen2) over a flat, unpadded token batch.
+
+The model knows nothing of requests: it sees token ids, their positions, one (k_cache, v_cache) pair per
+layer and an ``AttentionMetadata``. Module names mirror HF checkpoints (``model.layers.N.self_attn...``),
+except that q/k/v and gate/up are fused; ``load_weights`` maps checkpoint names onto the fused rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tideserve.model.arch_config import ArchConfig
+from tideserve.model.layers.attention import AttentionMetadata, paged_attention
+from tideserve.model.layers.linear import Linear
+from tideserve.model.layers.norm import RMSNorm
+from tideserve.model.layers.rotary import RotaryEmbedding, apply_rotary_
+
+logger = logging.getLogger(__name__)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# checkpoint module suffix -> (our fused module suffix, shard id)
+_STACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+class LlamaAttention(nn.Module):
+    """Fused qkv projection, in-place rotary on the q|k rows, paged attention, output projection."""
+
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.q_size = arch.q_size
+        self.kv_size = arch.kv_size
+        self.scale = arch.head_dim ** -0.5
+        self.qkv_proj = Linear(arch.hidden_size, {"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size},
+                               bias=arch.qkv_bias, dtype=dtype, device=device)
+        self.o_proj = Linear(arch.q_size, arch.hidden_size, bias=arch.o_bias, dtype=dtype, device=device)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = h.shape[0]
+        qkv = self.qkv_proj(h)
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
+                                                      self.head_dim)
+        apply_rotary_(qk, cos, sin)  # q and k in one pass
+        q = qk[:, : self.num_heads]
+        k = qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up as one matmul."""
+
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, {"gate": arch.intermediate_size, "up": arch.intermediate_size},
+                                   bias=False, dtype=dtype, device=device)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; the residual stream is carried separately so each norm also does the residual add."""
+
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(arch, dtype, device)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+        self.mlp = LlamaMLP(arch, dtype, device)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class Embedding(nn.Module):
+    """Token embedding table without nn.Embedding's random init (weights always come from a checkpoint)."""
+
+    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, dtype, device) for _ in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model runner's contract: ``forward`` -> final-normed hidden states [T, hidden];
+    ``compute_logits`` -> float32 logits for the rows the runner picks (usually each request's last).
+
+    Parameters never require grad, so no autograd graph is built; callers may still wrap a step in
+    ``torch.inference_mode()`` to skip version-counter bookkeeping.
+    """
+
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", max_positions: int | None = None) -> None:
+        super().__init__()
+        self.arch = arch
+        self.dtype = dtype
+        self.model = LlamaModel(arch, dtype, device)
+        self.rotary = RotaryEmbedding(arch.head_dim, max_positions or arch.max_position_embeddings,
+                                      arch.rope_theta, arch.rope_scaling, dtype, device)
+        self.lm_head = (self.model.embed_tokens if arch.tie_word_embeddings
+                        else Embedding(arch.vocab_size, arch.hidden_size, dtype, device))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] int64; kv_caches[i]: layer i's (k, v), each
+        [num_blocks, block_size, num_kv_heads, head_dim]. Positions must be < ``rotary.max_positions``."""
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+        h, _ = self.model.norm(h, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors, named as in HF Llama checkpoints, into the (fused) parameters.
+
+        Every parameter, and every shard of a fused one, must be loaded exactly as the model expects;
+        anything missing, unknown or of the wrong shape raises ValueError naming it.
+        """
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue  # some tied checkpoints still store a copy
+            module_path, _, param_name = name.rpartition(".")
+            parent, _, leaf = module_path.rpartition(".")
+            shard_id: str | None = None
+            if leaf in _STACKED:
+                fused, shard_id = _STACKED[leaf]
+                module_path = f"{parent}.{fused}"
+            try:
+                module = self.get_submodule(module_path)
+            except AttributeError:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}") from None
+            if isinstance(module, Linear):
+                module.load(param_name, tensor, shard_id)
+            else:
+                param = getattr(module, param_name, None)
+                if not isinstance(param, nn.Parameter):
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not match the "
+                                     f"model's {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            loaded.add(f"{module_path}.{param_name}" + (f"[{shard_id}]" if shard_id else ""))
+
+        missing = sorted(self._expected_weights() - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+
+    def _expected_weights(self) -> set[str]:
+        expected: set[str] = set()
+        for path, module in self.named_modules():
+            if isinstance(module, Linear):
+                for shard_id in module.shard_offsets:
+                    suffix = f"[{shard_id}]" if shard_id else ""
+                    expected.add(f"{path}.weight{suffix}")
+                    if module.bias is not None:
+                        expected.add(f"{path}.bias{suffix}")
+            elif isinstance(module, (RMSNorm, Embedding)):
+                expected.add(f"{path}.weight")
+        return expected

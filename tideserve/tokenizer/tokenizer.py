@@ -1,0 +1,267 @@
+"""The engine's tokenizer: a thin facade over a Hugging Face fast tokenizer.
+
+It loads from a GGUF file (vocabulary, merges, special tokens and chat template all come from the file's
+metadata) or from a local Hugging Face directory, and exposes only what the engine uses, with the
+engine's conventions: ``decode`` never "cleans up" spaces (so streamed text equals decoded text), and
+``encode_chat`` puts exactly one BOS in front of a chat prompt whatever the template writes itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import struct
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class Tokenizer:
+    """What the engine needs from a tokenizer; ``hf`` is the underlying transformers tokenizer."""
+
+    def __init__(self, hf: Any, *, stop_token_ids: Iterable[int] = (), name: str = "") -> None:
+        self.hf = hf
+        self.name = name or getattr(hf, "name_or_path", "")
+        eos = hf.eos_token_id
+        # EOS first, then other end-of-generation ids (GGUF eot/eom, generation_config.json), no repeats.
+        self.stop_token_ids: list[int] = list(dict.fromkeys(([eos] if eos is not None else []) + list(stop_token_ids)))
+        self._special_ids = frozenset(hf.all_special_ids)
+        bos = hf.bos_token_id
+        with_special = hf.encode("a", add_special_tokens=True)
+        # Whether plain-text encoding prepends BOS: a chat prompt must then start with exactly one.
+        self._adds_bos = bos is not None and bool(with_special) and with_special[0] == bos
+
+    # ------------------------------------------------------------------ vocabulary
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf.bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (the model's embedding may be larger)."""
+        return len(self.hf)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return list(self.hf.all_special_ids)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.hf.chat_template
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | list[str]:
+        return self.hf.convert_ids_to_tokens(ids if isinstance(ids, int) else list(ids))
+
+    # ------------------------------------------------------------------ text <-> ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"prompt must be a string, got {type(text).__name__}.")
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Plain concatenation of the tokens' text: no space clean-up, so it matches streamed output."""
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+    # ------------------------------------------------------------------ chat
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render messages with the model's chat template (or ``chat_template=`` from kwargs) to text."""
+        template = kwargs.get("chat_template") or self.chat_template
+        if not template:
+            raise ValueError(
+                f"the model {self.name!r} has no chat template (GGUF key 'tokenizer.chat_template' or "
+                "'chat_template' in tokenizer_config.json); send a plain prompt or pass a chat_template."
+            )
+        kwargs["chat_template"] = template
+        normalized = normalize_messages(messages)
+        try:
+            return self.hf.apply_chat_template(
+                normalized, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        except ValueError:
+            raise
+        except Exception as exc:  # jinja2 errors, incl. the template's own raise_exception(...)
+            raise ValueError(f"the chat template rejected the messages: {exc}") from exc
+
+    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        """Token ids of a rendered chat prompt, with exactly one BOS when the tokenizer uses one.
+
+        Templates usually write special tokens (BOS included) themselves, so the text is encoded without
+        adding any; BOS is prepended only if the tokenizer adds one and the template did not.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        ids = self.hf.encode(text, add_special_tokens=False)
+        if self._adds_bos and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+
+def normalize_messages(messages: Sequence[dict]) -> list[dict]:
+    """Validate OpenAI-style messages and flatten text-part lists into strings (joined by newlines).
+
+    Raises ``ValueError`` naming the offending message; keys other than role/content (name,
+    tool_calls, tool_call_id) pass through for templates that use them.
+    """
+    if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts.")
+    normalized = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}.")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}.")
+        content = message.get("content")
+        if content is None and role == "assistant" and message.get("tool_calls"):
+            content = ""
+        elif isinstance(content, list):
+            content = "\n".join(_text_part(part, i, j) for j, part in enumerate(content))
+        elif not isinstance(content, str):
+            raise ValueError(
+                f"messages[{i}].content must be a string or a list of {{'type': 'text', 'text': ...}} parts; "
+                f"got {type(content).__name__}."
+            )
+        normalized.append({**message, "content": content})
+    return normalized
+
+
+def _text_part(part: Any, i: int, j: int) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        raise ValueError(
+            f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}}; got {kind!r} "
+            "(only text content is supported)."
+        )
+    return part["text"]
+
+
+# ---------------------------------------------------------------------- loading
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load from a ``.gguf`` file, or a local directory with Hugging Face tokenizer files (or one GGUF)."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        if not _is_gguf(path):
+            raise ValueError(f"tokenizer path {path!r} is a file but not a GGUF file; pass a .gguf or a directory.")
+        return _load_gguf(path)
+    if os.path.isdir(path):
+        names = os.listdir(path)
+        if not {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"} & set(names):
+            ggufs = sorted(n for n in names if n.endswith(".gguf"))
+            if len(ggufs) == 1:
+                return _load_gguf(os.path.join(path, ggufs[0]))
+            raise ValueError(
+                f"tokenizer directory {path!r} has no tokenizer.json / tokenizer_config.json "
+                f"and {len(ggufs)} .gguf files (need exactly one)."
+            )
+        return _load_hf_dir(path)
+    raise ValueError(f"tokenizer path {path!r} does not exist (expected a .gguf file or a local directory).")
+
+
+def _load_gguf(path: str) -> Tokenizer:
+    # PreTrainedTokenizerFast rather than AutoTokenizer: the latter also builds a model config, which
+    # parses the whole vocabulary a second time (seconds on a small CPU).
+    from transformers import PreTrainedTokenizerFast
+
+    meta = read_gguf_scalars(path)
+    hf = PreTrainedTokenizerFast.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    template = meta.get("tokenizer.chat_template")
+    if isinstance(template, str) and template:
+        hf.chat_template = template
+    for attr, key in (("eos_token", "eos_token_id"), ("bos_token", "bos_token_id")):
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        if isinstance(token_id, int) and getattr(hf, f"{attr}_id") != token_id and 0 <= token_id < len(hf):
+            setattr(hf, attr, hf.convert_ids_to_tokens(token_id))
+    extra = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+             if isinstance(meta.get(k), int)]
+    tok = Tokenizer(hf, stop_token_ids=extra, name=path)
+    logger.info("loaded tokenizer from GGUF %s: %d tokens, eos=%s, chat template: %s",
+                path, tok.vocab_size, tok.eos_token_id, "yes" if tok.chat_template else "no")
+    return tok
+
+
+def _load_hf_dir(path: str) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(path, use_fast=True, local_files_only=True)
+    if not getattr(hf, "is_fast", False):
+        logger.warning("tokenizer in %s is not a fast tokenizer; decoding will be slower", path)
+    extra: list[int] = []
+    gen_config = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_config):
+        with open(gen_config, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+        extra = [eos] if isinstance(eos, int) else [t for t in eos or [] if isinstance(t, int)]
+    tok = Tokenizer(hf, stop_token_ids=extra, name=path)
+    logger.info("loaded tokenizer from %s: %d tokens, eos=%s, chat template: %s",
+                path, tok.vocab_size, tok.eos_token_id, "yes" if tok.chat_template else "no")
+    return tok
+
+
+def _is_gguf(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+# GGUF metadata value types: fixed-width scalars (struct format) ...
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_gguf_scalars(path: str) -> dict[str, Any]:
+    """GGUF metadata keys with scalar or string values; arrays (the vocabulary) are skipped, not parsed.
+
+    Milliseconds, where a full GGUF reader spends seconds turning 100k vocabulary strings into objects.
+    """
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (bad magic bytes).")
+        version, _tensor_count, kv_count = struct.unpack_from("<IQQ", buf, 4)
+        if version < 2:
+            raise ValueError(f"{path} is GGUF v{version}; only v2 and later are supported.")
+        pos = 24
+        meta: dict[str, Any] = {}
+        for _ in range(kv_count):
+            key, pos = _read_str(buf, pos)
+            (kind,) = struct.unpack_from("<I", buf, pos)
+            pos += 4
+            if kind in _SCALARS:
+                (meta[key],) = struct.unpack_from(_SCALARS[kind], buf, pos)
+                pos += struct.calcsize(_SCALARS[kind])
+            elif kind == _STRING:
+                meta[key], pos = _read_str(buf, pos)
+            elif kind == _ARRAY:
+                pos = _skip_array(buf, pos)
+            else:
+                raise ValueError(f"{path}: metadata key {key!r} has unknown GGUF type {kind}.")
+        return meta
+
+
+def _read_str(buf: mmap.mmap, pos: int) -> tuple[str, int]:
+    (length,) = struct.unpack_from("<Q", buf, pos)
+    start = pos + 8
+    return buf[start:start + length].decode("utf-8", errors="replace"), start + length
+
+
+def _skip_array(buf: mmap.mmap, pos: int) -> int:
+    kind, count = struct.unpack_from("<IQ", buf, pos)
+    pos += 12
+    if kind in _SCALARS:
+        return pos + count * struct.calcsize(_SCALARS[kind])
+    if kind == _STRING:
+        for _ in range(count):
+            (length,) = struct.unpack_from("<Q", buf, pos)
+            pos += 8 + length
+        return pos
+    if kind == _ARRAY:
+        for _ in range(count):
+            pos = _skip_array(buf, pos)
+        return pos
+    raise ValueError(f"unknown GGUF array element type {kind}.")
