@@ -145,11 +145,12 @@ class ArchConfig:
             factors = tensors["rope_freqs.weight"].data
             rope_scaling = {"rope_type": "freq_factors", "freq_factors": [float(f) for f in factors]}
         elif scaling_type not in (None, "none"):
-            rope_scaling = {"rope_type": str(scaling_type), "factor": float(get("{arch}.rope.scaling.factor", 1.0))}
+            factor = float(get("{arch}.rope.scaling.factor", 1.0))
+            rope_scaling = {"rope_type": str(scaling_type), "factor": factor}
 
         eos_ids: list[int] = []
-        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-            value = get(key)
+        for kind in ("eos", "eot", "eom"):  # llama 3 ends turns with eot
+            value = get(f"tokenizer.ggml.{kind}_token_id")
             if value is not None and int(value) not in eos_ids:
                 eos_ids.append(int(value))
         bos = get("tokenizer.ggml.bos_token_id")

@@ -69,9 +69,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, arch: ArchConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = Linear(arch.hidden_size, {"gate": arch.intermediate_size, "up": arch.intermediate_size},
-                                   bias=False, dtype=dtype, device=device)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False, dtype=dtype, device=device)
+        size = arch.intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, {"gate": size, "up": size}, bias=False, dtype=dtype,
+                                   device=device)
+        self.down_proj = Linear(size, arch.hidden_size, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -117,7 +118,8 @@ class LlamaModel(nn.Module):
     def __init__(self, arch: ArchConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, dtype, device) for _ in range(arch.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, dtype, device) for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
 
 
@@ -178,13 +180,13 @@ class LlamaForCausalLM(nn.Module):
             try:
                 module = self.get_submodule(module_path)
             except AttributeError:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}") from None
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model") from None
             if isinstance(module, Linear):
                 module.load(param_name, tensor, shard_id)
             else:
                 param = getattr(module, param_name, None)
                 if not isinstance(param, nn.Parameter):
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")  # noqa: TRY004
                 if tuple(param.shape) != tuple(tensor.shape):
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not match the "
                                      f"model's {tuple(param.shape)}")

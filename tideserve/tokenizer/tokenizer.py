@@ -29,8 +29,11 @@ class Tokenizer:
         self.name = name or getattr(hf, "name_or_path", "")
         eos = hf.eos_token_id
         # EOS first, then other end-of-generation ids (GGUF eot/eom, generation_config.json), no repeats.
-        self.stop_token_ids: list[int] = list(dict.fromkeys(([eos] if eos is not None else []) + list(stop_token_ids)))
-        self._special_ids = frozenset(hf.all_special_ids)
+        ids = ([eos] if eos is not None else []) + list(stop_token_ids)
+        self.stop_token_ids: list[int] = list(dict.fromkeys(ids))
+        # all_special_ids misses added tokens marked special (a GGUF's control tokens); decode skips both.
+        decoder = getattr(hf, "added_tokens_decoder", {}) or {}
+        self._special_ids = sorted(set(hf.all_special_ids) | {i for i, t in decoder.items() if t.special})
         bos = hf.bos_token_id
         with_special = hf.encode("a", add_special_tokens=True)
         # Whether plain-text encoding prepends BOS: a chat prompt must then start with exactly one.
@@ -52,7 +55,8 @@ class Tokenizer:
 
     @property
     def all_special_ids(self) -> list[int]:
-        return list(self.hf.all_special_ids)
+        """Ids that ``decode(..., skip_special_tokens=True)`` drops."""
+        return list(self._special_ids)
 
     @property
     def chat_template(self) -> str | None:
@@ -63,16 +67,20 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ text <-> ids
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if not isinstance(text, str):
-            raise ValueError(f"prompt must be a string, got {type(text).__name__}.")
+        if not isinstance(text, str):  # a user's request error, so ValueError like the others
+            raise ValueError(f"prompt must be a string, got {type(text).__name__}.")  # noqa: TRY004
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Plain concatenation of the tokens' text: no space clean-up, so it matches streamed output."""
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+        return self.hf.decode(
+            list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     # ------------------------------------------------------------------ chat
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         """Render messages with the model's chat template (or ``chat_template=`` from kwargs) to text."""
         template = kwargs.get("chat_template") or self.chat_template
         if not template:
@@ -91,7 +99,9 @@ class Tokenizer:
         except Exception as exc:  # jinja2 errors, incl. the template's own raise_exception(...)
             raise ValueError(f"the chat template rejected the messages: {exc}") from exc
 
-    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
         """Token ids of a rendered chat prompt, with exactly one BOS when the tokenizer uses one.
 
         Templates usually write special tokens (BOS included) themselves, so the text is encoded without
@@ -114,8 +124,9 @@ def normalize_messages(messages: Sequence[dict]) -> list[dict]:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts.")
     normalized = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}.")
+        if not isinstance(message, dict):  # a user's request error, so ValueError like the others
+            kind = type(message).__name__
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {kind}.")  # noqa: TRY004
         role = message.get("role")
         if role not in ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}.")
@@ -149,7 +160,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     path = os.fspath(path)
     if os.path.isfile(path):
         if not _is_gguf(path):
-            raise ValueError(f"tokenizer path {path!r} is a file but not a GGUF file; pass a .gguf or a directory.")
+            raise ValueError(
+                f"tokenizer path {path!r} is a file but not a GGUF file; pass a .gguf or a directory."
+            )
         return _load_gguf(path)
     if os.path.isdir(path):
         names = os.listdir(path)
@@ -171,7 +184,8 @@ def _load_gguf(path: str) -> Tokenizer:
     from transformers import PreTrainedTokenizerFast
 
     meta = read_gguf_scalars(path)
-    hf = PreTrainedTokenizerFast.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    directory, name = os.path.split(path)
+    hf = PreTrainedTokenizerFast.from_pretrained(directory or ".", gguf_file=name)
     template = meta.get("tokenizer.chat_template")
     if isinstance(template, str) and template:
         hf.chat_template = template
@@ -210,8 +224,10 @@ def _is_gguf(path: str) -> bool:
         return f.read(4) == b"GGUF"
 
 
-# GGUF metadata value types: fixed-width scalars (struct format) ...
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+# GGUF metadata value types: fixed-width scalars (as struct formats), strings and arrays.
+_SCALARS = {
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
+}
 _STRING, _ARRAY = 8, 9
 
 

@@ -97,17 +97,17 @@ class SamplingMetadata:
 
         temperature = top_k = top_p = min_p = greedy_mask = None
         if not all_greedy:
-            temperature = floats([1.0 if g else p.temperature for p, g in zip(params, greedy)])
+            temperature = floats([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)])
             if not all_random:
                 greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
             # Greedy rows never reach these stages' results, so their settings are neutralised.
-            if any(p.top_k > 0 and not g for p, g in zip(params, greedy)):
-                top_k = torch.tensor([0 if g else p.top_k for p, g in zip(params, greedy)],
+            if any(p.top_k > 0 and not g for p, g in zip(params, greedy, strict=True)):
+                top_k = torch.tensor([0 if g else p.top_k for p, g in zip(params, greedy, strict=True)],
                                      dtype=torch.long, device=device)
-            if any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)):
-                top_p = floats([1.0 if g else p.top_p for p, g in zip(params, greedy)])
-            if any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)):
-                min_p = floats([0.0 if g else p.min_p for p, g in zip(params, greedy)])
+            if any(p.top_p < 1.0 and not g for p, g in zip(params, greedy, strict=True)):
+                top_p = floats([1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)])
+            if any(p.min_p > 0.0 and not g for p, g in zip(params, greedy, strict=True)):
+                min_p = floats([0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)])
 
         rep = freq = pres = prompt_ids = output_ids = None
         uses_rep = [p.repetition_penalty != 1.0 for p in params]
@@ -117,13 +117,14 @@ class SamplingMetadata:
             freq = floats([p.frequency_penalty for p in params]) if any(uses_out) else None
             pres = floats([p.presence_penalty for p in params]) if any(uses_out) else None
             if rep is not None:
-                prompt_ids = _pad([ids if u else () for ids, u in zip(prompt_token_ids, uses_rep)], device)
-            output_ids = _pad(
-                [ids if (r or o) else () for ids, r, o in zip(output_token_ids, uses_rep, uses_out)], device)
+                rows = zip(prompt_token_ids, uses_rep, strict=True)
+                prompt_ids = _pad([ids if u else () for ids, u in rows], device)
+            rows = zip(output_token_ids, uses_rep, uses_out, strict=True)
+            output_ids = _pad([ids if (r or o) else () for ids, r, o in rows], device)
 
         mask_rows: list[int] = []
         mask_ids: list[int] = []
-        for row, (p, out, eos) in enumerate(zip(params, output_token_ids, eos_token_ids)):
+        for row, (p, out, eos) in enumerate(zip(params, output_token_ids, eos_token_ids, strict=True)):
             if len(out) >= p.min_tokens:
                 continue
             stop_ids = set(p.all_stop_token_ids)
@@ -216,7 +217,8 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     out_ids = meta.output_token_ids
     # Column `vocab` collects the -1 padding and is dropped.
     out_counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=logits.device)
-    out_counts.scatter_add_(1, torch.where(out_ids < 0, vocab, out_ids), torch.ones_like(out_ids, dtype=logits.dtype))
+    ones = torch.ones_like(out_ids, dtype=logits.dtype)
+    out_counts.scatter_add_(1, torch.where(out_ids < 0, vocab, out_ids), ones)
     out_counts = out_counts[:, :vocab]
     if meta.repetition_penalty is not None:
         prompt_ids = meta.prompt_token_ids
@@ -239,7 +241,9 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
     """Top-k then top-p over one ascending sort of each row; a row's k of 0 or p of 1 keeps everything.
 
     Ties at the k-th value are all kept; top-p keeps the smallest set whose mass reaches p, and always
@@ -295,7 +299,7 @@ def gather_logprobs(
             result.append(None)
             continue
         entry = {sampled_ids[row]: Logprob(logprob=sampled_lp[row], rank=ranks[row])}
-        for rank, (token_id, lp) in enumerate(zip(top_ids[row][:k], top_lp[row][:k]), start=1):
+        for rank, (token_id, lp) in enumerate(zip(top_ids[row][:k], top_lp[row][:k], strict=True), start=1):
             entry.setdefault(token_id, Logprob(logprob=lp, rank=rank))
         result.append(entry)
     return result

@@ -138,5 +138,6 @@ def load_model(model: str | None, dtype: str = "auto", device: str | torch.devic
     net, arch = loader(str(path), torch_dtype, device)
     num_params = sum(p.numel() for p in net.parameters())
     logger.info("loaded %s (%s, %.1fM parameters, %s on %s) in %.1f s", name, arch.architecture,
-                num_params / 1e6, str(torch_dtype).removeprefix("torch."), device, time.perf_counter() - start)
+                num_params / 1e6, str(torch_dtype).removeprefix("torch."), device,
+                time.perf_counter() - start)
     return LoadedModel(model=net, arch=arch, dtype=torch_dtype, path=str(path), name=name)

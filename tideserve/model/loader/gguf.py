@@ -71,7 +71,7 @@ def dequantize_tensor(t: gguf.ReaderTensor) -> torch.Tensor:
 
 
 def iter_gguf_weights(reader: gguf.GGUFReader, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor) one at a time, so peak memory stays about one tensor above the model."""
+    """Yield (HF name, float32 tensor) one at a time: peak memory stays about one tensor above the model."""
     gguf_arch = str(gguf_metadata_value(reader, "general.architecture"))
     permuted = gguf_arch in _PERMUTED_ARCHS
     for t in reader.tensors:
@@ -85,7 +85,8 @@ def iter_gguf_weights(reader: gguf.GGUFReader, arch: ArchConfig) -> Iterator[tup
         yield name, tensor
 
 
-def load_gguf(path: str, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.nn.Module, ArchConfig]:
+def load_gguf(path: str, dtype: torch.dtype, device: torch.device | str
+              ) -> tuple[torch.nn.Module, ArchConfig]:
     """Build the model for a GGUF file and load its (dequantized) weights."""
     reader = gguf.GGUFReader(path)
     arch = ArchConfig.from_gguf_metadata(reader)

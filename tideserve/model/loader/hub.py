@@ -50,5 +50,5 @@ def fetch(repo_id: str) -> str:
     logger.info("downloading %s from the Hugging Face Hub", repo_id)
     try:
         return snapshot_download(repo_id, allow_patterns=ALLOW_PATTERNS)
-    except Exception as e:  # noqa: BLE001 - network, auth, missing repo: all end the same way for the user
+    except Exception as e:  # network, auth, missing repo: the user sees one message
         raise _cannot_fetch(repo_id, f"{type(e).__name__}: {e}") from e

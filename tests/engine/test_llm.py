@@ -1,0 +1,131 @@
+"""The offline API end to end on the real SmolLM2 file: batching invariance, preemption, sampling
+reproducibility, stop strings, n > 1, logprobs and every validation error."""
+
+import pytest
+
+from tideserve import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "List three prime numbers:",
+    "In 1969, humans first",
+    "def fibonacci(n):",
+    "The quick brown fox",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """Greedy outputs of each prompt run alone."""
+    return [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_batched_equals_alone(llm, reference):
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == reference
+
+
+def test_chunked_prefill_at_small_budget_equals_alone(reference):
+    small = LLM(dtype="float32", max_num_batched_tokens=8, max_num_seqs=4)
+    assert tokens(small.generate(PROMPTS, GREEDY)) == reference
+
+
+def test_forced_preemption_equals_alone(reference, caplog):
+    # 12 blocks of 8 tokens: far too small for six requests of ~30 tokens at once.
+    tiny = LLM(dtype="float32", block_size=8, num_blocks=12, max_model_len=96)
+    outs = tiny.generate(PROMPTS, GREEDY)
+    assert tiny.engine.scheduler.num_preemptions > 0
+    assert tokens(outs) == reference
+    assert any("preempted" in r.message for r in caplog.records)
+    assert tiny.engine.kv_manager.num_free_blocks == 12
+
+
+def test_seeded_sampling_reproducible_across_batches(llm):
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(["Tell me a story about a dragon."], params)[0].outputs[0].token_ids
+    mates = [SamplingParams(temperature=1.0, max_tokens=16), SamplingParams(temperature=0.0, max_tokens=8)]
+    together = llm.generate(["Tell me a story about a dragon.", "Hi", "Once upon a time"],
+                            [params] + mates)
+    assert together[0].outputs[0].token_ids == alone
+
+
+def test_stop_string_is_not_leaked(llm):
+    base = llm.generate(["Count: 1, 2, 3, 4, 5,"], GREEDY)[0].outputs[0].text
+    assert len(base) > 4
+    stop = base[2:4]
+    out = llm.generate(["Count: 1, 2, 3, 4, 5,"],
+                       SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]))[0].outputs[0]
+    assert stop not in out.text
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert base.startswith(out.text)
+
+
+def test_n_samples_and_logprobs(llm):
+    out = llm.generate(["Hello"], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=5, logprobs=3,
+                                                 ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    for c in out.outputs:
+        assert len(c.token_ids) == 5 and len(c.logprobs) == 5
+        for tok, lp in zip(c.token_ids, c.logprobs):
+            assert tok in lp and len(lp) >= 3
+            assert all(v.logprob <= 0 for v in lp.values())
+
+
+def test_chat_and_eos(llm):
+    out = llm.chat([{"role": "user", "content": "你好，请介绍一下你自己"}],
+                   SamplingParams(temperature=0.0, max_tokens=64))[0]
+    assert out.outputs[0].text
+    assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_k": -3}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+    ({"n": 0}, "n must"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"presence_penalty": 5}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"stop": [""]}, "stop"),
+])
+def test_invalid_sampling_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_prompt_validation_loses_nothing(llm):
+    limit = llm.engine.max_model_len
+    with pytest.raises(ValueError, match="must not be empty"):
+        llm.generate([""], GREEDY)
+    long_prompt = list(range(1, limit + 5))
+    with pytest.raises(ValueError, match=f"maximum context length is {limit} tokens"):
+        llm.generate(["fine", long_prompt], GREEDY)
+    with pytest.raises(ValueError, match="max_tokens=.* is too large"):
+        llm.generate(["Hello"], SamplingParams(max_tokens=limit))
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([[1, 2, 10**9]], GREEDY)
+    # Nothing was left behind by the refused batches.
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
+
+
+def test_engine_config_validation():
+    with pytest.raises(ValueError, match="max_model_len=.*larger than the model's trained context"):
+        LLM(dtype="float32", max_model_len=10**7)
+    with pytest.raises(ValueError, match="block_size must be one of"):
+        LLM(dtype="float32", block_size=7)
+    with pytest.raises(ValueError, match="largest max_model_len that fits"):
+        LLM(dtype="float32", num_blocks=2, block_size=8, max_model_len=64)
+    with pytest.raises(ValueError, match="unknown engine argument"):
+        LLM(bogus=1)

@@ -1,0 +1,153 @@
+"""GGUF loading on files we write ourselves: every quantization the gguf package can produce, llama's Q/K
+row permutation (undone by the loader) and qwen2's absence of it, metadata -> ArchConfig."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from tideserve.model.loader import load_model
+from tideserve.model.loader.gguf import dequantize_tensor, hf_name, unpermute_qk
+
+COMMON: dict[str, Any] = {
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "num_hidden_layers": 2,
+}
+
+# one quantization per projection so that a single file covers them all
+QTYPES = {
+    "embed_tokens": Q.Q8_0, "q_proj": Q.Q8_0, "k_proj": Q.Q4_0, "v_proj": Q.Q5_0, "o_proj": Q.Q4_1,
+    "gate_proj": Q.Q5_1, "up_proj": Q.BF16, "down_proj": Q.F16, "lm_head": Q.Q8_0,
+}
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+GGUF_BLOCK_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute, verbatim in effect."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(name: str) -> str:
+    if name in GGUF_NAMES:
+        return GGUF_NAMES[name]
+    _, _, layer, rest = name.split(".", 3)
+    module, param = rest.rsplit(".", 1)
+    return f"blk.{layer}.{GGUF_BLOCK_NAMES[module]}.{param}"
+
+
+def write_gguf(hf_model: Any, config: Any, path: Path, arch: str) -> None:
+    """Export like llama.cpp would; the HF model's weights are replaced by their dequantized values so
+    both sides compute with identical numbers."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if config.rope_parameters.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(config.rope_parameters["factor"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            w = param.numpy()
+            if w.ndim == 1:
+                writer.add_tensor(gguf_name(name), w.astype(np.float32))
+                continue
+            qtype = QTYPES[name.split(".")[-2]]
+            param.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)))
+            w = param.numpy()
+            if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+                w = llama_cpp_permute(w, heads)
+            data = gguf.quants.quantize(w, qtype)
+            writer.add_tensor(gguf_name(name), data, raw_dtype=qtype if data.dtype == np.uint8 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+VARIANTS = {
+    "llama": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False,
+                                 rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("arch", list(VARIANTS))
+def test_gguf_matches_transformers(arch: str, tmp_path: Path, mixed_batch: Any) -> None:
+    config = VARIANTS[arch]()
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    hf_model.eval()
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.1)
+    path = tmp_path / f"tiny-{arch}.Q8_0.gguf"
+    write_gguf(hf_model, config, path, arch)
+
+    loaded = load_model(str(path), dtype="float32")
+    assert loaded.name == f"tiny-{arch}.Q8_0" and loaded.path == str(path)
+    a = loaded.arch
+    assert a.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]
+    assert (a.hidden_size, a.intermediate_size, a.num_hidden_layers, a.vocab_size) == (64, 96, 2, 256)
+    assert (a.num_attention_heads, a.num_key_value_heads, a.head_dim) == (4, 2, 16)
+    assert a.qkv_bias == (arch == "qwen2") and a.tie_word_embeddings == (arch == "qwen2")
+    assert a.bos_token_id == 1 and a.eos_token_ids == [2] and a.max_position_embeddings == 128
+    assert a.rope_scaling == ({"rope_type": "linear", "factor": 2.0} if arch == "llama" else None)
+    mixed_batch(a.vocab_size).assert_matches(loaded.model, hf_model)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.F16, Q.BF16])
+def test_dequantize_round_trip(qtype: Q, tmp_path: Path) -> None:
+    """A tensor quantized with the gguf package comes back in [out, in] shape within the format's error."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 64)).astype(np.float32)
+    path = tmp_path / "one.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    data = gguf.quants.quantize(w, qtype)
+    writer.add_tensor("blk.0.attn_q.weight", data, raw_dtype=qtype if data.dtype == np.uint8 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (tensor,) = gguf.GGUFReader(str(path)).tensors
+    got = dequantize_tensor(tensor)
+    assert got.shape == (8, 64) and got.dtype == torch.float32
+    tol = {Q.Q8_0: 0.02, Q.Q4_0: 0.3, Q.Q4_1: 0.3, Q.Q5_0: 0.15, Q.F16: 2e-3, Q.BF16: 2e-2}[qtype]
+    assert (got - torch.from_numpy(w)).abs().max() < tol
+
+
+def test_unpermute_inverts_llama_cpp_permute() -> None:
+    w = np.arange(6 * 16 * 3, dtype=np.float32).reshape(6 * 16, 3)
+    for heads in (6, 2):
+        permuted = torch.from_numpy(llama_cpp_permute(w, heads))
+        assert not torch.equal(permuted, torch.from_numpy(w))
+        assert torch.equal(unpermute_qk(permuted, heads), torch.from_numpy(w))
+
+
+def test_unknown_tensor_name_is_an_error() -> None:
+    assert hf_name("blk.3.ffn_up.weight") == "model.layers.3.mlp.up_proj.weight"
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_qkv\.weight"):
+        hf_name("blk.0.attn_qkv.weight")

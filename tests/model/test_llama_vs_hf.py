@@ -1,0 +1,76 @@
+"""Tiny random-weight checkpoints saved by transformers, loaded through ``load_model``: our logits over a
+paged cache must match transformers' full-sequence logits for batches mixing decodes, fresh prefills and
+a prefill chunk that follows a prefix cached in an earlier step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from tideserve.model.loader import load_model
+
+COMMON: dict[str, Any] = {
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
+}
+
+VARIANTS: dict[str, Any] = {
+    "llama-untied-sharded": lambda: LlamaConfig(**COMMON, num_hidden_layers=3, tie_word_embeddings=False),
+    "llama3-rope-tied": lambda: LlamaConfig(
+        **COMMON, num_hidden_layers=2, tie_word_embeddings=True, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16}),
+    "llama-linear-rope-bias": lambda: LlamaConfig(
+        **COMMON, num_hidden_layers=2, attention_bias=True,
+        rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "qwen2-bias": lambda: Qwen2Config(**COMMON, num_hidden_layers=2, tie_word_embeddings=False),
+    "qwen2-tied": lambda: Qwen2Config(**COMMON, num_hidden_layers=2, tie_word_embeddings=True),
+    "mistral-head-dim": lambda: MistralConfig(**COMMON, num_hidden_layers=2, head_dim=32,
+                                              sliding_window=None),
+}
+
+
+def _save_tiny(config: Any, directory: Path, shard: bool) -> torch.nn.Module:
+    """Random weights with non-trivial norms and biases (HF inits them to 1 and 0, hiding mix-ups)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(directory, max_shard_size="100KB" if shard else "50GB")
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any, Path]:
+    directory = tmp_path_factory.mktemp(request.param)
+    hf_model = _save_tiny(VARIANTS[request.param](), directory, shard="sharded" in request.param)
+    return request.param, hf_model, directory
+
+
+def test_logits_match_transformers_mixed_batch(tiny: tuple[str, Any, Path], mixed_batch: Any) -> None:
+    name, hf_model, directory = tiny
+    loaded = load_model(str(directory), dtype="float32")
+    assert loaded.dtype == torch.float32 and loaded.name == directory.name and loaded.path == str(directory)
+    if "sharded" in name:
+        assert (directory / "model.safetensors.index.json").is_file()
+    assert loaded.arch.tie_word_embeddings == name.endswith("-tied")
+    mixed_batch(loaded.arch.vocab_size).assert_matches(loaded.model, hf_model)
+
+
+def test_bfloat16_close_to_float32(tiny: tuple[str, Any, Path], mixed_batch: Any) -> None:
+    """bf16 weights, activations and KV cache stay near the float32 result (a smoke test of the casts)."""
+    _, hf_model, directory = tiny
+    model = load_model(str(directory), dtype="bfloat16").model
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    batch = mixed_batch(model.arch.vocab_size)
+    for got, want in zip(batch.ours(model, torch.bfloat16), batch.reference(hf_model), strict=True):
+        assert got.dtype == torch.float32
+        assert (got - want).abs().max() < 0.1 * want.abs().max()

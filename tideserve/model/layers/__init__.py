@@ -1,0 +1,1 @@
+"""Building blocks of the decoder: linear, norm, rotary, paged attention, sampler."""
