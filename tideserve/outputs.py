@@ -39,4 +39,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)

@@ -129,3 +129,27 @@ def test_engine_config_validation():
         LLM(dtype="float32", num_blocks=2, block_size=8, max_model_len=64)
     with pytest.raises(ValueError, match="unknown engine argument"):
         LLM(bogus=1)
+
+
+def test_prompt_logprobs_score_every_prompt_token(llm):
+    out = llm.generate(["The capital of France is Paris"],
+                       SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2))[0]
+    plp = out.prompt_logprobs
+    assert plp is not None and len(plp) == len(out.prompt_token_ids)
+    assert plp[0] is None
+    for token_id, entry in zip(out.prompt_token_ids[1:], plp[1:]):
+        assert token_id in entry and entry[token_id].logprob <= 0 and entry[token_id].rank >= 1
+    # " Paris" after "The capital of France is" should be among the likeliest continuations.
+    assert plp[-1][out.prompt_token_ids[-1]].rank <= 5
+
+
+def test_prompt_logprobs_survive_chunking():
+    chunked = LLM(dtype="float32", max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    prompt = "One two three four five six seven eight nine ten eleven twelve"
+    a = chunked.generate([prompt], params)[0].prompt_logprobs
+    b = LLM(dtype="float32").generate([prompt], params)[0].prompt_logprobs
+    assert len(a) == len(b)
+    for x, y in zip(a[1:], b[1:]):
+        (tx, lx), = [(t, v.logprob) for t, v in x.items() if v.rank is not None][:1]
+        assert abs(lx - y[tx].logprob) < 1e-4

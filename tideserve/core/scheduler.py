@@ -154,7 +154,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             token_ids = request.all_token_ids
-            hit_blocks = self.kv.get_computed_blocks(request.request_id, token_ids)
+            # Prompt logprobs need every prompt position computed, so such requests skip the cache.
+            hit_blocks = ([] if request.sampling_params.prompt_logprobs is not None
+                          else self.kv.get_computed_blocks(request.request_id, token_ids))
             num_hit = len(hit_blocks) * self.kv.block_size
             num_new = len(token_ids) - num_hit
             if num_new > budget:

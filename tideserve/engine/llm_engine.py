@@ -19,6 +19,7 @@ from tideserve.core.kv_cache.manager import KVCacheManager
 from tideserve.core.kv_cache.memory import available_memory_bytes
 from tideserve.core.scheduler import Scheduler
 from tideserve.engine.output_processor import OutputProcessor
+from tideserve.engine.stats import EngineStats
 from tideserve.model.loader import load_model
 from tideserve.outputs import RequestOutput
 from tideserve.request import Request, RequestStatus
@@ -96,6 +97,8 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_config, self.kv_manager, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
         logger.info("Available KV cache blocks: %d (%.2f GiB, block size %d)", num_blocks,
                     num_blocks * self.runner.kv_bytes_per_block() / 2**30, cache_config.block_size)
 
@@ -185,6 +188,7 @@ class LLMEngine:
             children.append(Request(child_id, list(token_ids), child_params, eos, max_tokens,
                                     prompt=text, generator=generator))
         self.output_processor.add(request_id, text, token_ids, children)
+        self._num_prompt_tokens += len(token_ids) * params.n
         for child in children:
             if max_tokens == 0:
                 child.status = RequestStatus.FINISHED_LENGTH
@@ -213,9 +217,13 @@ class LLMEngine:
                 touched[parent_id] = None
         sched_out = self.scheduler.schedule()
         if not sched_out.is_empty:
-            sampled = self.runner.execute(sched_out)
             now = time.monotonic()
+            runner_out = self.runner.execute(sched_out)
+            sampled = runner_out.sampled
+            for rid, (first, entries) in runner_out.prompt_logprobs.items():
+                self.output_processor.on_prompt_logprobs(rid, first, entries)
             updated = self.scheduler.update_from_output({rid: s.token_id for rid, s in sampled.items()})
+            self._num_generation_tokens += len(updated)
             for request in updated:
                 if request.first_token_time is None:
                     request.first_token_time = now
@@ -237,3 +245,33 @@ class LLMEngine:
             outputs.append(self.output_processor.parents[parent_id].output())
             self.output_processor.pop_if_finished(parent_id)
         return outputs
+
+    # ----------------------------------------------------------------- observability
+    def stats(self) -> EngineStats:
+        kv = self.kv_manager
+        per_block = self.runner.kv_bytes_per_block()
+        return EngineStats(
+            num_requests_running=len(self.scheduler.running),
+            num_requests_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            kv_cache_usage=kv.usage(),
+            prefix_cache_queries=kv.prefix_stats.queries,
+            prefix_cache_hits=kv.prefix_stats.hits,
+            fragmentation_ratio=self._internal_fragmentation(),
+            kv_cache_pool_bytes=kv.num_blocks * per_block,
+            kv_cache_pool_blocks=kv.num_blocks,
+            kv_cache_block_size=kv.block_size,
+            kv_cache_budget_bytes=kv.num_blocks * per_block,
+            prompt_tokens=self._num_prompt_tokens,
+            generation_tokens=self._num_generation_tokens,
+        )
+
+    def _internal_fragmentation(self) -> float:
+        """Allocated token slots that hold no token, over allocated slots."""
+        bs = self.kv_manager.block_size
+        allocated = holding = 0
+        for request in self.scheduler.running:
+            blocks = len(self.kv_manager.req_blocks.get(request.request_id, ()))
+            allocated += blocks * bs
+            holding += min(request.num_computed_tokens, blocks * bs)
+        return (allocated - holding) / allocated if allocated else 0.0

@@ -37,6 +37,7 @@ class ParentState:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[ChildState] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -47,6 +48,7 @@ class ParentState:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             outputs=[c.completion() for c in self.children], finished=self.finished,
+            prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=first.num_cached_tokens,
             metrics={"arrival_time": first.arrival_time,
                      "first_token_time": first.first_token_time or 0.0})
@@ -72,11 +74,26 @@ class OutputProcessor:
             parent.children.append(child)
             self.child_to_parent[req.request_id] = child
             self._child_parent_id[req.request_id] = parent_id
+        if children and children[0].sampling_params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]  # the first prompt token has no context to be scored in
         self.parents[parent_id] = parent
 
     def child_ids(self, parent_id: str) -> list[str]:
         parent = self.parents.get(parent_id)
         return [c.request.request_id for c in parent.children] if parent else []
+
+    def on_prompt_logprobs(self, request_id: str, first: int, entries: list[dict[int, Logprob]]) -> None:
+        """Record prompt-token scores; a recompute after preemption re-scores tokens already kept."""
+        child = self.child_to_parent.get(request_id)
+        parent = self.parents.get(self._child_parent_id.get(request_id, ""))
+        if child is None or parent is None or child.index != 0 or parent.prompt_logprobs is None:
+            return
+        for index, entry in enumerate(entries, start=first):
+            if index != len(parent.prompt_logprobs):
+                continue
+            for token_id, lp in entry.items():
+                lp.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            parent.prompt_logprobs.append(entry)
 
     def on_token(self, request: Request, token_id: int, logprobs: dict[int, Logprob] | None) -> str | None:
         """Feed one new token; returns the stop string it completed, if any."""

@@ -16,7 +16,7 @@ import torch
 
 from tideserve.core.scheduler import SchedulerOutput
 from tideserve.model.layers.attention import AttentionMetadata, PrefillSpan
-from tideserve.model.layers.sampler import Sampler, SamplingMetadata
+from tideserve.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from tideserve.outputs import Logprob
 from tideserve.sampling_params import SamplingParams
 
@@ -38,6 +38,14 @@ class CachedRequestState:
 class SampledToken:
     token_id: int
     logprobs: dict[int, Logprob] | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, SampledToken]
+    # Per request asking for prompt logprobs: (index of the first prompt token scored, one entry per
+    # prompt token scored in this step: the logprob of token i given tokens 0..i-1).
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]]
 
 
 class ModelRunner:
@@ -91,10 +99,11 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- one step
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(out)
+        result = ModelRunnerOutput({}, {})
         if out.is_empty:
-            return {}
+            return result
         decode_ids = [rid for rid, n in out.num_scheduled_tokens.items() if n == 1]
         prefill_ids = [rid for rid, n in out.num_scheduled_tokens.items() if n > 1]
         order = decode_ids + prefill_ids
@@ -102,10 +111,11 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows, sample_ids = batch
 
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        self._prompt_logprobs(order, out.num_scheduled_tokens, hidden, result)
         for rid in order:
             self.requests[rid].num_computed_tokens += out.num_scheduled_tokens[rid]
         if not sample_ids:
-            return {}
+            return result
         logits = self.model.compute_logits(hidden[sample_rows])
         states = [self.requests[rid] for rid in sample_ids]
         sampling_meta = SamplingMetadata.build(
@@ -120,13 +130,31 @@ class ModelRunner:
         token_ids = sampled.sampled_token_ids
         if isinstance(token_ids, torch.Tensor):
             token_ids = token_ids.tolist()
-        results: dict[str, SampledToken] = {}
         for row, (rid, state) in enumerate(zip(sample_ids, states)):
             token = int(token_ids[row])
             state.token_ids.append(token)
             lp = sampled.logprobs[row] if sampled.logprobs is not None else None
-            results[rid] = SampledToken(token, lp)
-        return results
+            result.sampled[rid] = SampledToken(token, lp)
+        return result
+
+    def _prompt_logprobs(self, order: list[str], num_scheduled: dict[str, int], hidden: torch.Tensor,
+                         result: ModelRunnerOutput) -> None:
+        """Score the prompt tokens of requests that asked for it (completions with echo + logprobs)."""
+        start = 0
+        for rid in order:
+            n = num_scheduled[rid]
+            state = self.requests[rid]
+            k = state.sampling_params.prompt_logprobs
+            first = state.num_computed_tokens
+            # Rows whose next token is still a prompt token: positions first .. num_prompt - 2.
+            last = min(first + n, state.num_prompt_tokens - 1)
+            if k is not None and last > first:
+                rows = hidden[start:start + (last - first)]
+                logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+                targets = torch.tensor(state.token_ids[first + 1:last + 1], device=logprobs.device)
+                entries = gather_logprobs(logprobs, targets, [k] * (last - first), k)
+                result.prompt_logprobs[rid] = (first + 1, [e for e in entries if e is not None])
+            start += n
 
     def _build_batch(self, order: list[str], num_scheduled: dict[str, int], num_decodes: int):
         bs = self.block_size

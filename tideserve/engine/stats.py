@@ -1,0 +1,28 @@
+"""A snapshot of what the engine and its KV cache are doing, as plain numbers.
+
+The server's Prometheus exporter and the periodic log line read this; nothing here knows about HTTP.
+Counters are cumulative since start; gauges are the current value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    num_preemptions: int = 0  # counter
+    kv_cache_usage: float = 0.0  # used blocks / pool blocks, 0..1
+    prefix_cache_queries: int = 0  # counter, in tokens
+    prefix_cache_hits: int = 0  # counter, in tokens
+    fragmentation_ratio: float = 0.0  # internal + external, see docs/metrics.md
+    kv_cache_pool_bytes: int = 0
+    kv_cache_pool_blocks: int = 0
+    kv_cache_block_size: int = 0
+    kv_cache_budget_bytes: int = 0
+    swap_pool_usage: float = 0.0  # 0..1
+    memory_utilization: float = 0.0  # process (CPU) or device (CUDA) memory in use / available, 0..1
+    prompt_tokens: int = 0  # counter: prompt tokens of admitted requests
+    generation_tokens: int = 0  # counter: generated tokens
