@@ -12,6 +12,7 @@ _EXPORTS = {
     "LLM": "tideserve.engine.llm",
     "LLMEngine": "tideserve.engine.llm_engine",
     "EngineArgs": "tideserve.engine.llm_engine",
+    "AsyncEngine": "tideserve.engine.async_engine",
     "SamplingParams": "tideserve.sampling_params",
     "RequestOutput": "tideserve.outputs",
     "CompletionOutput": "tideserve.outputs",

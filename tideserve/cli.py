@@ -96,6 +96,13 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
+    """``tideserve bench serve | offline | plot``; the commands live in tideserve/bench/cli.py."""
+    from tideserve.bench.cli import add_bench_subcommands
+
+    add_bench_subcommands(sub, add_engine_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tideserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -110,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+    add_bench_parsers(sub)
     return parser
 
 

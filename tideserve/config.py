@@ -11,21 +11,67 @@ from dataclasses import dataclass
 VALID_BLOCK_SIZES = (8, 16, 32, 64, 128)
 
 
+def parse_size(value: int | float | str | None, name: str) -> int | None:
+    """Bytes from 4GiB, 512MiB, 2GB, 1.5e9 or a plain number (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
+             "gb": 10**9, "tb": 10**12, "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
+    text = str(value).strip().lower()
+    for unit, mult in units.items():
+        if text.endswith(unit):
+            text, factor = text[: -len(unit)].strip(), mult
+            break
+    else:
+        factor = 1
+    try:
+        return int(float(text) * factor)
+    except ValueError:
+        raise ValueError(f"{name} must be a size such as 4GiB, 512MiB or a byte count, got {value!r}.") from None
+
+
 @dataclass
 class CacheConfig:
-    block_size: int = 16
+    """KV cache settings. The pool is elastic (sized from measurement, grows and shrinks with load)
+    unless num_blocks, kv_cache_memory or gpu_memory_utilization fixes it."""
+
+    block_size: int | str = "auto"  # 8, 16, 32, 64, 128 or "auto" (chosen from the workload)
     num_blocks: int | None = None  # fixed pool size in blocks (tests, preemption experiments)
-    kv_cache_memory: int | None = None  # fixed pool size in bytes
+    kv_cache_memory: int | str | None = None  # fixed pool size in bytes, e.g. "4GiB"
+    gpu_memory_utilization: float | None = None  # fixed pool: this share of the device (or host) memory
     kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
+    swap_space: float = 4.0  # GiB of host memory for preemption_mode="swap"
 
     def __post_init__(self) -> None:
-        if self.block_size not in VALID_BLOCK_SIZES:
-            raise ValueError(f"block_size must be one of {VALID_BLOCK_SIZES}, got {self.block_size!r}.")
+        if self.block_size != "auto" and self.block_size not in VALID_BLOCK_SIZES:
+            raise ValueError(
+                f"block_size must be one of {VALID_BLOCK_SIZES} or 'auto', got {self.block_size!r}.")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
             raise ValueError(f"num_blocks must be an integer >= 1, got {self.num_blocks!r}.")
+        self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory!r}.")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}.")
+        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}.")
+
+    @property
+    def auto_block_size(self) -> bool:
+        return self.block_size == "auto"
+
+    @property
+    def initial_block_size(self) -> int:
+        return 16 if self.block_size == "auto" else int(self.block_size)
+
+    @property
+    def is_static(self) -> bool:
+        return (self.num_blocks is not None or self.kv_cache_memory is not None
+                or self.gpu_memory_utilization is not None)
 
 
 @dataclass
@@ -33,6 +79,7 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
@@ -41,6 +88,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}."
             )
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}.")
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +52,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # since the previous step
+    # KV copies the runner makes before the forward pass: (device block, swap block) and back.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -78,7 +82,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_since_step: list[str] = []
+        self._preempted_since_step: list[str] = []
         self.num_preemptions = 0
+        # Asked before preempting: may the pool grow? (the elastic pool answers; None = fixed pool)
+        self.on_out_of_blocks: Callable[[], bool] | None = None
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -103,6 +110,9 @@ class Scheduler:
         self._release(request)
         return request
 
+    def num_swapped(self) -> int:
+        return len(self.kv.swapped)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -111,8 +121,10 @@ class Scheduler:
 
     # ----------------------------------------------------------------- one step
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_ids=self._finished_since_step)
+        out = SchedulerOutput(finished_ids=self._finished_since_step,
+                              preempted_ids=self._preempted_since_step)
         self._finished_since_step = []
+        self._preempted_since_step = []
         budget = self.config.max_num_batched_tokens
         preempted_now = False
 
@@ -129,6 +141,8 @@ class Scheduler:
                                                  request.num_computed_tokens, num_new)
                 if new_ids is not None:
                     break
+                if self.on_out_of_blocks is not None and self.on_out_of_blocks():
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 preempted_now = True
@@ -164,6 +178,8 @@ class Scheduler:
                     break
                 num_new = budget
             new_ids = self.kv.allocate_slots(request.request_id, token_ids, 0, num_new, hit_blocks)
+            if new_ids is None and self.on_out_of_blocks is not None and self.on_out_of_blocks():
+                new_ids = self.kv.allocate_slots(request.request_id, token_ids, 0, num_new, hit_blocks)
             if new_ids is None:
                 break
             self.waiting.popleft()
@@ -179,19 +195,57 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        self.kv.free(request.request_id)
+    def _swap_in(self, request: Request, token_ids: list[int], out: SchedulerOutput) -> bool:
+        saved = request.num_computed_tokens
+        num_new = len(token_ids) - saved
+        result = self.kv.swap_in(request.request_id, token_ids, saved, num_new)
+        if result is None:
+            return False
+        block_ids, pairs = result
+        self.waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.swap_in.extend(pairs)
+        out.new_requests.append(NewRequestData(
+            request.request_id, token_ids, request.num_prompt_tokens, request.sampling_params,
+            request.generator, request.eos_token_id, block_ids, saved))
+        out.num_scheduled_tokens[request.request_id] = num_new
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput | None, allow_swap: bool = True) -> None:
+        mode = "recompute"
+        pairs = None
+        if allow_swap and self.config.preemption_mode == "swap":
+            pairs = self.kv.swap_out(request.request_id)
+            mode = "swap" if pairs is not None else "recompute (swap pool full)"
+        if pairs is None:
+            self.kv.free(request.request_id)
+            request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-        out.preempted_ids.append(request.request_id)
-        out.num_scheduled_tokens.pop(request.request_id, None)
+        if out is not None:
+            out.preempted_ids.append(request.request_id)
+            out.num_scheduled_tokens.pop(request.request_id, None)
+            if pairs:
+                out.swap_out.extend(pairs)
+        else:
+            self._preempted_since_step.append(request.request_id)
+        swap = self.kv.swap
         logger.warning(
-            "Request %s preempted (mode=recompute): KV cache full, %d/%d blocks free, %d running, "
-            "%d waiting.", request.request_id, self.kv.num_free_blocks, self.kv.num_blocks,
+            "Request %s preempted (mode=%s): KV cache full, %d/%d blocks free, swap %d/%d blocks free, "
+            "%d running, %d waiting.", request.request_id, mode, self.kv.num_free_blocks,
+            self.kv.num_blocks, swap.num_free if swap else 0, swap.num_blocks if swap else 0,
             len(self.running), len(self.waiting))
+
+    def preempt_newest(self) -> Request | None:
+        """Between steps (memory pressure): recompute-preempt the newest running request."""
+        if not self.running:
+            return None
+        victim = self.running.pop()
+        self._preempt(victim, None, allow_swap=False)
+        return victim
 
     # ----------------------------------------------------------------- after the forward pass
     def update_from_output(self, sampled: dict[str, int]) -> list[Request]:
@@ -211,4 +265,5 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.kv.free(request.request_id)
+        self.kv.drop_swapped(request.request_id)
         self._finished_since_step.append(request.request_id)

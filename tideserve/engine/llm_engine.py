@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from tideserve.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_max_model_len
 from tideserve.core.kv_cache.manager import KVCacheManager
-from tideserve.core.kv_cache.memory import available_memory_bytes
+from tideserve.core.kv_cache.elastic import ElasticConfig, ElasticPolicy, MemoryAccount, safety_margin
+from tideserve.core.kv_cache.memory import MemoryProbe, SystemMemoryProbe
 from tideserve.core.scheduler import Scheduler
 from tideserve.engine.output_processor import OutputProcessor
+from tideserve.engine.pool_controller import PoolController
 from tideserve.engine.stats import EngineStats
 from tideserve.model.loader import load_model
 from tideserve.outputs import RequestOutput
@@ -29,8 +32,9 @@ from tideserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-# Share of the memory still available at start-up that a pool sized without guidance may take.
-DEFAULT_KV_MEMORY_FRACTION = 0.3
+GiB = 2**30
+# The "average request" a static pool must hold max_num_seqs of (capped at max_model_len).
+AVERAGE_REQUEST_TOKENS = 512
 
 
 @dataclass
@@ -43,20 +47,25 @@ class EngineArgs:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
-    block_size: int = 16
+    block_size: int | str = "auto"
     num_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    enable_prefix_caching: bool = False
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float | None = None
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0
     seed: int = 0
-    extra: dict = field(default_factory=dict)
+    memory_probe: MemoryProbe | None = None  # a test double answers for the machine
+    elastic: ElasticConfig | None = None  # watermarks and delays of the elastic pool
 
     def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         return (
             ModelConfig(self.model, self.dtype, self.device, self.max_model_len,
                         self.allow_long_max_model_len, self.seed),
-            CacheConfig(self.block_size, self.num_blocks, self.kv_cache_memory,
-                        enable_prefix_caching=self.enable_prefix_caching),
-            SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill),
+            CacheConfig(self.block_size, self.num_blocks, self.kv_cache_memory, self.gpu_memory_utilization,
+                        enable_prefix_caching=self.enable_prefix_caching, swap_space=self.swap_space),
+            SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill,
+                            self.preemption_mode),
         )
 
 
@@ -85,44 +94,80 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(
             model_config.max_model_len, self.arch.max_position_embeddings,
             model_config.allow_long_max_model_len)
-        sched_config.max_num_batched_tokens = max(sched_config.max_num_batched_tokens, 1)
         self.cache_config = cache_config
         self.scheduler_config = sched_config
+        self.probe: MemoryProbe = args.memory_probe or SystemMemoryProbe(self.device)
 
-        self.runner = ModelRunner(self.model, 0, cache_config.block_size, self.dtype, self.device)
-        num_blocks = self._size_pool(cache_config)
-        self.runner.kv_caches = self.runner.allocate_kv_caches(num_blocks)
-        self.kv_manager = KVCacheManager(num_blocks, cache_config.block_size,
-                                         cache_config.enable_prefix_caching, extra_key=self.model_name)
+        block_size = cache_config.initial_block_size
+        self.runner = ModelRunner(self.model, 0, block_size, self.dtype, self.device)
+        num_blocks, account, policy = self._plan_pool(cache_config, sched_config, args.elastic)
+        self.runner.kv_caches = self.runner.allocate_kv_caches(num_blocks, zero=cache_config.is_static)
+        self.kv_manager = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching,
+                                         extra_key=self.model_name)
+        swap_bytes = 0
+        if sched_config.preemption_mode == "swap":
+            swap_bytes = int(cache_config.swap_space * GiB)
+            num_swap = swap_bytes // self.runner.kv_bytes_per_block()
+            self.kv_manager.enable_swap(num_swap)
+            self.runner.allocate_swap(num_swap)
         self.scheduler = Scheduler(sched_config, self.kv_manager, self.max_model_len)
+        self.pool = PoolController(self.kv_manager, self.runner, self.scheduler, self.probe, account, policy,
+                                   self.max_model_len, swap_bytes, cache_config.auto_block_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
-        logger.info("Available KV cache blocks: %d (%.2f GiB, block size %d)", num_blocks,
-                    num_blocks * self.runner.kv_bytes_per_block() / 2**30, cache_config.block_size)
+        self.pool.log_pool("elastic pool, start" if policy else "static pool")
 
     # ----------------------------------------------------------------- memory
-    def _size_pool(self, cache: CacheConfig) -> int:
+    def _plan_pool(self, cache: CacheConfig, sched: SchedulerConfig,
+                   elastic: ElasticConfig | None) -> tuple[int, MemoryAccount, ElasticPolicy | None]:
+        """Size the pool from measurement (elastic) or from the user's fixed size (static)."""
         per_block = self.runner.kv_bytes_per_block()
-        bs = cache.block_size
+        bs = self.runner.block_size
         blocks_one_request = -(-self.max_model_len // bs)
+        weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        activation = 0
+        if cache.num_blocks is None:
+            activation = self.runner.profile_activation_bytes(
+                min(sched.max_num_batched_tokens, self.max_model_len), sched.max_num_seqs)
+        available = self.probe.available_bytes()
+        account = MemoryAccount(available, weights, activation, safety_margin(weights, activation))
+        logger.info("%s", account.describe())
+
         if cache.num_blocks is not None:
-            num_blocks = cache.num_blocks
-            budget = num_blocks * per_block
+            budget = cache.num_blocks * per_block
+        elif cache.kv_cache_memory is not None:
+            budget = cache.kv_cache_memory
+        elif cache.gpu_memory_utilization is not None:
+            budget = int(self.probe.total_bytes() * cache.gpu_memory_utilization
+                         - self.probe.used_by_process_bytes() - activation)
         else:
-            budget = cache.kv_cache_memory or int(
-                available_memory_bytes(self.device) * DEFAULT_KV_MEMORY_FRACTION)
-            cap = self.scheduler_config.max_num_seqs * blocks_one_request
-            num_blocks = min(budget // per_block, cap)
-        if num_blocks < blocks_one_request:
-            largest = num_blocks * bs
+            budget = account.budget_bytes
+        max_blocks = max(0, budget // per_block)
+        if max_blocks < blocks_one_request:
             raise ValueError(
-                f"One request of max_model_len={self.max_model_len} tokens needs "
-                f"{blocks_one_request * per_block} bytes of KV cache, but only {budget} bytes "
-                f"({num_blocks} blocks) are available; the largest max_model_len that fits is {largest}. "
-                "Lower max_model_len or give the KV cache more memory.")
-        return int(num_blocks)
+                f"KV cache too small for one request of max_model_len={self.max_model_len} tokens: it needs "
+                f"{blocks_one_request * per_block} bytes ({blocks_one_request} blocks of {bs} tokens), but "
+                f"only {max(0, budget)} bytes are available for the KV cache; the largest max_model_len "
+                f"that fits is {max_blocks * bs}. Lower max_model_len or give the KV cache more memory.")
+        if not cache.is_static:
+            config = elastic or ElasticConfig()
+            min_blocks = min(max_blocks, math.ceil(blocks_one_request * 1.25) + 1)
+            return min_blocks, account, ElasticPolicy(config, min_blocks, max_blocks)
+        if cache.num_blocks is None:
+            self._fit_max_num_seqs(sched, max_blocks, bs)
+        return max_blocks, account, None
+
+    def _fit_max_num_seqs(self, sched: SchedulerConfig, num_blocks: int, block_size: int) -> None:
+        """Static pool: lower max_num_seqs when that many requests of average length cannot fit."""
+        average = max(1, min(self.max_model_len, AVERAGE_REQUEST_TOKENS))
+        fit = num_blocks // -(-average // block_size)
+        if fit < sched.max_num_seqs:
+            logger.warning("Max num seqs reduced due to KV cache constraints: %d -> %d (%d blocks of %d "
+                           "tokens hold %d requests of %d tokens)", sched.max_num_seqs, max(1, fit),
+                           num_blocks, block_size, fit, average)
+            sched.max_num_seqs = max(1, fit)
 
     # ----------------------------------------------------------------- requests
     def make_request_id(self) -> str:
@@ -210,6 +255,7 @@ class LLMEngine:
     # ----------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the outputs of every parent request that changed."""
+        self.pool.maintain()
         touched: dict[str, None] = {}
         # Requests finished without running (max_tokens=0) are reported on the next step.
         for parent_id, parent in list(self.output_processor.parents.items()):
@@ -237,6 +283,7 @@ class LLMEngine:
                     request.stop_reason = stop
                 if request.is_finished:
                     self.output_processor.on_finished(request)
+                    self.pool.observe_finished(request.num_tokens)
                 touched[self.output_processor.parent_of(request.request_id)] = None
         outputs = []
         for parent_id in touched:
@@ -249,7 +296,9 @@ class LLMEngine:
     # ----------------------------------------------------------------- observability
     def stats(self) -> EngineStats:
         kv = self.kv_manager
-        per_block = self.runner.kv_bytes_per_block()
+        internal, external = self.pool.fragmentation()
+        swap = kv.swap
+        total = self.probe.total_bytes()
         return EngineStats(
             num_requests_running=len(self.scheduler.running),
             num_requests_waiting=len(self.scheduler.waiting),
@@ -257,21 +306,13 @@ class LLMEngine:
             kv_cache_usage=kv.usage(),
             prefix_cache_queries=kv.prefix_stats.queries,
             prefix_cache_hits=kv.prefix_stats.hits,
-            fragmentation_ratio=self._internal_fragmentation(),
-            kv_cache_pool_bytes=kv.num_blocks * per_block,
+            fragmentation_ratio=internal + external,
+            kv_cache_pool_bytes=self.pool.pool_bytes,
             kv_cache_pool_blocks=kv.num_blocks,
             kv_cache_block_size=kv.block_size,
-            kv_cache_budget_bytes=kv.num_blocks * per_block,
+            kv_cache_budget_bytes=self.pool.budget_bytes,
+            swap_pool_usage=swap.usage() if swap else 0.0,
+            memory_utilization=self.probe.used_by_process_bytes() / total if total else 0.0,
             prompt_tokens=self._num_prompt_tokens,
             generation_tokens=self._num_generation_tokens,
         )
-
-    def _internal_fragmentation(self) -> float:
-        """Allocated token slots that hold no token, over allocated slots."""
-        bs = self.kv_manager.block_size
-        allocated = holding = 0
-        for request in self.scheduler.running:
-            blocks = len(self.kv_manager.req_blocks.get(request.request_id, ()))
-            allocated += blocks * bs
-            holding += min(request.num_computed_tokens, blocks * bs)
-        return (allocated - holding) / allocated if allocated else 0.0

@@ -8,12 +8,14 @@ Single-token queries (decodes) go first in the flat batch so attention can batch
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from tideserve.core.kv_cache.memory import peak_rss_bytes, process_rss_bytes, reset_peak_rss
 from tideserve.core.scheduler import SchedulerOutput
 from tideserve.model.layers.attention import AttentionMetadata, PrefillSpan
 from tideserve.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
@@ -21,6 +23,17 @@ from tideserve.outputs import Logprob
 from tideserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+def release_freed_memory(device: torch.device) -> None:
+    """Hand freed pool memory back: CUDA's caching allocator, or glibc's heap on CPU."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 @dataclass
@@ -58,6 +71,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches = self.allocate_kv_caches(num_blocks)
+        self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # ----------------------------------------------------------------- KV tensors
     def kv_bytes_per_block(self, block_size: int | None = None) -> int:
@@ -66,21 +80,149 @@ class ModelRunner:
         bs = block_size or self.block_size
         return 2 * arch.num_hidden_layers * bs * arch.num_key_value_heads * arch.head_dim * elem
 
-    def allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer K and V as [num_blocks, block_size, num_kv_heads, head_dim].
+    def allocate_kv_caches(self, num_blocks: int, block_size: int | None = None,
+                           zero: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer K and V as [num_blocks, block_size, num_kv_heads, head_dim] views of ONE tensor.
 
-        ``torch.empty``: pages are committed only when a block is first written, and attention never reads
-        a slot that was not written (padding points at each request's own first slot).
+        One allocation, so that freeing it really returns the memory (a large allocation is its own
+        mapping on CPU). ``torch.empty``: pages are committed only when a block is first written, and
+        attention never reads a slot that was not written (padding reads each request's first slot).
+        ``zero=True`` commits it all up front, as a statically reserved pool does.
         """
         arch = self.model.arch
-        shape = (num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
-        return [(torch.empty(shape, dtype=self.kv_dtype, device=self.device),
-                 torch.empty(shape, dtype=self.kv_dtype, device=self.device))
-                for _ in range(arch.num_hidden_layers)]
+        bs = block_size or self.block_size
+        shape = (arch.num_hidden_layers, 2, num_blocks, bs, arch.num_key_value_heads, arch.head_dim)
+        alloc = torch.zeros if zero else torch.empty
+        self.kv_storage = alloc(shape, dtype=self.kv_dtype, device=self.device)
+        return [(self.kv_storage[i, 0], self.kv_storage[i, 1]) for i in range(arch.num_hidden_layers)]
 
     @property
     def num_blocks(self) -> int:
         return self.kv_caches[0][0].shape[0]
+
+    # ----------------------------------------------------------------- profiling
+    PROFILE_TOKENS = 256  # a profiling pass at this many tokens, scaled linearly to the real budget
+
+    @torch.inference_mode()
+    def profile_activation_bytes(self, num_tokens: int, max_num_seqs: int) -> int:
+        """Peak activation memory of a forward pass over num_tokens prompt tokens (plus sampler logits).
+
+        Measured: CUDA's allocator peak, or on CPU the resident-set high-water mark after a reset. The
+        pass runs at min(num_tokens, PROFILE_TOKENS) and is scaled linearly (activations grow linearly
+        with tokens under memory-efficient attention). A lower bound computed from the shapes guards
+        against an allocator that reuses memory the measurement cannot see.
+        """
+        arch = self.model.arch
+        n = max(1, min(num_tokens, self.PROFILE_TOKENS))
+        elem = torch.empty((), dtype=self.model.dtype).element_size()
+        per_token = (8 * arch.hidden_size + 3 * arch.intermediate_size
+                     + 2 * (arch.q_size + 2 * arch.kv_size)) * elem
+        logits = max_num_seqs * arch.vocab_size * 4 * 3  # logits, probabilities, sort buffers (fp32)
+        estimate = num_tokens * per_token + logits
+
+        saved_storage = getattr(self, "kv_storage", None)
+        saved_caches = self.kv_caches
+        caches = self.allocate_kv_caches(-(-n // self.block_size))
+        meta = AttentionMetadata(slot_mapping=torch.arange(n, device=self.device))
+        meta.prefills.append(PrefillSpan(start=0, query_len=n, context_len=n))
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            self.model.compute_logits(self.model(ids, pos, caches, meta)[-1:])
+            torch.cuda.synchronize(self.device)
+            measured = torch.cuda.max_memory_allocated(self.device) - before
+        else:
+            before = process_rss_bytes()
+            measured = 0
+            if reset_peak_rss():
+                self.model.compute_logits(self.model(ids, pos, caches, meta)[-1:])
+                measured = max(0, peak_rss_bytes() - before)
+        self.kv_caches = saved_caches
+        if saved_storage is not None:
+            self.kv_storage = saved_storage
+        del caches
+        measured = int(measured * num_tokens / n) + logits
+        logger.info("profiling run: %d tokens, activation peak %.1f MiB measured (scaled to %d tokens), "
+                    "%.1f MiB estimated from shapes", n, measured / 2**20, num_tokens, estimate / 2**20)
+        return max(measured, estimate)
+
+    # ----------------------------------------------------------------- the elastic pool's moves
+    def resize(self, num_blocks: int) -> None:
+        """Reallocate the pool at num_blocks, keeping blocks below min(old, new); the old storage is
+        dropped at once so its memory really returns (CPU: unmapped and trimmed; CUDA: cache emptied)."""
+        keep = min(num_blocks, self.num_blocks)
+        old = self.kv_storage
+        self.kv_caches = []
+        self.kv_caches = self.allocate_kv_caches(num_blocks)
+        self.kv_storage[:, :, :keep].copy_(old[:, :, :keep])
+        del old
+        release_freed_memory(self.device)
+
+    def apply_moves(self, moves: list[tuple[int, int]]) -> None:
+        """Copy moved blocks' KV (old id -> new id) and rewrite the block tables the runner keeps."""
+        if not moves:
+            return
+        src = torch.tensor([m[0] for m in moves], dtype=torch.long, device=self.device)
+        dst = torch.tensor([m[1] for m in moves], dtype=torch.long, device=self.device)
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+        remap = dict(moves)
+        for state in self.requests.values():
+            state.block_ids = [remap.get(b, b) for b in state.block_ids]
+
+    def allocate_swap(self, num_swap_blocks: int) -> None:
+        """Host-side second tier (pinned when the device is a GPU, so copies are asynchronous DMA)."""
+        self.swap_caches = []
+        if num_swap_blocks <= 0:
+            return
+        pin = self.device.type == "cuda"
+        for k, _ in self.kv_caches:
+            shape = (num_swap_blocks, *k.shape[1:])
+            self.swap_caches.append((torch.empty(shape, dtype=k.dtype, pin_memory=pin),
+                                     torch.empty(shape, dtype=k.dtype, pin_memory=pin)))
+
+    def _swap(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+        for (k, v), (sk, sv) in zip(self.kv_caches, self.swap_caches):
+            if to_host:
+                sk.index_copy_(0, dst, k.index_select(0, src.to(k.device)).to("cpu"))
+                sv.index_copy_(0, dst, v.index_select(0, src.to(v.device)).to("cpu"))
+            else:
+                k.index_copy_(0, dst.to(k.device), sk.index_select(0, src).to(k.device))
+                v.index_copy_(0, dst.to(v.device), sv.index_select(0, src).to(v.device))
+
+    def relayout(self, new_block_size: int, num_blocks: int, tables: dict[str, list[int]]) -> None:
+        """Move every live request's KV into a pool of another block size, token by token."""
+        old_bs, new_bs = self.block_size, new_block_size
+        old_slots, new_slots = [], []
+        for rid, new_ids in tables.items():
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            pos = np.arange(state.num_computed_tokens)
+            old_slots.append(np.asarray(state.block_ids)[pos // old_bs] * old_bs + pos % old_bs)
+            new_slots.append(np.asarray(new_ids, dtype=np.int64)[pos // new_bs] * new_bs + pos % new_bs)
+            state.block_ids = list(new_ids)
+        src = torch.from_numpy(np.concatenate(old_slots) if old_slots else np.zeros(0, np.int64)).to(self.device)
+        dst = torch.from_numpy(np.concatenate(new_slots) if new_slots else np.zeros(0, np.int64)).to(self.device)
+        old_caches = self.kv_caches
+        self.kv_caches = self.allocate_kv_caches(num_blocks, new_bs)
+        for (k, v), (nk, nv) in zip(old_caches, self.kv_caches):
+            kvh, hd = k.shape[2], k.shape[3]
+            nk.view(-1, kvh, hd).index_copy_(0, dst, k.reshape(-1, kvh, hd).index_select(0, src))
+            nv.view(-1, kvh, hd).index_copy_(0, dst, v.reshape(-1, kvh, hd).index_select(0, src))
+        del old_caches, k, v
+        self.block_size = new_bs
+        if self.swap_caches:
+            self.allocate_swap(self.swap_caches[0][0].shape[0] * old_bs // new_bs)
+        release_freed_memory(self.device)
 
     # ----------------------------------------------------------------- state from the scheduler
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -100,6 +242,9 @@ class ModelRunner:
     # ----------------------------------------------------------------- one step
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        # Copies first: blocks swapped out in this step may be rewritten by this step's forward pass.
+        self._swap(out.swap_out, to_host=True)
+        self._swap(out.swap_in, to_host=False)
         self._update_states(out)
         result = ModelRunnerOutput({}, {})
         if out.is_empty:

@@ -74,6 +74,44 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
 
+    # ----------------------------------------------------------------- resizing (the elastic pool)
+    def grow(self, num_new: int) -> None:
+        """Append num_new fresh blocks; they join the head of the free queue (never-used blocks first)."""
+        start = len(self.blocks)
+        self.blocks.extend(KVBlock(i) for i in range(start, start + num_new))
+        fresh = dict.fromkeys(range(start, start + num_new))
+        fresh.update(self._free)
+        self._free = fresh
+
+    def highest_used_id(self) -> int:
+        """Id of the highest block with a reference, or -1 when none is used."""
+        for block in reversed(self.blocks):
+            if block.ref_cnt > 0:
+                return block.block_id
+        return -1
+
+    def move(self, old_id: int, new_id: int) -> None:
+        """Give the used block ``old_id`` the identity of the free block ``new_id`` (and vice versa).
+
+        Block tables hold block objects, so they follow the move; the caller copies the KV data.
+        """
+        used, free = self.blocks[old_id], self.blocks[new_id]
+        assert used.ref_cnt > 0 and free.ref_cnt == 0, (used, free)
+        self._evict_hash(free)
+        del self._free[new_id]
+        used.block_id, free.block_id = new_id, old_id
+        self.blocks[new_id], self.blocks[old_id] = used, free
+        self._free[old_id] = None
+
+    def shrink_to(self, num_blocks: int) -> None:
+        """Drop blocks num_blocks.. (all must be free); their cached prefixes are forgotten."""
+        assert num_blocks >= 1
+        for block in self.blocks[num_blocks:]:
+            assert block.ref_cnt == 0, f"block {block.block_id} is still used"
+            self._evict_hash(block)
+            del self._free[block.block_id]
+        del self.blocks[num_blocks:]
+
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached.get(block_hash)
 
@@ -86,10 +124,12 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
 
-    def evict_cached(self) -> int:
-        """Forget every cached prefix held by free blocks; returns how many were dropped."""
+    def evict_cached(self, from_id: int = 0) -> int:
+        """Forget the cached prefixes held by free blocks with id >= from_id; returns how many."""
         dropped = 0
         for block_id in self._free:
+            if block_id < from_id:
+                continue
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 self._evict_hash(block)

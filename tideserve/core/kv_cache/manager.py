@@ -19,6 +19,33 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_key: object = 
     return hash((parent, tuple(token_ids), extra_key))
 
 
+class SwapSpace:
+    """Second-tier block ids (host memory): a plain free list; swapped blocks are never shared."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks if self.num_blocks else 0.0
+
+    def allocate(self, n: int) -> list[int]:
+        assert n <= len(self._free)
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, ids: list[int]) -> None:
+        self._free.extend(reversed(ids))
+
+    def check_invariants(self, swapped: dict[str, list[int]]) -> None:
+        used = [i for ids in swapped.values() for i in ids]
+        assert len(used) == len(set(used)) and not set(used) & set(self._free)
+        assert len(used) + len(self._free) == self.num_blocks
+
+
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
@@ -35,6 +62,46 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.prefix_stats = PrefixCacheStats()
+        self.swap: SwapSpace | None = None
+        self.swapped: dict[str, list[int]] = {}  # request id -> swap block ids, in table order
+
+    # ----------------------------------------------------------------- swap tier
+    def enable_swap(self, num_swap_blocks: int) -> None:
+        self.swap = SwapSpace(num_swap_blocks) if num_swap_blocks > 0 else None
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Copy plan (device block, swap block) for a preempted request; None when the swap pool is full.
+
+        The device blocks are released at once; the caller copies their KV before anything else writes.
+        """
+        table = self.req_blocks.get(request_id, [])
+        if self.swap is None or not table or len(table) > self.swap.num_free:
+            return None
+        swap_ids = self.swap.allocate(len(table))
+        pairs = [(b.block_id, s) for b, s in zip(table, swap_ids)]
+        self.swapped[request_id] = swap_ids
+        self.free(request_id)
+        return pairs
+
+    def swap_in(self, request_id: str, token_ids: Sequence[int], num_saved_tokens: int,
+                num_new_tokens: int) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """Device blocks for a swapped request and the copy plan (swap block, device block), or None."""
+        swap_ids = self.swapped[request_id]
+        num_blocks = self.blocks_needed(num_saved_tokens + num_new_tokens)
+        if num_blocks > self.pool.num_free_blocks:
+            return None
+        blocks = self.pool.allocate(num_blocks)
+        self.req_blocks[request_id] = blocks
+        pairs = [(s, b.block_id) for s, b in zip(swap_ids, blocks)]
+        self.swap.release(self.swapped.pop(request_id))
+        if self.enable_prefix_caching:
+            self._publish_full_blocks(request_id, token_ids,
+                                      min(num_saved_tokens + num_new_tokens, len(token_ids)))
+        return [b.block_id for b in blocks], pairs
+
+    def drop_swapped(self, request_id: str) -> None:
+        if request_id in self.swapped and self.swap is not None:
+            self.swap.release(self.swapped.pop(request_id))
 
     # ----------------------------------------------------------------- queries
     @property
@@ -129,7 +196,66 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         return self.pool.evict_cached()
 
+    # ----------------------------------------------------------------- elastic pool
+    def grow(self, num_new_blocks: int) -> None:
+        self.pool.grow(num_new_blocks)
+
+    def compact(self, target_blocks: int) -> list[tuple[int, int]]:
+        """Move live blocks with id >= target_blocks into free ids below it; returns (old, new) moves.
+
+        Cached prefixes in the tail region are evicted first. Moves as many blocks as there is room for
+        below the target; the caller checks ``pool.highest_used_id()`` to see if the tail is now free.
+        """
+        self.pool.evict_cached(from_id=target_blocks)
+        holes = [i for i in self.pool.free_block_ids() if i < target_blocks]
+        holes.sort()
+        moves: list[tuple[int, int]] = []
+        for block in list(self.pool.blocks[target_blocks:]):
+            if block.ref_cnt == 0:
+                continue
+            if not holes:
+                break
+            new_id = holes.pop(0)
+            old_id = block.block_id
+            self.pool.move(old_id, new_id)
+            moves.append((old_id, new_id))
+        return moves
+
+    def shrink_to(self, num_blocks: int) -> None:
+        self.pool.shrink_to(num_blocks)
+
+    def external_fragmentation(self) -> float:
+        """Free blocks below the highest live block (holes that stop the pool from shrinking) / pool."""
+        top = self.pool.highest_used_id()
+        if top < 0:
+            return 0.0
+        holes = sum(1 for b in self.pool.blocks[:top] if b.ref_cnt == 0)
+        return holes / self.pool.num_blocks
+
+    def relayout(self, new_block_size: int, num_blocks: int,
+                 live: dict[str, int]) -> dict[str, list[int]]:
+        """Start a fresh pool of another block size holding ``live`` requests (id -> computed tokens).
+
+        Returns each live request's new block ids; the caller copies the KV token by token. The prefix
+        cache starts empty: hashes depend on the block size.
+        """
+        needed = sum(-(-n // new_block_size) for n in live.values())
+        if needed > num_blocks:
+            raise ValueError(f"relayout needs {needed} blocks of {new_block_size}, pool has {num_blocks}")
+        self.block_size = new_block_size
+        self.pool = BlockPool(num_blocks)
+        self.req_blocks = {}
+        self.req_hashes = {}
+        tables = {}
+        for request_id, num_tokens in live.items():
+            blocks = self.pool.allocate(-(-num_tokens // new_block_size))
+            self.req_blocks[request_id] = blocks
+            tables[request_id] = [b.block_id for b in blocks]
+        return tables
+
     def check_invariants(self) -> None:
         self.pool.check_invariants()
+        if self.swap is not None:
+            self.swap.check_invariants(self.swapped)
         total_refs = sum(b.ref_cnt for b in self.pool.blocks)
         assert total_refs == sum(len(t) for t in self.req_blocks.values()), "ref counts != table lengths"

@@ -1,0 +1,49 @@
+"""``tideserve bench offline`` through the CLI on a few tiny prompts (the embedded SmolLM2, float32)."""
+
+from __future__ import annotations
+
+import json
+
+from tideserve.cli import main
+
+ENGINE = ["--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "128", "--disable-tqdm"]
+
+
+def test_offline_bench_reports_exact_counts_and_counts_refused_requests(tokenizer_path, tmp_path):
+    # Three good prompts, and one whose output cannot fit max_model_len: the engine refuses it.
+    lines = [{"prompt": "The tide comes in", "output_len": 4}, {"prompt": "Paged attention is", "output_len": 4},
+             {"prompt": "A scheduler decides", "output_len": 4}, {"prompt": "Too long", "output_len": 1000}]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    out = tmp_path / "offline.json"
+    rc = main(["bench", "offline", *ENGINE, "--dataset", "prompts-file", "--dataset-path", str(tmp_path / "p.jsonl"),
+               "--num-prompts", "4", "--ignore-eos", "--max-concurrency", "2", "--save-result", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["kind"] == "offline"
+    assert result["config"]["engine"]["resolved_dtype"] == "torch.float32"
+    [run] = result["runs"]
+    m, records = run["metrics"], run["records"]
+    assert (m["completed"], m["failed"]) == (3, 1)
+    assert "max_tokens=1000 is too large" in records[3]["error"]
+    for rec in records[:3]:
+        assert rec["success"] and rec["output_tokens"] == 4 and len(rec["itl_s"]) == 3
+        assert rec["prompt_tokens"] > 0 and rec["ttft_s"] <= rec["e2el_s"]
+    assert m["total_output_tokens"] == 12
+    assert 1 <= m["peak_concurrent_requests"] <= 2
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        s = m[key]
+        assert s["median"] <= s["p90"] <= s["p99"], key
+
+
+def test_offline_sweep_random_prompts(tmp_path):
+    out = tmp_path / "sweep.json"
+    rc = main(["bench", "offline", *ENGINE, "--num-prompts", "3", "--input-len", "10", "--output-len", "3",
+               "--sweep-concurrency", "1,3", "--save-result", str(out)])
+    assert rc == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["max_concurrency"] for r in runs] == [1, 3]
+    for run in runs:
+        assert run["metrics"]["completed"] == 3
+        assert run["metrics"]["total_input_tokens"] == 30  # random prompts have exact lengths
+        assert run["metrics"]["total_output_tokens"] == 9  # random prompts ignore EOS by default
+    assert runs[0]["metrics"]["peak_concurrent_requests"] == 1

@@ -1,0 +1,156 @@
+"""The elastic KV pool's decisions: budget, when to grow or shrink, and which block size to use.
+
+Plain Python over numbers (no torch), so every decision can be tested with a fake clock and a fake
+memory probe. The engine carries the decisions out (the cache manager moves block ids, the runner moves
+the KV data).
+
+The account, from measurement:
+    budget = available - activation_peak - margin
+    margin = max(MARGIN_FLOOR, 5% of the weights + 50% of the activation peak)
+``available`` is read after the weights are loaded, so it already excludes them. The margin scales with
+what can fluctuate: the activation peak varies with the batch, allocator slack scales with the weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+MARGIN_FLOOR = 256 * 2**20
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+# Cost of one more block per request, in token slots: one more block-table entry to carry and one more
+# gather to issue. Weighs table/gather overhead against the unused slots of last blocks.
+BLOCK_OVERHEAD_SLOTS = 2.0
+
+
+def safety_margin(weights_bytes: int, activation_bytes: int) -> int:
+    return max(MARGIN_FLOOR, int(0.05 * weights_bytes + 0.5 * activation_bytes))
+
+
+@dataclass
+class MemoryAccount:
+    available_bytes: int
+    weights_bytes: int
+    activation_bytes: int
+    margin_bytes: int
+
+    @property
+    def budget_bytes(self) -> int:
+        return max(0, self.available_bytes - self.activation_bytes - self.margin_bytes)
+
+    def describe(self) -> str:
+        gib = 2**30
+        return (f"memory account: available {self.available_bytes / gib:.2f} GiB (after weights), "
+                f"weights {self.weights_bytes / gib:.2f} GiB, activation peak "
+                f"{self.activation_bytes / gib:.2f} GiB, safety margin {self.margin_bytes / gib:.2f} GiB, "
+                f"KV budget {self.budget_bytes / gib:.2f} GiB")
+
+
+@dataclass
+class ElasticConfig:
+    high_watermark: float = 0.85  # grow when usage crosses this
+    low_watermark: float = 0.30  # shrink when usage stays under this ...
+    shrink_delay_s: float = 5.0  # ... for this long
+    grow_factor: float = 1.5  # each growth step multiplies the pool by this (at least)
+    shrink_target_usage: float = 0.5  # after a shrink the live blocks fill about this share
+    fragmentation_threshold: float = 0.05  # compaction runs when fragmentation stays above this ...
+    compaction_delay_s: float = 2.0  # ... for this long
+    pressure_check_interval_s: float = 1.0  # how often the machine's free memory is read
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low_watermark < self.high_watermark <= 1:
+            raise ValueError(
+                f"watermarks must satisfy 0 < low_watermark < high_watermark <= 1, got "
+                f"{self.low_watermark} and {self.high_watermark}.")
+        if self.grow_factor <= 1:
+            raise ValueError(f"grow_factor must be > 1, got {self.grow_factor}.")
+
+
+@dataclass
+class ElasticPolicy:
+    config: ElasticConfig
+    min_blocks: int  # never shrink below: one max_model_len request plus headroom
+    max_blocks: int  # the budget, in blocks
+    _low_since: float | None = None
+    _fragmented_since: float | None = None
+
+    def grow_target(self, num_blocks: int, num_used: int, extra_needed: int, affordable: int) -> int | None:
+        """New pool size when usage crosses the high watermark, or when an allocation needs
+        ``extra_needed`` more blocks; bounded by the budget and by what the machine affords now."""
+        want = num_used + extra_needed
+        if extra_needed == 0 and want <= num_blocks * self.config.high_watermark:
+            return None
+        target = max(math.ceil(num_blocks * self.config.grow_factor),
+                     math.ceil(want / self.config.high_watermark))
+        target = min(target, self.max_blocks, num_blocks + max(0, affordable))
+        return target if target > num_blocks else None
+
+    def shrink_target(self, num_blocks: int, num_used: int, now: float) -> int | None:
+        """New (smaller) pool size once usage has stayed under the low watermark for a while."""
+        if num_used >= num_blocks * self.config.low_watermark:
+            self._low_since = None
+            return None
+        if self._low_since is None:
+            self._low_since = now
+            return None
+        if now - self._low_since < self.config.shrink_delay_s:
+            return None
+        target = max(self.min_blocks, math.ceil(num_used / self.config.shrink_target_usage))
+        if target >= num_blocks * 0.9:  # not worth the copy
+            return None
+        self._low_since = None
+        return target
+
+    def should_compact(self, fragmentation: float, now: float) -> bool:
+        if fragmentation <= self.config.fragmentation_threshold:
+            self._fragmented_since = None
+            return False
+        if self._fragmented_since is None:
+            self._fragmented_since = now
+            return False
+        if now - self._fragmented_since < self.config.compaction_delay_s:
+            return False
+        self._fragmented_since = None
+        return True
+
+
+def predicted_waste(lengths: Iterable[int], block_size: int,
+                    overhead_slots: float = BLOCK_OVERHEAD_SLOTS) -> float:
+    """Mean cost per request, in token slots: unused slots of the last block + per-block overhead."""
+    total = count = 0.0
+    for n in lengths:
+        blocks = -(-n // block_size)
+        total += blocks * block_size - n + overhead_slots * blocks
+        count += 1
+    return total / count if count else 0.0
+
+
+@dataclass
+class BlockSizeAdvisor:
+    """Keeps the recent sequence lengths and names the block size that wastes least on them."""
+
+    window: int = 256
+    min_samples: int = 32
+    min_gain: float = 0.15  # switch only when the predicted waste drops by this share
+    lengths: deque[int] = field(default_factory=deque)
+
+    def observe(self, length: int) -> None:
+        self.lengths.append(length)
+        while len(self.lengths) > self.window:
+            self.lengths.popleft()
+
+    def best(self, current: int) -> tuple[int, str] | None:
+        """(block size, reason) when another size is clearly better for the recent workload."""
+        if len(self.lengths) < self.min_samples:
+            return None
+        costs = {b: predicted_waste(self.lengths, b) for b in BLOCK_SIZES}
+        best = min(costs, key=lambda b: (costs[b], b))
+        if best == current or costs[best] > costs[current] * (1 - self.min_gain):
+            return None
+        lens = sorted(self.lengths)
+        reason = (f"median sequence length {lens[len(lens) // 2]} over the last {len(lens)} requests: "
+                  f"predicted waste {costs[current]:.1f} slots/request at block size {current}, "
+                  f"{costs[best]:.1f} at {best}")
+        return best, reason

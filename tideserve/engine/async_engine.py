@@ -1,0 +1,402 @@
+"""The engine for servers: ``LLMEngine``'s step loop in a dedicated thread, streamed to asyncio callers.
+
+Why a thread: a step runs the model for tens to hundreds of milliseconds; run on the event loop it would
+stall every HTTP connection. The engine thread is the only one that touches the ``LLMEngine`` (its
+scheduler, KV cache and runner are not thread-safe): callers submit "add" and "abort" commands to a
+queue, and the thread applies them between steps, so a validation error still reaches the caller (the
+command carries a future) and an abort frees the request's blocks before the next step.
+
+Outputs are cumulative, so a stream keeps only the newest one: a slow reader skips intermediate
+outputs instead of queueing them, and never loses text, tokens or logprobs.
+
+If the loop dies (an exception in ``step``), every pending request gets ``EngineDeadError`` instead of
+hanging, new requests are refused, and ``is_healthy`` turns False (the server's /health answers 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from tideserve.engine.stat_logger import StatLogger
+from tideserve.engine.stats import EngineStats
+from tideserve.outputs import RequestOutput
+from tideserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How often, at most, the engine thread refreshes its stats snapshot while busy (it always does when idle).
+_STATS_INTERVAL_S = 0.05
+# How long the idle engine thread sleeps between checks when no command arrives.
+_IDLE_WAIT_S = 1.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (it crashed or was shut down); the request cannot be served."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at ``max_queue``; the caller should retry later (HTTP 429)."""
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator; only the newest (cumulative) output is kept.
+
+    Iteration ends after the finished output, or quietly (``aborted`` set) after an abort; it raises
+    ``EngineDeadError`` if the engine loop dies first.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, engine: AsyncEngine) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self._engine = engine
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._event = asyncio.Event()
+        self.finished = False  # a finished output was delivered, or the stream ended otherwise
+        self.aborted = False
+
+    # ---------------------------------------------------------------- called on the event loop
+    def _put(self, output: RequestOutput) -> None:
+        if self.finished:
+            return
+        self._latest = output
+        if output.finished:
+            self._end()
+        self._event.set()
+
+    def _fail(self, error: BaseException) -> None:
+        if not self.finished:
+            self._error = error
+            self._end()
+            self._event.set()
+
+    def _abort(self) -> None:
+        if not self.finished:
+            self.aborted = True
+            self._end()
+            self._event.set()
+
+    def _end(self) -> None:
+        self.finished = True
+        self._engine._release(self.request_id)
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished; safe to call more than once."""
+        if not self.finished:
+            self._engine.abort(self.request_id)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while self._latest is None:
+            if self._error is not None:
+                raise self._error
+            if self.finished:
+                raise StopAsyncIteration
+            self._event.clear()
+            await self._event.wait()
+        out, self._latest = self._latest, None
+        return out
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | Sequence[int]
+    params: SamplingParams
+    prompt_token_ids: list[int] | None
+    stream: RequestStream
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    """Thread-safe, asyncio-facing wrapper of an ``LLMEngine`` (see the module docstring).
+
+    ``max_queue`` caps the requests waiting to be scheduled (those submitted and not yet applied
+    included); beyond it ``add_request`` raises ``QueueFullError``.
+    """
+
+    def __init__(self, engine, *, max_queue: int | None = None, log_stats_interval: float | None = 5.0,
+                 stats_listeners: Sequence = ()) -> None:
+        if max_queue is not None and (not isinstance(max_queue, int) or max_queue < 1):
+            raise ValueError(f"max_queue must be an integer >= 1 (or None for no cap), got {max_queue!r}.")
+        self.engine = engine
+        self.max_queue = max_queue
+        self._cond = threading.Condition()
+        self._commands: collections.deque[_Add | _Abort] = collections.deque()
+        self._pending_adds = 0  # adds queued, not yet applied (guarded by _cond)
+        self._active: dict[str, RequestStream] = {}  # ids in use, from submission to the end of the stream
+        self._active_lock = threading.Lock()
+        self._targets: dict[str, RequestStream] = {}  # engine thread only: admitted requests
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self._stats: EngineStats = engine.stats()
+        self._num_waiting = self._stats.num_requests_waiting
+        self._stats_time = 0.0
+        self._stats_listeners = list(stats_listeners)
+        self._stat_logger = StatLogger(log_stats_interval) if log_stats_interval else None
+        self._thread = threading.Thread(target=self._run, name="tideserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args, **kwargs) -> AsyncEngine:
+        """Load the model (slow: seconds) and start the loop."""
+        from tideserve.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine(args), **kwargs)
+
+    # ---------------------------------------------------------------- read-only views
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def tokenize_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        """The engine's own prompt validation and tokenization; read-only, so safe from any thread."""
+        return self.engine.tokenize_prompt(prompt)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and not self._stopping and self._thread.is_alive()
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    def stats(self) -> EngineStats:
+        """The latest snapshot, taken by the engine thread (never older than one step when busy)."""
+        return self._stats
+
+    def add_stats_listener(self, listener) -> None:
+        """``listener(stats)`` is called on the engine thread after each snapshot; keep it cheap."""
+        self._stats_listeners.append(listener)
+
+    def queue_depth(self) -> int:
+        """Requests waiting to be scheduled: submitted but not applied, plus the scheduler's queue."""
+        with self._cond:
+            return self._pending_adds + self._num_waiting
+
+    def num_active(self) -> int:
+        with self._active_lock:
+            return len(self._active)
+
+    # ---------------------------------------------------------------- submission (any thread, asyncio)
+    async def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
+                          request_id: str | None = None,
+                          prompt_token_ids: list[int] | None = None) -> RequestStream:
+        """Submit a request; returns its stream once the engine accepted it.
+
+        Raises the engine's ``ValueError`` for invalid input (including a duplicate ``request_id``),
+        ``QueueFullError`` at ``max_queue`` and ``EngineDeadError`` when the loop is not running.
+        """
+        self._check_alive()
+        request_id = request_id or uuid.uuid4().hex
+        stream = RequestStream(request_id, asyncio.get_running_loop(), self)
+        with self._active_lock:
+            if request_id in self._active:
+                raise ValueError(f"request_id {request_id!r} is already in use.")
+            self._active[request_id] = stream
+        command = _Add(request_id, prompt, params, prompt_token_ids, stream)
+        with self._cond:
+            depth = self._pending_adds + self._num_waiting
+            if self.max_queue is not None and depth >= self.max_queue:
+                self._release(request_id)
+                raise QueueFullError(
+                    f"The server's waiting queue is full ({depth} requests waiting, "
+                    f"max_queue={self.max_queue}); retry later.")
+            self._pending_adds += 1
+            self._commands.append(command)
+            self._cond.notify()
+        try:
+            await asyncio.wrap_future(command.future)
+        except asyncio.CancelledError:
+            # The caller went away while the command was queued: the add is skipped if not yet applied,
+            # and aborted right after otherwise (commands are applied in order).
+            command.future.cancel()
+            self.abort(request_id)
+            self._release(request_id)
+            raise
+        except BaseException:
+            self._release(request_id)
+            raise
+        return stream
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams,
+                       request_id: str | None = None,
+                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative outputs; leaving the loop early (or being cancelled) aborts the request."""
+        stream = await self.add_request(prompt, params, request_id, prompt_token_ids)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its blocks are freed before the next step); unknown ids are ignored."""
+        with self._cond:
+            self._commands.append(_Abort(request_id))
+            self._cond.notify()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; requests still running end with ``EngineDeadError``."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"The engine loop has died ({type(self._dead).__name__}: {self._dead}).")
+        if self._stopping or not self._thread.is_alive():
+            raise EngineDeadError("The engine is shut down.")
+
+    def _release(self, request_id: str) -> None:
+        with self._active_lock:
+            self._active.pop(request_id, None)
+
+    # ---------------------------------------------------------------- the engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                commands = self._take_commands()
+                if commands is None:
+                    break
+                for command in commands:
+                    self._apply(command)
+                self._count_applied(sum(isinstance(c, _Add) for c in commands))
+                outputs: list[RequestOutput] = []
+                if self.engine.has_unfinished_requests():
+                    step_start = time.monotonic()
+                    outputs = self.engine.step()
+                    for out in outputs:
+                        out.metrics.setdefault("step_start_time", step_start)
+                self._deliver(outputs)
+                self._snapshot(force=not self.engine.has_unfinished_requests())
+            self._fail_all(EngineDeadError("The engine is shut down."))
+        except BaseException as exc:  # noqa: BLE001 - anything that escapes the loop kills it
+            logger.exception("The engine loop died; pending requests fail and /health reports 503")
+            self._dead = exc
+            self._fail_all(EngineDeadError(f"The engine loop has died ({type(exc).__name__}: {exc})."))
+
+    def _take_commands(self) -> list[_Add | _Abort] | None:
+        """Queued commands (waiting for one while idle); None when the loop should stop."""
+        with self._cond:
+            while not self._commands and not self._stopping and not self.engine.has_unfinished_requests():
+                self._cond.wait(_IDLE_WAIT_S)
+            if self._stopping:
+                return None
+            commands = list(self._commands)
+            self._commands.clear()
+            return commands
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            self.engine.abort_request(command.request_id)
+            stream = self._targets.pop(command.request_id, None)
+            if stream is not None:
+                self._post(stream.loop, [(stream, "abort")])
+            return
+        if not command.future.set_running_or_notify_cancel():
+            return  # the caller gave up before the request was applied
+        try:
+            self.engine.add_request(command.prompt, command.params, request_id=command.request_id,
+                                    prompt_token_ids=command.prompt_token_ids)
+        except Exception as exc:  # noqa: BLE001 - the caller gets it; the engine is unchanged
+            command.future.set_exception(exc)
+            return
+        self._targets[command.request_id] = command.stream
+        command.future.set_result(None)
+
+    def _count_applied(self, num_adds: int) -> None:
+        """Move applied adds from the pending count to the scheduler's queue in one step (no gap)."""
+        if num_adds:
+            waiting = self.engine.stats().num_requests_waiting
+            with self._cond:
+                self._pending_adds -= num_adds
+                self._num_waiting = waiting
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs to their streams, one wake-up per event loop per step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            stream = self._targets.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._targets[out.request_id]
+            by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            self._post(loop, items)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._cond:
+            commands = list(self._commands)
+            self._commands.clear()
+            self._pending_adds = 0
+        for command in commands:
+            if isinstance(command, _Add) and command.future.set_running_or_notify_cancel():
+                command.future.set_exception(error)
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream in self._targets.values():
+            by_loop.setdefault(stream.loop, []).append((stream, error))
+        self._targets.clear()
+        for loop, items in by_loop.items():
+            self._post(loop, items)
+
+    @staticmethod
+    def _post(loop: asyncio.AbstractEventLoop, items: list) -> None:
+        try:
+            loop.call_soon_threadsafe(_dispatch, items)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
+            logger.debug("dropping %d outputs for a closed event loop", len(items))
+
+    def _snapshot(self, force: bool) -> None:
+        now = time.monotonic()
+        if not force and now - self._stats_time < _STATS_INTERVAL_S:
+            return
+        self._stats_time = now
+        stats = self.engine.stats()
+        self._stats = stats
+        with self._cond:
+            self._num_waiting = stats.num_requests_waiting
+        for listener in self._stats_listeners:
+            try:
+                listener(stats)
+            except Exception:  # noqa: BLE001 - a metrics bug must not kill the engine
+                logger.exception("stats listener %r failed", listener)
+        if self._stat_logger is not None:
+            self._stat_logger.maybe_log(stats, now)
+
+
+def _dispatch(items: list) -> None:
+    """Runs on the caller's event loop: route outputs, aborts and errors to their streams."""
+    for stream, item in items:
+        if isinstance(item, RequestOutput):
+            stream._put(item)
+        elif isinstance(item, BaseException):
+            stream._fail(item)
+        else:
+            stream._abort()

@@ -1,0 +1,51 @@
+"""Validated settings of the HTTP server (everything that is not an engine setting).
+
+Kept apart from the engine's configs so the server can be built around an already-running engine
+(tests share one loaded model between several servers with different settings).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+API_KEY_ENV = "TIDESERVE_API_KEY"
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # None: the name derived from the model file
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    rate_limit: int | None = None  # requests per minute per API key (or per client address)
+    max_queue: int | None = None  # waiting requests beyond which new ones get 429
+    max_logprobs: int = 20
+    max_n: int = 128  # samples per prompt; guards against a request that would never finish
+    log_prompts: bool = False
+    max_body_bytes: int = 16 * 2**20
+    shutdown_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
+    uvicorn_log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        self.api_keys = tuple(k for k in self.api_keys if k)
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port!r}.")
+        for name in ("rate_limit", "max_queue"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 (or unset), got {value!r}.")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}.")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes!r}.")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout!r}.")
+
+
+def api_keys_from(cli_keys: list[str] | None) -> tuple[str, ...]:
+    """Keys from ``--api-key`` (repeatable) or, when none is given, the TIDESERVE_API_KEY variable."""
+    if cli_keys:
+        return tuple(cli_keys)
+    env = os.environ.get(API_KEY_ENV, "")
+    return (env,) if env else ()

@@ -1,0 +1,171 @@
+"""Prometheus metrics of one server, under vLLM's names so existing dashboards work unchanged.
+
+Each app owns a private ``CollectorRegistry`` (several servers can live in one process, as in the tests).
+Engine-wide numbers (queue lengths, KV cache usage, token and preemption counters, the pool's size and
+fragmentation) are read from the engine's latest ``EngineStats`` snapshot at scrape time, so a scrape
+never touches the engine thread. Per-request latencies are observed by the serving code through
+``RequestTimer``. What vLLM lacks (fragmentation, pool and budget bytes, block size, memory utilization)
+uses the same ``vllm:`` prefix; docs/metrics.md describes each metric.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tideserve.engine.stats import EngineStats
+from tideserve.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+_BLOCK_SIZE_BUCKETS = (8, 16, 32, 64, 128)
+_HTTP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+# (name, help, EngineStats field, scale) of the gauges read from the snapshot.
+_GAUGES = (
+    ("vllm:num_requests_running", "Number of requests in model execution batches.",
+     "num_requests_running", 1),
+    ("vllm:num_requests_waiting", "Number of requests waiting to be scheduled.", "num_requests_waiting", 1),
+    ("vllm:kv_cache_usage_perc", "KV cache usage: used blocks over pool blocks (1 means 100 percent).",
+     "kv_cache_usage", 1),
+    ("vllm:fragmentation_ratio", "Share of allocated KV slots that hold no token (0..1).",
+     "fragmentation_ratio", 1),
+    ("vllm:kv_cache_pool_bytes", "Bytes of the KV cache pool now.", "kv_cache_pool_bytes", 1),
+    ("vllm:kv_cache_pool_blocks", "Blocks in the KV cache pool now.", "kv_cache_pool_blocks", 1),
+    ("vllm:kv_cache_budget_bytes", "Bytes the KV cache pool may grow to.", "kv_cache_budget_bytes", 1),
+    ("vllm:kv_cache_swap_usage_perc", "Usage of the host swap tier (1 means 100 percent).",
+     "swap_pool_usage", 1),
+    ("vllm:memory_utilization", "Device (CUDA) or process (CPU) memory in use over memory available.",
+     "memory_utilization", 1),
+)
+# (name without _total, help, EngineStats field) of the counters read from the snapshot.
+_COUNTERS = (
+    ("vllm:num_preemptions", "Cumulative number of preemptions.", "num_preemptions"),
+    ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+    ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    ("vllm:prompt_tokens", "Number of prefill tokens processed (prompt tokens of admitted requests).",
+     "prompt_tokens"),
+    ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
+)
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], cache_info: dict[str, str]) -> None:
+        self.model_name = model_name
+        self.stats = stats
+        self.cache_info = cache_info
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats()
+        for name, help_text, attr, scale in _GAUGES:
+            g = GaugeMetricFamily(name, help_text, labels=["model_name"])
+            g.add_metric([self.model_name], float(getattr(stats, attr)) * scale)
+            yield g
+        for name, help_text, attr in _COUNTERS:
+            c = CounterMetricFamily(name, help_text, labels=["model_name"])
+            c.add_metric([self.model_name], float(getattr(stats, attr)))
+            yield c
+        if self.cache_info:
+            keys = sorted(self.cache_info)
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
+                                     labels=["model_name", *keys])
+            info.add_metric([self.model_name, *(self.cache_info[k] for k in keys)], 1.0)
+            yield info
+
+
+class ServerMetrics:
+    """The registry of one app: HTTP metrics from the start, engine metrics once a model is attached."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = ""
+        r = self.registry
+        self.http_requests = Counter("http_requests", "HTTP requests by handler, method and status class.",
+                                     ["handler", "method", "status"], registry=r)
+        self.http_duration = Histogram("http_request_duration_seconds", "HTTP request latency.",
+                                       ["handler", "method"], buckets=_HTTP_BUCKETS, registry=r)
+        labels = ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token, in seconds.",
+                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Latency between output tokens, in seconds.",
+                             labels, buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency, in seconds.",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Time a request spent waiting before it was first scheduled, in seconds.",
+                                    labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                                       ["model_name", "finished_reason"], registry=r)
+        self.block_size = Histogram("vllm:kv_cache_block_size",
+                                    "KV cache block sizes chosen (one observation per choice).",
+                                    labels, buckets=_BLOCK_SIZE_BUCKETS, registry=r)
+        self._last_block_size = 0
+
+    def attach_engine(self, model_name: str, stats: Callable[[], EngineStats],
+                      cache_info: dict[str, str] | None = None) -> None:
+        self.model_name = model_name
+        self.registry.register(_EngineStatsCollector(model_name, stats, cache_info or {}))
+        for reason in ("stop", "length", "abort"):  # so rate() works from the first request on
+            self.request_success.labels(model_name, reason)
+        self.on_engine_stats(stats())
+
+    def on_engine_stats(self, stats: EngineStats) -> None:
+        """Called after each engine snapshot: records a new block-size choice."""
+        if stats.kv_cache_block_size and stats.kv_cache_block_size != self._last_block_size:
+            self._last_block_size = stats.kv_cache_block_size
+            self.block_size.labels(self.model_name).observe(stats.kv_cache_block_size)
+
+    def observe_http(self, handler: str, method: str, status: int, seconds: float) -> None:
+        self.http_requests.labels(handler, method, f"{status // 100}xx").inc()
+        self.http_duration.labels(handler, method).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Latency bookkeeping of one engine request, fed with its outputs as they stream."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.arrival = time.monotonic()
+        self._last: float | None = None
+        self._num_tokens = 0
+        self._done = False
+
+    def on_output(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        num_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+        new = num_tokens - self._num_tokens
+        if new <= 0:
+            return
+        name = self.metrics.model_name
+        if self._last is None:
+            self.metrics.ttft.labels(name).observe(now - self.arrival)
+            engine_arrival = out.metrics.get("arrival_time")
+            scheduled = out.metrics.get("first_scheduled_time") or out.metrics.get("step_start_time")
+            if engine_arrival and scheduled:
+                self.metrics.queue_time.labels(name).observe(max(0.0, scheduled - engine_arrival))
+        else:
+            gap = (now - self._last) / new
+            for _ in range(new):
+                self.metrics.itl.labels(name).observe(gap)
+        self._last = now
+        self._num_tokens = num_tokens
+
+    def finish(self, reason: str | None) -> None:
+        if self._done:
+            return
+        self._done = True
+        name = self.metrics.model_name
+        self.metrics.e2e.labels(name).observe(time.monotonic() - self.arrival)
+        self.metrics.request_success.labels(name, reason or "abort").inc()

@@ -1,0 +1,283 @@
+"""What chat and text completions share: the server's state, request checks, sampling parameters,
+running engine requests (with metrics and abort on disconnect) and SSE framing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from tideserve.engine.async_engine import AsyncEngine, RequestStream
+from tideserve.outputs import RequestOutput
+from tideserve.sampling_params import SamplingParams
+from tideserve.serve.config import ServerConfig
+from tideserve.serve.metrics import RequestTimer, ServerMetrics
+from tideserve.serve.openai.errors import OpenAIError, bad_request, error_body, from_exception
+from tideserve.serve.openai.protocol import SamplingRequest
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+@dataclass
+class RequestInfo:
+    """Per-HTTP-request facts the access log line reports; handlers fill the token counts."""
+
+    request_id: str
+    method: str
+    path: str
+    client: str
+    start: float = field(default_factory=time.monotonic)
+    status: int = 500
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+
+
+@dataclass
+class ServerState:
+    """One app's state: its engine (None while loading), settings, metrics and lifecycle flags."""
+
+    config: ServerConfig
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    engine: AsyncEngine | None = None
+    served_names: list[str] = field(default_factory=list)
+    load_error: str | None = None
+    draining: bool = False
+    in_flight: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
+    _ignored_logged: set[str] = field(default_factory=set)
+
+    def attach(self, engine: AsyncEngine) -> None:
+        """Serve ``engine``: names, metrics and the stats listener are set up here."""
+        name = self.config.served_model_name
+        self.served_names = [n for n in (name or "").split(",") if n] or [engine.model_name]
+        cache = engine.engine.cache_config
+        cache_info = {"block_size": str(cache.block_size),
+                      "num_gpu_blocks": str(engine.stats().kv_cache_pool_blocks),
+                      "enable_prefix_caching": str(cache.enable_prefix_caching)}
+        self.metrics.attach_engine(self.served_names[0], engine.stats, cache_info)
+        engine.add_stats_listener(self.metrics.on_engine_stats)
+        self._token_str = functools.lru_cache(maxsize=65536)(
+            lambda tid: engine.tokenizer.decode([tid], skip_special_tokens=False))
+        self.engine = engine
+
+    @property
+    def model_name(self) -> str:
+        return self.served_names[0]
+
+    def check_model(self, requested: str | None) -> None:
+        if requested and requested not in self.served_names:
+            raise OpenAIError(404, f"The model `{requested}` does not exist; this server serves "
+                                   f"{', '.join(repr(n) for n in self.served_names)}.", "model")
+
+    def token_str(self, token_id: int) -> str:
+        return self._token_str(token_id)
+
+    def log_ignored(self, fields: Sequence[str]) -> None:
+        """Warn about unknown request fields, once per field name for the life of the server."""
+        new = [f for f in fields if f not in self._ignored_logged]
+        if new:
+            self._ignored_logged.update(new)
+            logger.warning("The following fields were present in the request but ignored: %s", sorted(new))
+
+
+# ---------------------------------------------------------------------- checks
+def check_context(state: ServerState, num_prompt_tokens: int, max_tokens: int | None,
+                  prompt_param: str, max_tokens_param: str = "max_tokens") -> None:
+    """Refuse what cannot fit in the context, with the wording clients match on."""
+    limit = state.engine.max_model_len
+    what = "messages" if prompt_param == "messages" else "prompt"
+    if num_prompt_tokens >= limit:
+        if max_tokens:
+            detail = (f"However, you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} "
+                      f"in the {what}, {max_tokens} in the completion).")
+        else:
+            detail = (f"However, your {what} has {num_prompt_tokens} tokens, which leaves no room for "
+                      "any output token.")
+        raise bad_request(f"This model's maximum context length is {limit} tokens. {detail} "
+                          f"Please reduce the length of the {what}.", prompt_param)
+    if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {what}, {max_tokens} in "
+            f"the completion). Please reduce the length of the {what} or of the completion "
+            f"({max_tokens_param} <= {limit - num_prompt_tokens}).", max_tokens_param)
+
+
+def check_logprobs(state: ServerState, k: int | None, param: str) -> None:
+    cap = state.config.max_logprobs
+    if k is not None and k > cap:
+        raise bad_request(f"Requested sample logprobs of {k}, which is greater than max allowed: {cap}", param)
+    if k is not None and k < 0:
+        raise bad_request(f"{param} must be an integer >= 0, got {k}.", param)
+
+
+def check_common(state: ServerState, req: SamplingRequest) -> None:
+    state.check_model(req.model)
+    if req.ignored_fields():
+        state.log_ignored(req.ignored_fields())
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options can only be set when stream is true.", "stream_options")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by this server.", "logit_bias")
+    if req.n > state.config.max_n:
+        raise bad_request(f"n must be <= {state.config.max_n}, got {req.n}.", "n")
+
+
+def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """SamplingParams from a request; its ValueError names the parameter (turned into a 400)."""
+    return SamplingParams(
+        n=req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )
+
+
+def safe_logprob(value: float | None) -> float | None:
+    """JSON has no -inf: clamp like vLLM does."""
+    if value is None:
+        return None
+    return max(value, -9999.0) if not math.isnan(value) else -9999.0
+
+
+# ---------------------------------------------------------------------- running requests
+async def submit(state: ServerState, prompts: Sequence[tuple[str | None, list[int]]],
+                 params: SamplingParams, request_id: str) -> list[RequestStream]:
+    """Add one engine request per prompt (ids ``request_id``, or ``request_id-i`` for a batch).
+
+    All or nothing: if one is refused, those already added are aborted.
+    """
+    streams: list[RequestStream] = []
+    try:
+        for i, (text, token_ids) in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            streams.append(await state.engine.add_request(text or token_ids, params, rid,
+                                                          prompt_token_ids=token_ids))
+    except BaseException:
+        for s in streams:
+            s.abort()
+        raise
+    return streams
+
+
+async def merged(state: ServerState, streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, cumulative output) from several streams as they come; times each request.
+
+    Closing the iterator (a disconnect, an error) aborts every stream that has not finished.
+    """
+    timers = [state.metrics.timer() for _ in streams]
+    last: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        if len(streams) == 1:
+            async for out in streams[0]:
+                timers[0].on_output(out)
+                last[0] = out
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out, None))
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((i, None, exc))
+            queue.put_nowait((i, None, None))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, out, exc = await queue.get()
+                if exc is not None:
+                    raise exc
+                if out is None:
+                    remaining -= 1
+                    continue
+                timers[i].on_output(out)
+                last[i] = out
+                yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+    finally:
+        for stream, timer, out in zip(streams, timers, last):
+            stream.abort()
+            reasons = [c.finish_reason for c in out.outputs] if out is not None and out.finished else []
+            timer.finish(_overall_reason(reasons))
+
+
+def _overall_reason(reasons: list[str | None]) -> str:
+    if not reasons or any(r in (None, "abort") for r in reasons):
+        return "abort"
+    return "length" if "length" in reasons else "stop"
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first; then cancel it (which aborts its requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except BaseException:  # noqa: BLE001,S110 - the client is gone; its error has no reader
+        pass
+    raise ClientDisconnected()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    """An error after the stream started: the status is already 200, so it travels as an event."""
+    err = from_exception(exc)
+    return sse(error_body(err.status, err.message, err.param, err.err_type))

@@ -1,0 +1,199 @@
+"""``POST /v1/completions``: text prompts, batches of prompts and token-id prompts, ``echo`` with prompt
+logprobs (how evaluation harnesses score multiple-choice tasks), streaming and non-streaming.
+
+With a batch of P prompts and n samples, choice ``i * n + j`` is sample j of prompt i, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from tideserve.outputs import RequestOutput
+from tideserve.serve.openai.errors import OpenAIError, bad_request
+from tideserve.serve.openai.logprobs import CompletionLogprobs, padded
+from tideserve.serve.openai.protocol import CompletionRequest, usage
+from tideserve.serve.openai.serving import (
+    SSE_DONE,
+    RequestInfo,
+    ServerState,
+    check_common,
+    check_context,
+    check_logprobs,
+    merged,
+    sampling_params,
+    sse,
+    sse_error,
+    submit,
+    until_disconnected,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Prompt:
+    text: str  # what echo returns
+    token_ids: list[int]
+
+
+def _split_prompts(prompt: str | list) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty.", "prompt")
+    return list(prompt)
+
+
+def _tokenize(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
+    prompts = []
+    for i, prompt in enumerate(_split_prompts(req.prompt)):
+        try:
+            text, token_ids = state.engine.tokenize_prompt(prompt)
+        except ValueError as exc:
+            where = "prompt" if isinstance(req.prompt, str) or prompt is req.prompt else f"prompt[{i}]"
+            raise bad_request(f"{where}: {exc}", "prompt") from exc
+        if text is None:
+            text = state.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
+        check_context(state, len(token_ids), req.max_tokens, "prompt")
+        prompts.append(_Prompt(text, token_ids))
+    return prompts
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, raw: Request,
+                            info: RequestInfo) -> Response:
+    check_common(state, req)
+    if req.suffix:
+        raise bad_request("suffix is not supported by this server.", "suffix")
+    check_logprobs(state, req.logprobs, "logprobs")
+    check_logprobs(state, req.prompt_logprobs, "prompt_logprobs")
+    prompts = _tokenize(state, req)
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and req.echo and req.logprobs is not None:
+        prompt_logprobs = req.logprobs
+    params = sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
+    if state.config.log_prompts:
+        logger.info("request_id=%s prompts=%r", info.request_id, [p.text for p in prompts])
+    info.prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    streams = await submit(state, [(None, p.token_ids) for p in prompts], params, info.request_id)
+    response_id = f"cmpl-{info.request_id}"
+    if req.stream:
+        return StreamingResponse(_stream(state, req, prompts, streams, response_id, info),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def collect() -> list[RequestOutput | None]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async with aclosing(merged(state, streams)) as outputs:
+            async for i, out in outputs:
+                finals[i] = out
+        return finals
+
+    finals = await until_disconnected(raw, collect())
+    if any(out is None or not out.finished for out in finals):
+        raise OpenAIError(503, "The request was aborted by the server before it finished.")
+    choices = []
+    completion_tokens = 0
+    for i, out in enumerate(finals):
+        prompt = prompts[i]
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            choices.append({
+                "index": i * req.n + c.index,
+                "text": prompt.text + c.text if req.echo else c.text,
+                "logprobs": _logprobs(state, req, prompt, out, c, echo=req.echo),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            })
+    info.output_tokens = completion_tokens
+    body = {"id": response_id, "object": "text_completion", "created": int(time.time()),
+            "model": state.model_name, "choices": choices,
+            "usage": usage(info.prompt_tokens, completion_tokens)}
+    return JSONResponse(body)
+
+
+def _logprobs(state: ServerState, req: CompletionRequest, prompt: _Prompt, out: RequestOutput, c,
+              echo: bool, start: int = 0, builder: CompletionLogprobs | None = None) -> dict | None:
+    """Logprobs of output tokens [start:], preceded by the prompt's when echoing."""
+    if req.logprobs is None:
+        return None
+    builder = builder or CompletionLogprobs(req.logprobs, state.token_str)
+    end = len(c.token_ids)
+    token_ids = list(c.token_ids[start:end])
+    entries = padded(c.logprobs, end)[start:]
+    if echo:
+        prompt_entries = padded(getattr(out, "prompt_logprobs", None), len(prompt.token_ids))
+        token_ids = prompt.token_ids + token_ids
+        entries = prompt_entries + entries
+    return builder.build(token_ids, entries)
+
+
+@dataclass
+class _ChoiceState:
+    text_len: int = 0
+    num_tokens: int = 0
+    echoed: bool = False
+    done: bool = False
+    builder: CompletionLogprobs | None = None
+
+
+async def _stream(state: ServerState, req: CompletionRequest, prompts: list[_Prompt], streams,
+                  response_id: str, info: RequestInfo):
+    created = int(time.time())
+    n = req.n
+    choices = [_ChoiceState(builder=CompletionLogprobs(req.logprobs or 0, state.token_str))
+               for _ in range(len(prompts) * n)]
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = bool(opts and opts.continuous_usage_stats)
+    completion_tokens = [0] * len(choices)
+
+    def chunk(choice: dict) -> str:
+        payload = {"id": response_id, "object": "text_completion", "created": created,
+                   "model": state.model_name, "choices": [choice]}
+        if include_usage:
+            payload["usage"] = usage(info.prompt_tokens, sum(completion_tokens)) if continuous else None
+        return sse(payload)
+
+    try:
+        async with aclosing(merged(state, streams)) as outputs:
+            async for i, out in outputs:
+                prompt = prompts[i]
+                for c in out.outputs:
+                    index = i * n + c.index
+                    st = choices[index]
+                    if st.done:
+                        continue
+                    delta = c.text[st.text_len:]
+                    num_tokens = len(c.token_ids)
+                    echo_now = req.echo and not st.echoed
+                    if not (delta or num_tokens > st.num_tokens or c.finish_reason or echo_now):
+                        continue
+                    logprobs = _logprobs(state, req, prompt, out, c, echo_now, st.num_tokens, st.builder)
+                    completion_tokens[index] = num_tokens
+                    info.output_tokens = sum(completion_tokens)
+                    text = (prompt.text + delta) if echo_now else delta
+                    st.text_len, st.num_tokens, st.echoed = len(c.text), num_tokens, st.echoed or echo_now
+                    st.done = c.finish_reason is not None
+                    yield chunk({"index": index, "text": text, "logprobs": logprobs,
+                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        for index, st in enumerate(choices):
+            if not st.done:  # aborted by the server (not by this client, who would not be reading)
+                yield chunk({"index": index, "text": "", "logprobs": None, "finish_reason": "abort",
+                             "stop_reason": None})
+        if include_usage:
+            yield sse({"id": response_id, "object": "text_completion", "created": created,
+                       "model": state.model_name, "choices": [],
+                       "usage": usage(info.prompt_tokens, sum(completion_tokens))})
+    except Exception as exc:  # noqa: BLE001 - the status line is gone; report in-band
+        yield sse_error(exc)
+    finally:
+        for stream in streams:  # a client gone before the outputs were read must not keep its blocks
+            stream.abort()
+    yield SSE_DONE
