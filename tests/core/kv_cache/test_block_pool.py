@@ -80,3 +80,52 @@ def test_prefix_caching_off_never_hits():
     kv = KVCacheManager(6, block_size=2, enable_prefix_caching=False)
     kv.allocate_slots("a", [1, 2, 3, 4], 0, 4)
     assert kv.get_computed_blocks("b", [1, 2, 3, 4, 5]) == []
+
+
+def test_compact_moves_live_blocks_into_lowest_holes_and_shrink_releases_tail():
+    kv = KVCacheManager(8, block_size=2, enable_prefix_caching=False)
+    kv.allocate_slots("a", [1] * 6, 0, 6)  # blocks 0, 1, 2
+    kv.allocate_slots("b", [2] * 4, 0, 4)  # blocks 3, 4
+    kv.allocate_slots("c", [3] * 2, 0, 2)  # block 5
+    kv.free("a")
+    assert kv.external_fragmentation() == 3 / 8  # holes 0, 1, 2 sit below live block 5
+    moves = kv.compact(3)
+    assert moves == [(3, 0), (4, 1), (5, 2)]
+    assert kv.block_ids("b") == [0, 1] and kv.block_ids("c") == [2]
+    assert kv.external_fragmentation() == 0.0
+    kv.shrink_to(3)
+    assert kv.num_blocks == 3 and kv.num_free_blocks == 0
+    kv.check_invariants()
+
+
+def test_compact_evicts_cached_prefixes_in_the_tail_only():
+    kv = KVCacheManager(6, block_size=2, enable_prefix_caching=True)
+    kv.allocate_slots("a", [1, 2, 3, 4, 5], 0, 5)  # blocks 0, 1 full and cached; 2 partial
+    kv.allocate_slots("b", [9, 9, 9, 9, 9], 0, 5)  # blocks 3, 4 cached; 5 partial
+    kv.free("a")
+    kv.free("b")
+    kv.compact(3)
+    assert sorted(b.block_id for b in kv.pool.cached.values()) == [0, 1]
+
+
+def test_swap_out_and_in_plans_and_fallback():
+    kv = KVCacheManager(6, block_size=2, enable_prefix_caching=False)
+    kv.enable_swap(2)
+    kv.allocate_slots("a", [1, 2, 3], 0, 3)  # blocks 0, 1
+    kv.allocate_slots("b", [4, 5, 6], 0, 3)  # blocks 2, 3
+    assert kv.swap_out("a") == [(0, 0), (1, 1)]
+    assert kv.num_free_blocks == 4 and kv.swap.num_free == 0
+    assert kv.swap_out("b") is None  # swap pool full: the caller recomputes instead
+    block_ids, pairs = kv.swap_in("a", [1, 2, 3, 7], 3, 1)
+    assert pairs == [(0, block_ids[0]), (1, block_ids[1])] and len(block_ids) == 2
+    assert kv.swap.num_free == 2
+    kv.check_invariants()
+
+
+def test_grow_adds_fresh_blocks_before_cached_ones():
+    kv = KVCacheManager(2, block_size=2, enable_prefix_caching=True)
+    kv.allocate_slots("a", [1, 2, 3], 0, 3)
+    kv.free("a")
+    kv.grow(2)
+    assert kv.pool.free_block_ids()[:2] == [2, 3]  # fresh first: cached blocks live longer
+    assert kv.num_blocks == 4

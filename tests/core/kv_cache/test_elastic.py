@@ -1,0 +1,69 @@
+"""The elastic pool's decisions with a fake clock: budget account, grow, shrink, compaction, block size."""
+
+import pytest
+
+from tideserve.core.kv_cache.elastic import (
+    MARGIN_FLOOR,
+    BlockSizeAdvisor,
+    ElasticConfig,
+    ElasticPolicy,
+    MemoryAccount,
+    predicted_waste,
+    safety_margin,
+)
+
+
+def test_margin_scales_with_weights_and_activations_with_a_floor():
+    assert safety_margin(10, 10) == MARGIN_FLOOR
+    assert safety_margin(20 * 2**30, 2 * 2**30) == int(0.05 * 20 * 2**30 + 0.5 * 2 * 2**30)
+
+
+def test_account_budget():
+    account = MemoryAccount(available_bytes=10 * 2**30, weights_bytes=2**30, activation_bytes=2**30,
+                            margin_bytes=2**29)
+    assert account.budget_bytes == 10 * 2**30 - 2**30 - 2**29
+    assert "KV budget 8.50 GiB" in account.describe()
+
+
+def test_grow_bounded_by_budget_and_machine():
+    policy = ElasticPolicy(ElasticConfig(), min_blocks=10, max_blocks=30)
+    assert policy.grow_target(20, 10, 0, affordable=100) is None  # under the high watermark
+    assert policy.grow_target(20, 18, 0, affordable=100) == 30  # 1.5x, capped by the budget
+    assert policy.grow_target(20, 20, 1, affordable=3) == 23  # the machine affords 3 more
+    assert policy.grow_target(30, 30, 1, affordable=100) is None  # at the budget: preempt instead
+
+
+def test_shrink_only_after_staying_low():
+    policy = ElasticPolicy(ElasticConfig(shrink_delay_s=5), min_blocks=10, max_blocks=1000)
+    assert policy.shrink_target(100, 5, now=0.0) is None  # starts the timer
+    assert policy.shrink_target(100, 5, now=4.0) is None
+    assert policy.shrink_target(100, 50, now=4.5) is None  # usage rose: timer reset
+    assert policy.shrink_target(100, 5, now=5.0) is None
+    assert policy.shrink_target(100, 5, now=10.5) == 10  # floor: min_blocks
+
+
+def test_compaction_after_fragmentation_persists():
+    policy = ElasticPolicy(ElasticConfig(compaction_delay_s=2), min_blocks=1, max_blocks=10)
+    assert not policy.should_compact(0.2, 0.0)
+    assert not policy.should_compact(0.2, 1.0)
+    assert policy.should_compact(0.2, 2.5)
+    assert not policy.should_compact(0.01, 3.0)
+
+
+def test_predicted_waste_and_advisor():
+    assert predicted_waste([16, 32], 16) == pytest.approx(0 + 2 * 1.5)
+    advisor = BlockSizeAdvisor(min_samples=4)
+    for n in [1000, 1020, 990, 1010, 1005]:
+        advisor.observe(n)
+    best, reason = advisor.best(8)
+    assert best >= 32 and "median sequence length" in reason
+    short = BlockSizeAdvisor(min_samples=4)
+    for n in [9, 10, 11, 12, 9]:
+        short.observe(n)
+    assert short.best(128)[0] <= 16
+    assert short.best(short.best(128)[0]) is None  # already the best: no change
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="watermarks"):
+        ElasticConfig(low_watermark=0.9, high_watermark=0.5)
