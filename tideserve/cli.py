@@ -1,4 +1,4 @@
-"""Command line: ``tideserve generate`` and ``tideserve chat``."""
+"""Command line: ``tideserve serve``, ``tideserve generate`` and ``tideserve chat``."""
 
 from __future__ import annotations
 
@@ -12,12 +12,16 @@ from tideserve.sampling_params import SamplingParams
 
 def _size(text: str) -> int:
     """'4GiB', '512MiB', '2GB' or a plain byte count."""
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-    t = text.strip().lower()
-    for unit, mult in units.items():
-        if t.endswith(unit):
-            return int(float(t[: -len(unit)]) * mult)
-    return int(t)
+    from tideserve.config import parse_size
+
+    try:
+        return int(parse_size(text, "size"))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _block_size(text: str) -> int | str:
+    return "auto" if text == "auto" else int(text)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -30,17 +34,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory", type=_size, default=None, help="fixed KV pool size, e.g. 4GiB")
-    g.add_argument("--enable-prefix-caching", action="store_true")
     g.add_argument("--seed", type=int, default=0)
+    kv = p.add_argument_group("KV cache (elastic by default: sized from measurement, grows and shrinks)")
+    kv.add_argument("--block-size", type=_block_size, default="auto",
+                    help="8, 16, 32, 64, 128 or auto (chosen from the workload)")
+    kv.add_argument("--kv-cache-memory", default=None,
+                    help="fix the pool at this size, e.g. 4GiB (static mode)")
+    kv.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="fix the pool at this share of device (or host) memory (static mode)")
+    kv.add_argument("--num-blocks", type=int, default=None, help="fix the pool at this many blocks")
+    kv.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
+                    default=True)
+    kv.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    kv.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    kv.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swap preemption")
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:
     keys = ["model", "dtype", "device", "max_model_len", "allow_long_max_model_len", "max_num_seqs",
             "max_num_batched_tokens", "enable_chunked_prefill", "block_size", "num_blocks",
-            "kv_cache_memory", "enable_prefix_caching", "seed"]
+            "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "preemption_mode",
+            "swap_space", "seed"]
     return {k: getattr(ns, k) for k in keys}
 
 
@@ -103,10 +117,48 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     add_bench_subcommands(sub, add_engine_args)
 
 
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None,
+                   help="name(s) clients use, comma-separated (default: derived from the model file)")
+    g.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' (repeatable; default: $TIDESERVE_API_KEY)")
+    g.add_argument("--rate-limit", type=int, default=None, help="requests per minute per API key")
+    g.add_argument("--max-queue", type=int, default=None,
+                   help="waiting requests beyond which new ones get 429")
+    g.add_argument("--max-logprobs", type=int, default=20)
+    g.add_argument("--max-body-size", type=_size, default=16 * 2**20, help="largest request body, e.g. 16MiB")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for in-flight requests")
+    g.add_argument("--log-prompts", action="store_true", help="log prompt text (off: only token counts)")
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from tideserve.engine.async_engine import AsyncEngine
+    from tideserve.engine.llm_engine import EngineArgs
+    from tideserve.serve.config import ServerConfig, api_keys_from
+    from tideserve.serve.openai.server import run_server
+
+    config = ServerConfig(
+        host=ns.host, port=ns.port, served_model_name=ns.served_model_name,
+        api_keys=api_keys_from(ns.api_key), rate_limit=ns.rate_limit, max_queue=ns.max_queue,
+        max_logprobs=ns.max_logprobs, log_prompts=ns.log_prompts, max_body_bytes=ns.max_body_size,
+        shutdown_timeout=ns.shutdown_timeout)
+    args = EngineArgs(**engine_kwargs(ns))
+    args.configs()  # validate engine flags before the server starts listening
+    return run_server(config, lambda: AsyncEngine.from_engine_args(args, max_queue=config.max_queue))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tideserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    add_server_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
     gen = sub.add_parser("generate", help="generate completions for prompts (args or stdin lines)")
     gen.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
     add_engine_args(gen)
