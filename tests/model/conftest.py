@@ -45,7 +45,7 @@ class PagedCache:
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
-        decode_contexts: list[list[int]] = []
+        decode_contexts: list[tuple[list[int], int]] = []  # (block table, context length)
         prefills: list[PrefillSpan] = []
         for rid, tokens in chunks:
             cached = self.num_cached.setdefault(rid, 0)
@@ -59,7 +59,7 @@ class PagedCache:
             slot_mapping += self.slots(rid, cached, end)
             if len(tokens) == 1:
                 assert not prefills, "single-token queries must come before prefills"
-                decode_contexts.append(self.slots(rid, 0, end))
+                decode_contexts.append((list(table), end))
             elif cached == 0:
                 prefills.append(PrefillSpan(start=start_index, query_len=len(tokens), context_len=end))
             else:
@@ -73,10 +73,11 @@ class PagedCache:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping), prefills=prefills,
                                  num_decode_tokens=len(decode_contexts))
         if decode_contexts:
-            width = max(len(c) for c in decode_contexts)
-            meta.decode_slots = torch.tensor([c + [0] * (width - len(c)) for c in decode_contexts])
+            width = max(len(t) for t, _ in decode_contexts)
+            meta.decode_block_tables = torch.tensor([t + [t[0]] * (width - len(t)) for t, _ in decode_contexts])
+            keys = width * self.block_size
             meta.decode_mask = torch.tensor(
-                [[True] * len(c) + [False] * (width - len(c)) for c in decode_contexts])[:, None, None, :]
+                [[True] * n + [False] * (keys - n) for _, n in decode_contexts])[:, None, None, :]
         return torch.tensor(input_ids), torch.tensor(positions), meta
 
 

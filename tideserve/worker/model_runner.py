@@ -325,12 +325,11 @@ class ModelRunner:
         ends = starts + counts  # context length after this step
         if num_decodes:
             ctx = ends[:num_decodes]
-            max_ctx = int(ctx.max())
-            nb = -(-max_ctx // bs)
-            slots = (tables[:num_decodes, :nb, None] * bs + np.arange(bs)).reshape(num_decodes, -1)[:, :max_ctx]
-            valid = np.arange(max_ctx)[None, :] < ctx[:, None]
-            slots = np.where(valid, slots, slots[:, :1])  # padding reads the request's own first slot
-            meta.decode_slots = to_dev(slots)
+            nb = -(-int(ctx.max()) // bs)
+            tables_d = tables[:num_decodes, :nb]
+            used = np.arange(nb)[None, :] < -(-ctx[:, None] // bs)
+            meta.decode_block_tables = to_dev(np.where(used, tables_d, tables_d[:, :1]))
+            valid = np.arange(nb * bs)[None, :] < ctx[:, None]
             meta.decode_mask = to_dev(valid[:, None, None, :])
         for i in range(num_decodes, len(order)):
             q_len, start, ctx_len = int(counts[i]), int(starts[i]), int(ends[i])

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+_HAS_ENABLE_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
 
 @dataclass
 class PrefillSpan:
@@ -35,20 +37,41 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes in the cache
     num_decode_tokens: int = 0  # the first num_decode_tokens tokens are single-token queries
-    decode_slots: torch.Tensor | None = None  # [num_decodes, max_context] int64, padded with slot 0
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context] bool, True = real key
+    # [num_decodes, max_blocks] int64 block tables, padded with each request's own first block (so a
+    # padded read never touches a block that was not written), and the mask of real keys:
+    # [num_decodes, 1, 1, max_blocks * block_size] bool, True = a key of this request.
+    decode_block_tables: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
           mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
-    """q: [B, H, Lq, D]; k, v: [B, KVH, Lk, D]. Grouped-query heads are expanded here when needed."""
+    """q: [B, H, Lq, D]; k, v: [B, KVH, Lk, D]. Grouped-query heads share K/V without copies where the
+    installed torch supports it."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if num_heads != num_kv_heads:
+        if _HAS_ENABLE_GQA:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                                  enable_gqa=True)
         group = num_heads // num_kv_heads
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Single-token queries. q: [B, H, D]; k, v: [B, KVH, L, D]; mask: [B, 1, 1, L].
+
+    The query heads that share one KV head become that head's "query rows" ([B, KVH, group, D]), so
+    grouped-query attention reads each KV head once and never copies it per query head.
+    """
+    b, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    qg = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(b, num_heads, head_dim)
 
 
 def paged_attention(
@@ -74,13 +97,14 @@ def paged_attention(
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
     if nd:
-        assert meta.decode_slots is not None
-        b, lk = meta.decode_slots.shape
-        idx = meta.decode_slots.reshape(-1)
-        kd = k_flat.index_select(0, idx).view(b, lk, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-        vd = v_flat.index_select(0, idx).view(b, lk, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-        qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
-        out[:nd] = _sdpa(qd, kd, vd, scale, mask=meta.decode_mask).squeeze(2)
+        assert meta.decode_block_tables is not None and meta.decode_mask is not None
+        # Whole blocks are gathered (a few large copies, not one per token), then viewed as keys.
+        b, nb = meta.decode_block_tables.shape
+        idx = meta.decode_block_tables.reshape(-1)
+        lk = nb * k_cache.shape[1]
+        kd = k_cache.index_select(0, idx).view(b, lk, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+        vd = v_cache.index_select(0, idx).view(b, lk, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+        out[:nd] = _decode_attention(q[:nd], kd, vd, meta.decode_mask, scale)
     for span in meta.prefills:
         end = span.start + span.query_len
         qs = q[span.start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
