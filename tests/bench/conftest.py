@@ -102,7 +102,8 @@ def _share_loaded_models() -> Iterator[None]:
     from tideserve.engine import llm_engine
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(tokenizer_module, "load_tokenizer", functools.lru_cache(maxsize=4)(tokenizer_module.load_tokenizer))
+    cached = functools.lru_cache(maxsize=4)
+    mp.setattr(tokenizer_module, "load_tokenizer", cached(tokenizer_module.load_tokenizer))
     mp.setattr(llm_engine, "load_model", functools.lru_cache(maxsize=4)(llm_engine.load_model))
     mp.setattr(llm_engine, "load_tokenizer", functools.lru_cache(maxsize=4)(llm_engine.load_tokenizer))
     yield

@@ -11,11 +11,13 @@ ENGINE = ["--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "128",
 
 def test_offline_bench_reports_exact_counts_and_counts_refused_requests(tokenizer_path, tmp_path):
     # Three good prompts, and one whose output cannot fit max_model_len: the engine refuses it.
-    lines = [{"prompt": "The tide comes in", "output_len": 4}, {"prompt": "Paged attention is", "output_len": 4},
-             {"prompt": "A scheduler decides", "output_len": 4}, {"prompt": "Too long", "output_len": 1000}]
+    lines = [{"prompt": p, "output_len": 4}
+             for p in ("The tide comes in", "Paged attention is", "A scheduler decides")]
+    lines.append({"prompt": "Too long", "output_len": 1000})
     (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
     out = tmp_path / "offline.json"
-    rc = main(["bench", "offline", *ENGINE, "--dataset", "prompts-file", "--dataset-path", str(tmp_path / "p.jsonl"),
+    rc = main(["bench", "offline", *ENGINE, "--dataset", "prompts-file",
+               "--dataset-path", str(tmp_path / "p.jsonl"),
                "--num-prompts", "4", "--ignore-eos", "--max-concurrency", "2", "--save-result", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())

@@ -84,7 +84,8 @@ def _num_added_special(tokenizer: TokenizerLike) -> int:
 
 
 def text_of_length(tokenizer: TokenizerLike, rng: random.Random, length: int,
-                   pool: list[int] | None = None, prefix_ids: list[int] | None = None) -> tuple[str, list[int]]:
+                   pool: list[int] | None = None,
+                   prefix_ids: list[int] | None = None) -> tuple[str, list[int]]:
     """Random text that ``encode``s to exactly ``length`` tokens, and those ids.
 
     ``prefix_ids`` (plain ids, no special tokens) lead the text. Decoding random ids and re-encoding

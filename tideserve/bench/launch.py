@@ -37,7 +37,8 @@ class ServerProcess:
     """
 
     def __init__(self, cmd: Sequence[str], port: int, *, env: dict[str, str] | None = None,
-                 ready_path: str = "/v1/models", ready_timeout_s: float = 300.0, name: str = "server") -> None:
+                 ready_path: str = "/v1/models", ready_timeout_s: float = 300.0,
+                 name: str = "server") -> None:
         self.cmd = list(cmd)
         self.port = port
         self.env = {**os.environ, **(env or {})}
@@ -75,8 +76,8 @@ class ServerProcess:
         url = self.base_url + self.ready_path
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before it was ready:\n"
-                                   f"{self.log_tail()}")
+                code, tail = self.proc.returncode, self.log_tail()
+                raise RuntimeError(f"{self.name} exited with code {code} before it was ready:\n{tail}")
             try:
                 if httpx.get(url, timeout=2.0, trust_env=False).status_code == 200:
                     logger.info("%s is ready at %s", self.name, self.base_url)

@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 
 
 def _params(req: SampleRequest, ignore_eos: bool, temperature: float, seed: int | None) -> SamplingParams:
-    return SamplingParams(temperature=temperature, max_tokens=req.output_len, ignore_eos=ignore_eos, seed=seed)
+    return SamplingParams(temperature=temperature, max_tokens=req.output_len, ignore_eos=ignore_eos,
+                          seed=seed)
 
 
 def _run(llm: Any, requests: list[SampleRequest], max_concurrency: int | None, ignore_eos: bool,

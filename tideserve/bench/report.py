@@ -260,6 +260,16 @@ def format_sweep(result: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------- plot
+def set_concurrency_axis(ax: Any, ticks: list[int]) -> None:
+    """Log-2 x axis labelled with the concurrency levels themselves (1, 8, 32), not powers of two."""
+    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_locator(NullLocator())
+
+
 def plot_results(results: list[dict[str, Any]], output: str | Path, title: str | None = None) -> Path:
     """Output tok/s and p99 TTFT / TPOT against concurrency, one line per labelled result."""
     import matplotlib
@@ -281,9 +291,11 @@ def plot_results(results: list[dict[str, Any]], output: str | Path, title: str |
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
             ax.set_ylabel(ylabel)
+    ticks = sorted({r["max_concurrency"] or r["metrics"]["completed"] + r["metrics"]["failed"]
+                    for result in results for r in result["runs"]})
     for ax, (_, _, ylabel) in zip(axes, panels):
         ax.set_xlabel("max concurrency")
-        ax.set_xscale("log", base=2)
+        set_concurrency_axis(ax, ticks)
         ax.set_title(ylabel)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")

@@ -1,0 +1,386 @@
+"""tideserve against its peers, in one run, on the same model file, prompts, output lengths and dtype.
+
+Engines (each skipped with a note when it cannot run here):
+  tideserve-offline  the engine in-process (tideserve bench offline's loop), prefix caching on
+  tideserve-serve    `tideserve serve` as a subprocess, measured over HTTP by `tideserve bench serve`'s client
+  hf-static          transformers generate() on padded batches of `concurrency` prompts
+  hf-cb              transformers' continuous batching (ContinuousBatchingManager), if installed
+  llama-server       llama.cpp's OpenAI server (--llama-server PATH or on PATH), one slot per request
+
+Workloads:
+  fixed          random prompts (input-len +-50%), exactly 128 output tokens
+  mixed          prompt 20-1000 and output 16-512 tokens, log-uniform, seeded: static batching pays for
+                 its stragglers
+  shared-prefix  64 requests sharing one 500-token system prompt (prefix caching), 128 output tokens
+
+Every engine sees the same token ids (servers get the text that encodes to them), ignores EOS and is
+greedy. "Concurrency C" means at most C requests in flight; latencies run from a request's submission.
+The ratio column is the engine's output tok/s over tideserve's in the same mode (in-process peers against
+tideserve-offline, HTTP peers against tideserve-serve).
+
+    .venv/bin/python benchmarks/compare.py --quick --out /tmp/compare-quick.md      # smoke run, minutes
+    .venv/bin/python benchmarks/compare.py                                          # full run, hours on CPU
+
+Writes a markdown table (also printed), a JSON file with every number and a PNG chart next to it
+(default docs/compare-<date>.{md,json,png}).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # peers.py, when run from anywhere
+import peers
+
+from tideserve.bench.datasets import SampleRequest, mixed_requests, random_requests
+from tideserve.bench.launch import ServerProcess, free_port
+from tideserve.bench.report import compute_metrics, environment, set_concurrency_axis
+
+logger = logging.getLogger("compare")
+
+ENGINES = ("tideserve-offline", "hf-static", "hf-cb", "tideserve-serve", "llama-server")
+HTTP_ENGINES = {"tideserve-serve", "llama-server"}
+WORKLOADS = ("fixed", "mixed", "shared-prefix")
+DEFAULT_LEVELS = "1,8,32,64"
+
+
+@dataclasses.dataclass
+class Sizes:
+    """Workload shapes; --quick shrinks them to a smoke run."""
+
+    num_prompts: int = 64
+    input_len: int = 256
+    output_len: int = 128
+    mixed_input: tuple[int, int] = (20, 1000)
+    mixed_output: tuple[int, int] = (16, 512)
+    prefix_len: int = 500
+    prefix_suffix_len: int = 64
+
+
+QUICK = Sizes(num_prompts=4, input_len=32, output_len=16, mixed_input=(20, 200), mixed_output=(8, 32),
+              prefix_len=500, prefix_suffix_len=16)
+
+
+def build_workloads(tokenizer: Any, names: list[str], sizes: Sizes,
+                    seed: int) -> dict[str, list[SampleRequest]]:
+    out: dict[str, list[SampleRequest]] = {}
+    for name in names:
+        if name == "fixed":
+            reqs = random_requests(tokenizer, sizes.num_prompts, sizes.input_len, sizes.output_len, 0.5, seed)
+            out[name] = [dataclasses.replace(r, output_len=sizes.output_len) for r in reqs]
+        elif name == "mixed":
+            out[name] = mixed_requests(tokenizer, sizes.num_prompts, seed, sizes.mixed_input,
+                                       sizes.mixed_output)
+        elif name == "shared-prefix":
+            reqs = random_requests(tokenizer, sizes.num_prompts, sizes.prefix_suffix_len, sizes.output_len,
+                                   0.5, seed, prefix_len=sizes.prefix_len)
+            out[name] = [dataclasses.replace(r, output_len=sizes.output_len) for r in reqs]
+        else:
+            raise ValueError(f"workload {name!r} is not one of {', '.join(WORKLOADS)}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------- engines
+Runner = Callable[[list[SampleRequest], int], dict[str, Any]]
+
+
+def _summary(records: list, duration: float, concurrency: int) -> dict[str, Any]:
+    return compute_metrics(records, duration, max_concurrency=concurrency)
+
+
+def measure(engine: str, runner: Runner, workloads: dict[str, list[SampleRequest]], levels: list[int],
+            rows: list[dict[str, Any]]) -> None:
+    """Warm the engine up once, then run every workload at every concurrency level."""
+    first = next(iter(workloads.values()))
+    runner([dataclasses.replace(r, output_len=min(r.output_len, 4)) for r in first[:2]], 2)  # warmup
+    for name, reqs in workloads.items():
+        for c in levels:
+            t0 = time.perf_counter()
+            metrics = runner(reqs, c)
+            logger.info("%s %s c=%d: %.1f output tok/s, %d ok, %d failed (%.0fs)", engine, name, c,
+                        metrics["output_throughput"], metrics["completed"], metrics["failed"],
+                        time.perf_counter() - t0)
+            rows.append({"engine": engine, "workload": name, "concurrency": c, "metrics": metrics})
+
+
+def run_tideserve_offline(args: argparse.Namespace, workloads: dict, levels: list[int], rows: list) -> None:
+    from tideserve import LLM
+    from tideserve.bench.offline import run_offline_benchmark
+
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(levels), enable_prefix_caching=True,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+
+    def runner(reqs: list[SampleRequest], c: int) -> dict[str, Any]:
+        return run_offline_benchmark(llm, reqs, max_concurrency=c, ignore_eos=True, progress=False)["metrics"]
+
+    measure("tideserve-offline", runner, workloads, levels, rows)
+
+
+def run_hf(args: argparse.Namespace, workloads: dict, levels: list[int], rows: list, engines: list[str],
+           notes: list[str]) -> None:
+    model = peers.load_hf_model(args.model, args.torch_dtype)
+    pad = model.generation_config.eos_token_id
+    pad = pad[0] if isinstance(pad, list) else (pad if pad is not None else 0)
+
+    def static(reqs: list[SampleRequest], c: int) -> dict[str, Any]:
+        return _summary(*peers.run_hf_static(model, pad, reqs, c), c)
+
+    def continuous(reqs: list[SampleRequest], c: int) -> dict[str, Any]:
+        return _summary(*peers.run_hf_continuous(model, reqs, c, args.max_num_batched_tokens), c)
+
+    if "hf-static" in engines:
+        measure("hf-static", static, workloads, levels, rows)
+    if "hf-cb" in engines:
+        if peers.has_continuous_batching(model):
+            measure("hf-cb", continuous, workloads, levels, rows)
+        else:
+            notes.append("hf-cb skipped: this transformers has no continuous batching (generate_batch).")
+
+
+def _http_runner(base_url: str, model: str) -> Runner:
+    from tideserve.bench.serve import ServeBenchConfig, run_serve_benchmark
+
+    def runner(reqs: list[SampleRequest], c: int) -> dict[str, Any]:
+        cfg = ServeBenchConfig(base_url=base_url, model=model, endpoint="completions", max_concurrency=c,
+                               ignore_eos=True, progress=False, ready_timeout_s=300)
+        return run_serve_benchmark(reqs, cfg)["metrics"]  # usage from the server; no tokenizer fallback
+
+    return runner
+
+
+def run_tideserve_serve(args: argparse.Namespace, workloads: dict, levels: list[int], rows: list,
+                        notes: list[str]) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("tideserve.serve.openai.server") is None:
+        notes.append("tideserve-serve skipped: tideserve.serve.openai.server is not installed yet.")
+        return
+    from tideserve.bench.serve import discover_model
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "tideserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--model", args.model, "--dtype", args.dtype, "--max-num-seqs", str(max(levels)),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--enable-prefix-caching"]
+    args.commands.append(" ".join(cmd))
+    with ServerProcess(cmd, port, env=_thread_env(args.threads), name="tideserve-serve") as srv:
+        runner = _http_runner(srv.base_url, discover_model(srv.base_url))
+        measure("tideserve-serve", runner, workloads, levels, rows)
+
+
+def run_llama_server(args: argparse.Namespace, workloads: dict, levels: list[int], rows: list,
+                     notes: list[str]) -> None:
+    binary = args.llama_server or shutil.which("llama-server")
+    if not binary:
+        notes.append("llama-server skipped: no binary (pass --llama-server PATH; "
+                     "shared/peers/build_llama_server.sh builds one).")
+        return
+    if not Path(args.model).is_file():
+        notes.append(f"llama-server skipped: it needs a GGUF file, and {args.model} is not one.")
+        return
+    try:
+        version = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30,
+                                 check=False)
+        args.versions["llama-server"] = (version.stdout + version.stderr).strip().splitlines()[-1:]
+    except (OSError, subprocess.SubprocessError) as exc:
+        notes.append(f"llama-server skipped: {binary} --version failed ({exc}).")
+        return
+    ctx = max(r.prompt_len + r.output_len for reqs in workloads.values() for r in reqs) + 16
+    for c in levels:  # slots are fixed at start, so one server per concurrency level
+        port = free_port()
+        cmd = peers.llama_server_command(binary, args.model, port, c, ctx, args.threads)
+        args.commands.append(" ".join(cmd))
+        with ServerProcess(cmd, port, ready_path="/health", name="llama-server") as srv:
+            measure("llama-server", _http_runner(srv.base_url, "llama"), workloads, [c], rows)
+
+
+def _thread_env(threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+# --------------------------------------------------------------------------------------------- report
+def _ms(stats: dict[str, Any], key: str) -> str:
+    v = stats.get(key)
+    return "-" if v is None else f"{v:.0f}"
+
+
+def build_table(rows: list[dict[str, Any]]) -> str:
+    """One markdown table: every engine at every workload and concurrency, with the ratio to tideserve."""
+    ref = {(r["workload"], r["concurrency"], r["engine"]): r["metrics"]["output_throughput"] for r in rows}
+    header = ("| workload | conc. | engine | output tok/s | vs tideserve | TTFT p50 (ms) | TTFT p99 (ms) "
+              "| E2E p50 (ms) | E2E p99 (ms) | ok / failed |\n"
+              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    lines = [header]
+    order = {e: i for i, e in enumerate(ENGINES)}
+    rows = sorted(rows, key=lambda r: (WORKLOADS.index(r["workload"]), r["concurrency"], order[r["engine"]]))
+    for r in rows:
+        m = r["metrics"]
+        base = "tideserve-serve" if r["engine"] in HTTP_ENGINES else "tideserve-offline"
+        base_tps = ref.get((r["workload"], r["concurrency"], base))
+        ratio = f"{m['output_throughput'] / base_tps:.2f}x" if base_tps else "n/a"
+        lines.append(f"| {r['workload']} | {r['concurrency']} | {r['engine']} | {m['output_throughput']:.1f} "
+                     f"| {ratio} | {_ms(m['ttft_ms'], 'median')} | {_ms(m['ttft_ms'], 'p99')} "
+                     f"| {_ms(m['e2el_ms'], 'median')} | {_ms(m['e2el_ms'], 'p99')} "
+                     f"| {m['completed']} / {m['failed']} |")
+    return "\n".join(lines)
+
+
+def draw_chart(rows: list[dict[str, Any]], workloads: list[str], path: Path) -> None:
+    """Output tok/s (top) and p99 TTFT (bottom) against concurrency, one panel per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(workloads), figsize=(5 * len(workloads), 8), squeeze=False)
+    for col, wl in enumerate(workloads):
+        for engine in ENGINES:
+            pts = sorted((r["concurrency"], r["metrics"]) for r in rows
+                         if r["workload"] == wl and r["engine"] == engine and r["metrics"]["completed"])
+            if not pts:
+                continue
+            xs = [p[0] for p in pts]
+            axes[0][col].plot(xs, [p[1]["output_throughput"] for p in pts], marker="o", label=engine)
+            axes[1][col].plot(xs, [p[1]["ttft_ms"]["p99"] for p in pts], marker="o", label=engine)
+        axes[0][col].set_title(f"{wl}: output tok/s")
+        axes[1][col].set_title(f"{wl}: p99 TTFT (ms)")
+        for ax in (axes[0][col], axes[1][col]):
+            set_concurrency_axis(ax, sorted({r["concurrency"] for r in rows}))
+            ax.set_xlabel("concurrency")
+            ax.grid(True, alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+DEFINITIONS = (
+    "Concurrency C = at most C requests in flight (static batching: batches of C). Latencies are from a "
+    "request's submission. *vs tideserve* = output tok/s over tideserve's in the same mode (in-process "
+    "peers vs tideserve-offline, HTTP peers vs tideserve-serve). EOS is ignored everywhere; output tok/s "
+    "counts requested tokens only (static batching's extra steps for shorter requests are not output). "
+    "llama.cpp computes on the GGUF's quantized weights; the others dequantize them to the dtype above."
+)
+
+
+def write_report(args: argparse.Namespace, rows: list, notes: list[str], workloads: dict, out: Path) -> str:
+    env = environment() | {k: str(v) for k, v in args.versions.items()}
+    shapes = []
+    for name, reqs in workloads.items():
+        ins, outs = [r.prompt_len for r in reqs], [r.output_len for r in reqs]
+        shapes.append(f"- {name}: {len(reqs)} requests, prompt {min(ins)}-{max(ins)} tokens "
+                      f"(mean {sum(ins) / len(ins):.0f}), output {min(outs)}-{max(outs)} "
+                      f"(mean {sum(outs) / len(outs):.0f})")
+    title = f"# tideserve vs peers ({time.strftime('%Y-%m-%d %H:%M')})"
+    setup = (f"Model: `{args.model}`, dtype {args.dtype}, {args.threads} CPU thread(s) per engine, "
+             f"max_num_batched_tokens {args.max_num_batched_tokens}, seed {args.seed}.")
+    text = [title + (" — quick smoke run, numbers not meaningful" if args.quick else ""), "",
+            f"Command: `{' '.join(sys.argv)}`", "", setup, "",
+            "Machine and versions: " + ", ".join(f"{k} {v}" for k, v in env.items()), "",
+            "Workloads:", *shapes, "", DEFINITIONS, "", build_table(rows), ""]
+    if notes:
+        text += ["Notes:", *[f"- {n}" for n in notes], ""]
+    if args.commands:
+        text += ["Servers were started with:", *[f"- `{c}`" for c in args.commands], ""]
+    text.append(f"![chart]({out.with_suffix('.png').name})")
+    return "\n".join(text) + "\n"
+
+
+# --------------------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded SmolLM2)")
+    ap.add_argument("--dtype", default="auto", help="one dtype for every engine (auto: what tideserve picks)")
+    ap.add_argument("--concurrency", default=DEFAULT_LEVELS, help="comma-separated levels")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--num-prompts", type=int, default=None, help="requests per workload (64; quick: 4)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads per engine (default: torch's)")
+    ap.add_argument("--llama-server", default=None, help="path of a llama-server binary (default: PATH)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="tiny workloads, concurrency 1,4: a smoke run")
+    ap.add_argument("--out", default=None, help="markdown output (default docs/compare-<date>.md)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tideserve.model.loader import resolve_dtype, resolve_model_path
+    from tideserve.tokenizer.tokenizer import load_tokenizer
+
+    path, _ = resolve_model_path(args.model)
+    args.model = str(path)
+    args.torch_dtype = resolve_dtype(args.dtype, "cpu")
+    args.dtype = str(args.torch_dtype).removeprefix("torch.")  # pin "auto" so every engine gets the same
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.threads = torch.get_num_threads()
+    args.commands, args.versions = [], {}
+    import transformers
+
+    args.versions["transformers"] = transformers.__version__
+    sizes = dataclasses.replace(QUICK if args.quick else Sizes())
+    if args.num_prompts:
+        sizes.num_prompts = args.num_prompts
+    levels = [int(x) for x in args.concurrency.split(",")]
+    if args.quick and args.concurrency == DEFAULT_LEVELS:
+        levels = [1, 4]
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = set(engines) - set(ENGINES)
+    if unknown:
+        raise SystemExit(f"unknown engine(s) {sorted(unknown)}; choose from {', '.join(ENGINES)}")
+    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    workloads = build_workloads(load_tokenizer(args.model), names, sizes, args.seed)
+
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    steps: list[tuple[str, Callable[[], None]]] = [
+        ("tideserve-offline", lambda: run_tideserve_offline(args, workloads, levels, rows)),
+        ("hf", lambda: run_hf(args, workloads, levels, rows, engines, notes)),
+        ("tideserve-serve", lambda: run_tideserve_serve(args, workloads, levels, rows, notes)),
+        ("llama-server", lambda: run_llama_server(args, workloads, levels, rows, notes)),
+    ]
+    for name, step in steps:
+        wanted = {"hf-static", "hf-cb"} & set(engines) if name == "hf" else name in engines
+        if not wanted:
+            continue
+        try:
+            step()
+            gc.collect()  # free one engine's weights before the next loads
+        except Exception as exc:  # one broken peer must not lose the others' numbers
+            logger.exception("%s failed", name)
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            notes.append(f"{name} failed: {type(exc).__name__}: {first_line}")
+
+    out = Path(args.out) if args.out else Path("docs") / f"compare-{time.strftime('%Y%m%d-%H%M')}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = write_report(args, rows, notes, workloads, out)
+    out.write_text(report)
+    out.with_suffix(".json").write_text(json.dumps({
+        "command": sys.argv, "model": args.model, "dtype": args.dtype, "threads": args.threads,
+        "environment": environment() | {k: str(v) for k, v in args.versions.items()},
+        "levels": levels, "notes": notes, "rows": rows}, indent=2, default=str))
+    if rows:
+        draw_chart(rows, names, out.with_suffix(".png"))
+    print(report)
+    print(f"wrote {out}, {out.with_suffix('.json')}" + (f", {out.with_suffix('.png')}" if rows else ""))
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
