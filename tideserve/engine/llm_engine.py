@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from tideserve.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_max_model_len
-from tideserve.core.kv_cache.manager import KVCacheManager
 from tideserve.core.kv_cache.elastic import ElasticConfig, ElasticPolicy, MemoryAccount, safety_margin
+from tideserve.core.kv_cache.manager import KVCacheManager
 from tideserve.core.kv_cache.memory import MemoryProbe, SystemMemoryProbe
 from tideserve.core.scheduler import Scheduler
 from tideserve.engine.output_processor import OutputProcessor
@@ -33,7 +33,7 @@ from tideserve.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 GiB = 2**30
-# The "average request" a static pool must hold max_num_seqs of (capped at max_model_len).
+# The "average request" a static pool must hold max_num_seqs of: a quarter of max_model_len, capped.
 AVERAGE_REQUEST_TOKENS = 512
 
 
@@ -132,7 +132,8 @@ class LLMEngine:
             activation = self.runner.profile_activation_bytes(
                 min(sched.max_num_batched_tokens, self.max_model_len), sched.max_num_seqs)
         available = self.probe.available_bytes()
-        account = MemoryAccount(available, weights, activation, safety_margin(weights, activation))
+        floor = (elastic or ElasticConfig()).margin_floor_bytes
+        account = MemoryAccount(available, weights, activation, safety_margin(weights, activation, floor))
         logger.info("%s", account.describe())
 
         if cache.num_blocks is not None:
@@ -161,7 +162,7 @@ class LLMEngine:
 
     def _fit_max_num_seqs(self, sched: SchedulerConfig, num_blocks: int, block_size: int) -> None:
         """Static pool: lower max_num_seqs when that many requests of average length cannot fit."""
-        average = max(1, min(self.max_model_len, AVERAGE_REQUEST_TOKENS))
+        average = max(1, min(self.max_model_len // 4, AVERAGE_REQUEST_TOKENS))
         fit = num_blocks // -(-average // block_size)
         if fit < sched.max_num_seqs:
             logger.warning("Max num seqs reduced due to KV cache constraints: %d -> %d (%d blocks of %d "

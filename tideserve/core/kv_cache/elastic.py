@@ -25,8 +25,8 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 BLOCK_OVERHEAD_SLOTS = 2.0
 
 
-def safety_margin(weights_bytes: int, activation_bytes: int) -> int:
-    return max(MARGIN_FLOOR, int(0.05 * weights_bytes + 0.5 * activation_bytes))
+def safety_margin(weights_bytes: int, activation_bytes: int, floor: int = MARGIN_FLOOR) -> int:
+    return max(floor, int(0.05 * weights_bytes + 0.5 * activation_bytes))
 
 
 @dataclass
@@ -58,6 +58,7 @@ class ElasticConfig:
     fragmentation_threshold: float = 0.05  # compaction runs when fragmentation stays above this ...
     compaction_delay_s: float = 2.0  # ... for this long
     pressure_check_interval_s: float = 1.0  # how often the machine's free memory is read
+    margin_floor_bytes: int = MARGIN_FLOOR  # the safety margin is never smaller than this
 
     def __post_init__(self) -> None:
         if not 0 < self.low_watermark < self.high_watermark <= 1:
