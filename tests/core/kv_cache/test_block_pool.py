@@ -6,13 +6,28 @@ from tideserve.core.kv_cache.block_pool import BlockPool
 from tideserve.core.kv_cache.manager import KVCacheManager
 
 
-def test_allocate_takes_from_head_and_release_appends_tail_first():
+def test_empty_blocks_are_reused_lowest_id_first():
     pool = BlockPool(6)
     a = pool.allocate(3)
     assert [b.block_id for b in a] == [0, 1, 2]
     assert [b.ref_cnt for b in a] == [1, 1, 1]
+    b = pool.allocate(2)  # 3, 4
     pool.release(a[::-1])
-    assert pool.free_block_ids() == [3, 4, 5, 2, 1, 0]
+    assert pool.free_block_ids() == [0, 1, 2, 5]  # live blocks pack toward the start
+    assert [x.block_id for x in pool.allocate(2)] == [0, 1]
+    pool.release(b)
+    pool.check_invariants()
+
+
+def test_cached_blocks_are_evicted_last_oldest_first_tail_first():
+    pool = BlockPool(5)
+    a = pool.allocate(3)
+    for i, block in enumerate(a):
+        pool.publish(block, 100 + i)
+    pool.release(a[::-1])  # a's prefix: tail block first into the LRU queue
+    assert pool.free_block_ids() == [3, 4, 2, 1, 0]
+    assert [x.block_id for x in pool.allocate(4)] == [3, 4, 2, 1]
+    assert pool.lookup(100) is pool.blocks[0] and pool.lookup(102) is None
     pool.check_invariants()
 
 
@@ -127,5 +142,5 @@ def test_grow_adds_fresh_blocks_before_cached_ones():
     kv.allocate_slots("a", [1, 2, 3], 0, 3)
     kv.free("a")
     kv.grow(2)
-    assert kv.pool.free_block_ids()[:2] == [2, 3]  # fresh first: cached blocks live longer
+    assert kv.pool.free_block_ids() == [1, 2, 3, 0]  # empty and fresh blocks first, cached block 0 last
     assert kv.num_blocks == 4

@@ -1,13 +1,16 @@
-"""The pool of physical KV blocks: ref counts, a free queue, and the prefix-hash index.
+"""The pool of physical KV blocks: ref counts, two free lists, and the prefix-hash index.
 
 Invariants (checked by ``check_invariants`` in tests):
-- a block is in the free queue iff its ref count is 0;
+- a block is free iff its ref count is 0;
 - a free block may still hold a cached prefix (it keeps its hash until it is reused: lazy eviction);
-- the free queue is ordered least recently freed first, so eviction takes the oldest cached block.
+- allocation takes free blocks holding nothing first, lowest id first, so live blocks pack toward the
+  start of the pool (little to compact before a shrink); then cached blocks, least recently freed first,
+  so eviction takes the oldest cached prefix.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 BlockHash = int
@@ -21,13 +24,16 @@ class KVBlock:
 
 
 class BlockPool:
-    """Fixed set of blocks; the free queue is a dict used as an O(1)-removable ordered set."""
+    """Fixed set of blocks. Free blocks holding no prefix sit in a min-heap (lowest id first); free blocks
+    holding a cached prefix sit in a dict used as an O(1)-removable LRU queue."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}.")
         self.blocks: list[KVBlock] = [KVBlock(i) for i in range(num_blocks)]
-        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
+        self._empty: set[int] = set(range(num_blocks))
+        self._empty_heap: list[int] = list(range(num_blocks))  # may hold stale ids (lazy deletion)
+        self._cached_free: dict[int, None] = {}
         self.cached: dict[BlockHash, KVBlock] = {}
 
     @property
@@ -36,52 +42,78 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._empty) + len(self._cached_free)
 
     def free_block_ids(self) -> list[int]:
-        """The free queue, oldest first (next to be reused first)."""
-        return list(self._free)
+        """Free blocks in the order they will be reused."""
+        return sorted(self._empty) + list(self._cached_free)
+
+    def is_free(self, block_id: int) -> bool:
+        return block_id in self._empty or block_id in self._cached_free
 
     def usage(self) -> float:
-        return 1.0 - len(self._free) / len(self.blocks)
+        return 1.0 - self.num_free_blocks / len(self.blocks)
+
+    def _push_empty(self, block_id: int) -> None:
+        self._empty.add(block_id)
+        heapq.heappush(self._empty_heap, block_id)
+
+    def _take_free(self, block_id: int) -> None:
+        """Remove a free block from whichever free list holds it."""
+        if block_id in self._cached_free:
+            del self._cached_free[block_id]
+        else:
+            self._empty.remove(block_id)  # its heap entry turns stale
+
+    def _pop_free(self) -> KVBlock:
+        while self._empty_heap:
+            block_id = heapq.heappop(self._empty_heap)
+            if block_id in self._empty:
+                self._empty.remove(block_id)
+                return self.blocks[block_id]
+        block_id = next(iter(self._cached_free))
+        del self._cached_free[block_id]
+        block = self.blocks[block_id]
+        self._evict_hash(block)
+        return block
 
     def allocate(self, n: int) -> list[KVBlock]:
-        """Take n blocks from the head of the free queue, evicting any cached prefix they hold."""
-        if n > len(self._free):
-            raise ValueError(f"cannot allocate {n} blocks: only {len(self._free)} are free.")
+        """Take n free blocks (empty ones lowest id first, then the oldest cached), ref count 1 each."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {n} blocks: only {self.num_free_blocks} are free.")
         out = []
         for _ in range(n):
-            block_id = next(iter(self._free))
-            del self._free[block_id]
-            block = self.blocks[block_id]
-            self._evict_hash(block)
+            block = self._pop_free()
             block.ref_cnt = 1
             out.append(block)
         return out
 
     def touch(self, blocks: list[KVBlock]) -> None:
-        """Take one more reference on each (cache hit); a cached free block leaves the free queue."""
+        """Take one more reference on each (cache hit); a cached free block leaves the free list."""
         for block in blocks:
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                self._take_free(block.block_id)
             block.ref_cnt += 1
 
     def release(self, blocks_tail_first: list[KVBlock]) -> None:
-        """Drop one reference on each, in the given order; blocks reaching 0 join the free queue's tail."""
+        """Drop one reference on each, in the given order; blocks reaching 0 become free (a cached one
+        joins the LRU queue's tail)."""
         for block in blocks_tail_first:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"block {block.block_id} released more often than taken"
             if block.ref_cnt == 0:
-                self._free[block.block_id] = None
+                if block.block_hash is not None:
+                    self._cached_free[block.block_id] = None
+                else:
+                    self._push_empty(block.block_id)
 
     # ----------------------------------------------------------------- resizing (the elastic pool)
     def grow(self, num_new: int) -> None:
-        """Append num_new fresh blocks; they join the head of the free queue (never-used blocks first)."""
+        """Append num_new fresh blocks (reused before any cached prefix is evicted)."""
         start = len(self.blocks)
         self.blocks.extend(KVBlock(i) for i in range(start, start + num_new))
-        fresh = dict.fromkeys(range(start, start + num_new))
-        fresh.update(self._free)
-        self._free = fresh
+        for block_id in range(start, start + num_new):
+            self._push_empty(block_id)
 
     def highest_used_id(self) -> int:
         """Id of the highest block with a reference, or -1 when none is used."""
@@ -97,20 +129,22 @@ class BlockPool:
         """
         used, free = self.blocks[old_id], self.blocks[new_id]
         assert used.ref_cnt > 0 and free.ref_cnt == 0, (used, free)
+        self._take_free(new_id)
         self._evict_hash(free)
-        del self._free[new_id]
         used.block_id, free.block_id = new_id, old_id
         self.blocks[new_id], self.blocks[old_id] = used, free
-        self._free[old_id] = None
+        self._push_empty(old_id)
 
     def shrink_to(self, num_blocks: int) -> None:
         """Drop blocks num_blocks.. (all must be free); their cached prefixes are forgotten."""
         assert num_blocks >= 1
         for block in self.blocks[num_blocks:]:
             assert block.ref_cnt == 0, f"block {block.block_id} is still used"
+            self._take_free(block.block_id)
             self._evict_hash(block)
-            del self._free[block.block_id]
         del self.blocks[num_blocks:]
+        self._empty_heap = [i for i in self._empty_heap if i < num_blocks]
+        heapq.heapify(self._empty_heap)
 
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached.get(block_hash)
@@ -126,15 +160,12 @@ class BlockPool:
 
     def evict_cached(self, from_id: int = 0) -> int:
         """Forget the cached prefixes held by free blocks with id >= from_id; returns how many."""
-        dropped = 0
-        for block_id in self._free:
-            if block_id < from_id:
-                continue
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                self._evict_hash(block)
-                dropped += 1
-        return dropped
+        evicted = [i for i in self._cached_free if i >= from_id]
+        for block_id in evicted:
+            del self._cached_free[block_id]
+            self._evict_hash(self.blocks[block_id])
+            self._push_empty(block_id)
+        return len(evicted)
 
     def _evict_hash(self, block: KVBlock) -> None:
         if block.block_hash is not None:
@@ -143,8 +174,14 @@ class BlockPool:
             block.block_hash = None
 
     def check_invariants(self) -> None:
+        assert not self._empty & set(self._cached_free)
+        assert self._empty <= set(self._empty_heap)
         for block in self.blocks:
-            assert (block.ref_cnt == 0) == (block.block_id in self._free), block
+            assert (block.ref_cnt == 0) == self.is_free(block.block_id), block
+            if block.block_id in self._cached_free:
+                assert block.block_hash is not None, block
+            if block.block_id in self._empty:
+                assert block.block_hash is None, block
             if block.block_hash is not None:
                 assert self.cached.get(block.block_hash) is block, block
         assert len(self.cached) == sum(b.block_hash is not None for b in self.blocks)
