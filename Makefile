@@ -20,7 +20,7 @@ $(BIN)/.installed: pyproject.toml
 install: $(BIN)/.installed
 
 serve: install
-	$(BIN)/tideserve chat
+	$(BIN)/tideserve serve
 
 test: install
 	$(BIN)/python -m pytest -q tests

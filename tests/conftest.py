@@ -40,3 +40,21 @@ def hf_smollm2(smollm2_gguf_path: Path) -> tuple[Any, Any]:
                                                  attn_implementation="eager")
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
     return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _share_loaded_models():
+    """Engines built by the tests share one read-only model and tokenizer per (path, dtype); each engine
+    still owns its KV cache, scheduler and runner. Loading once keeps the suite within its time budget."""
+    import functools
+
+    import tideserve.engine.llm_engine as llm_engine
+    import tideserve.tokenizer.tokenizer as tokenizer_module
+
+    mp = pytest.MonkeyPatch()
+    cached_tokenizer = functools.lru_cache(maxsize=4)(tokenizer_module.load_tokenizer)
+    mp.setattr(tokenizer_module, "load_tokenizer", cached_tokenizer)
+    mp.setattr(llm_engine, "load_tokenizer", cached_tokenizer)
+    mp.setattr(llm_engine, "load_model", functools.lru_cache(maxsize=4)(llm_engine.load_model))
+    yield
+    mp.undo()

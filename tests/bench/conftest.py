@@ -51,7 +51,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         n = int(body["max_tokens"])
-        for i in range(n):
+        for _i in range(n):
             choice = ({"index": 0, "delta": {"content": " word"}} if chat
                       else {"index": 0, "text": " word"})
             self._event({"id": "x", "choices": [choice], "usage": None})
@@ -91,20 +91,3 @@ def tokenizer_path() -> str:
         return default_model_path()
     except ValueError as e:
         pytest.skip(str(e))
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _share_loaded_models() -> Iterator[None]:
-    """Each CLI call would reload the tokenizer (and the offline engine its model): share them instead."""
-    import functools
-
-    import tideserve.tokenizer.tokenizer as tokenizer_module
-    from tideserve.engine import llm_engine
-
-    mp = pytest.MonkeyPatch()
-    cached = functools.lru_cache(maxsize=4)
-    mp.setattr(tokenizer_module, "load_tokenizer", cached(tokenizer_module.load_tokenizer))
-    mp.setattr(llm_engine, "load_model", functools.lru_cache(maxsize=4)(llm_engine.load_model))
-    mp.setattr(llm_engine, "load_tokenizer", functools.lru_cache(maxsize=4)(llm_engine.load_tokenizer))
-    yield
-    mp.undo()

@@ -23,7 +23,7 @@ def _concurrency_list(text: str) -> list[int]:
     try:
         levels = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,4,16,64; got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,4,16,64; got {text!r}") from None
     if not levels or min(levels) < 1:
         raise argparse.ArgumentTypeError(f"concurrency levels must be integers >= 1; got {text!r}")
     return levels

@@ -10,6 +10,7 @@ front of the waiting queue, to be recomputed later. Plain Python over integers: 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -184,6 +185,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.num_computed_tokens = num_hit
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit
@@ -255,8 +258,11 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            request.output_token_ids.append(token_id)
-            if request.check_stop_token():
+            if request.max_tokens == 0:  # scored its prompt only (prompt logprobs): no token to keep
+                request.status = RequestStatus.FINISHED_LENGTH
+            else:
+                request.output_token_ids.append(token_id)
+            if request.is_finished or request.check_stop_token():
                 self.running.remove(request)
                 del self.requests[request_id]
                 self._release(request)

@@ -32,8 +32,9 @@ from tideserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# How often, at most, the engine thread refreshes its stats snapshot while busy (it always does when idle).
-_STATS_INTERVAL_S = 0.05
+# How often, at most, the engine thread refreshes its stats snapshot while busy (it always does when idle):
+# a snapshot probes memory (about 0.5 ms), too much to pay every step.
+_STATS_INTERVAL_S = 0.1
 # How long the idle engine thread sleeps between checks when no command arrives.
 _IDLE_WAIT_S = 1.0
 
@@ -86,7 +87,7 @@ class RequestStream:
 
     def _end(self) -> None:
         self.finished = True
-        self._engine._release(self.request_id)
+        self._engine._release(self.request_id, self)
 
     def abort(self) -> None:
         """Abort the request unless it already finished; safe to call more than once."""
@@ -145,7 +146,7 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._stopping = False
         self._stats: EngineStats = engine.stats()
-        self._num_waiting = self._stats.num_requests_waiting
+        self._num_waiting = len(engine.scheduler.waiting)
         self._stats_time = 0.0
         self._stats_listeners = list(stats_listeners)
         self._stat_logger = StatLogger(log_stats_interval) if log_stats_interval else None
@@ -221,7 +222,7 @@ class AsyncEngine:
         with self._cond:
             depth = self._pending_adds + self._num_waiting
             if self.max_queue is not None and depth >= self.max_queue:
-                self._release(request_id)
+                self._release(request_id, stream)
                 raise QueueFullError(
                     f"The server's waiting queue is full ({depth} requests waiting, "
                     f"max_queue={self.max_queue}); retry later.")
@@ -235,10 +236,10 @@ class AsyncEngine:
             # and aborted right after otherwise (commands are applied in order).
             command.future.cancel()
             self.abort(request_id)
-            self._release(request_id)
+            self._release(request_id, stream)
             raise
         except BaseException:
-            self._release(request_id)
+            self._release(request_id, stream)
             raise
         return stream
 
@@ -273,9 +274,11 @@ class AsyncEngine:
         if self._stopping or not self._thread.is_alive():
             raise EngineDeadError("The engine is shut down.")
 
-    def _release(self, request_id: str) -> None:
+    def _release(self, request_id: str, stream: RequestStream) -> None:
+        """Free the id, unless a newer request already reuses it."""
         with self._active_lock:
-            self._active.pop(request_id, None)
+            if self._active.get(request_id) is stream:
+                del self._active[request_id]
 
     # ---------------------------------------------------------------- the engine thread
     def _run(self) -> None:
@@ -293,10 +296,12 @@ class AsyncEngine:
                     outputs = self.engine.step()
                     for out in outputs:
                         out.metrics.setdefault("step_start_time", step_start)
-                self._deliver(outputs)
+                self._set_num_waiting()
+                # Snapshot first: a client that scrapes /metrics right after its response sees its tokens.
                 self._snapshot(force=not self.engine.has_unfinished_requests())
+                self._deliver(outputs)
             self._fail_all(EngineDeadError("The engine is shut down."))
-        except BaseException as exc:  # noqa: BLE001 - anything that escapes the loop kills it
+        except BaseException as exc:
             logger.exception("The engine loop died; pending requests fail and /health reports 503")
             self._dead = exc
             self._fail_all(EngineDeadError(f"The engine loop has died ({type(exc).__name__}: {exc})."))
@@ -324,7 +329,7 @@ class AsyncEngine:
         try:
             self.engine.add_request(command.prompt, command.params, request_id=command.request_id,
                                     prompt_token_ids=command.prompt_token_ids)
-        except Exception as exc:  # noqa: BLE001 - the caller gets it; the engine is unchanged
+        except Exception as exc:  # the caller gets it; the engine is unchanged
             command.future.set_exception(exc)
             return
         self._targets[command.request_id] = command.stream
@@ -333,10 +338,16 @@ class AsyncEngine:
     def _count_applied(self, num_adds: int) -> None:
         """Move applied adds from the pending count to the scheduler's queue in one step (no gap)."""
         if num_adds:
-            waiting = self.engine.stats().num_requests_waiting
+            waiting = len(self.engine.scheduler.waiting)
             with self._cond:
                 self._pending_adds -= num_adds
                 self._num_waiting = waiting
+
+    def _set_num_waiting(self) -> None:
+        """The scheduler's queue length, read every step: cheap, unlike a full stats snapshot."""
+        waiting = len(self.engine.scheduler.waiting)
+        with self._cond:
+            self._num_waiting = waiting
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand outputs to their streams, one wake-up per event loop per step."""
@@ -380,12 +391,10 @@ class AsyncEngine:
         self._stats_time = now
         stats = self.engine.stats()
         self._stats = stats
-        with self._cond:
-            self._num_waiting = stats.num_requests_waiting
         for listener in self._stats_listeners:
             try:
                 listener(stats)
-            except Exception:  # noqa: BLE001 - a metrics bug must not kill the engine
+            except Exception:
                 logger.exception("stats listener %r failed", listener)
         if self._stat_logger is not None:
             self._stat_logger.maybe_log(stats, now)

@@ -236,7 +236,7 @@ class LLMEngine:
         self.output_processor.add(request_id, text, token_ids, children)
         self._num_prompt_tokens += len(token_ids) * params.n
         for child in children:
-            if max_tokens == 0:
+            if max_tokens == 0 and params.prompt_logprobs is None:
                 child.status = RequestStatus.FINISHED_LENGTH
                 self.output_processor.on_finished(child)
             else:
@@ -249,6 +249,9 @@ class LLMEngine:
             if request is not None:
                 self.output_processor.on_finished(request)
         self.output_processor.pop_if_finished(request_id)
+
+    def num_waiting_requests(self) -> int:
+        return len(self.scheduler.waiting)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.output_processor.parents)
@@ -272,10 +275,12 @@ class LLMEngine:
             updated = self.scheduler.update_from_output({rid: s.token_id for rid, s in sampled.items()})
             self._num_generation_tokens += len(updated)
             for request in updated:
-                if request.first_token_time is None:
-                    request.first_token_time = now
-                stop = self.output_processor.on_token(
-                    request, request.output_token_ids[-1], sampled[request.request_id].logprobs)
+                stop = None
+                if request.max_tokens > 0:
+                    if request.first_token_time is None:
+                        request.first_token_time = now
+                    stop = self.output_processor.on_token(
+                        request, request.output_token_ids[-1], sampled[request.request_id].logprobs)
                 if stop is not None and not request.is_finished:
                     self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                     request.stop_reason = stop

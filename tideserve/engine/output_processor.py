@@ -51,6 +51,7 @@ class ParentState:
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=first.num_cached_tokens,
             metrics={"arrival_time": first.arrival_time,
+                     "first_scheduled_time": first.first_scheduled_time or 0.0,
                      "first_token_time": first.first_token_time or 0.0})
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -83,6 +83,7 @@ class ServerMetrics:
     """The registry of one app: HTTP metrics from the start, engine metrics once a model is attached."""
 
     def __init__(self) -> None:
+        disable_created_metrics()  # the *_created series only add noise for our counters
         self.registry = CollectorRegistry()
         self.model_name = ""
         r = self.registry

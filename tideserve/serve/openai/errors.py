@@ -83,6 +83,9 @@ def from_exception(exc: BaseException) -> OpenAIError:
     return OpenAIError(500, f"Internal server error ({type(exc).__name__}); see the server log.")
 
 
+_BRANCH = re.compile(r"[a-z]+\[.*\]|str|int|float|bool|list|dict|function-.*")
+
+
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """A readable one-line message and the offending field for pydantic/FastAPI validation errors."""
     if not errors:
@@ -91,18 +94,28 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return f"The request body is not valid JSON{': ' + str(detail) if detail else ''}.", None
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+    raw_loc = [p for p in first.get("loc", ()) if p not in ("body", "query", "path")]
     # A union's branch names (e.g. "str", "list[int]") are noise in a field path.
-    loc = [p for p in loc if not re.fullmatch(r"[a-z]+\[.*\]|str|int|float|bool|list|dict|function-.*", p)]
+    loc = [str(p) for p in raw_loc if not (isinstance(p, str) and _BRANCH.fullmatch(p))]
     param = ".".join(loc) or None
-    if first.get("type") == "missing":
-        return f"{param or 'a field'} is required.", param
-    if first.get("type") == "model_attributes_type":
-        return "The request body must be a JSON object.", None
-    msg = first.get("msg", "invalid value")
     shown = repr(first.get("input"))
     if len(shown) > 80:
         shown = shown[:77] + "..."
+    if first.get("type") == "missing":
+        return f"{param or 'a field'} is required.", param
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        return "The request body must be a JSON object.", None
+    branches = []
+    for err in errors:
+        err_loc = [p for p in err.get("loc", ()) if p not in ("body", "query", "path")]
+        branch = err_loc[1] if len(err_loc) > 1 and err_loc[:1] == raw_loc[:1] else None
+        if isinstance(branch, str) and _BRANCH.fullmatch(branch) and branch not in branches:
+            branches.append(branch)
+    if len(branches) > 1:
+        top = str(raw_loc[0])
+        expected = ", ".join(branches)
+        return f"{top} has an invalid type or value: expected one of {expected}; got {shown}.", top
+    msg = first.get("msg", "invalid value")
     extra = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
     return f"{param or 'request'}: {msg}, got {shown}{extra}.", param
 

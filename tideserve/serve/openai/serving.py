@@ -20,7 +20,7 @@ from tideserve.engine.async_engine import AsyncEngine, RequestStream
 from tideserve.outputs import RequestOutput
 from tideserve.sampling_params import SamplingParams
 from tideserve.serve.config import ServerConfig
-from tideserve.serve.metrics import RequestTimer, ServerMetrics
+from tideserve.serve.metrics import ServerMetrics
 from tideserve.serve.openai.errors import OpenAIError, bad_request, error_body, from_exception
 from tideserve.serve.openai.protocol import SamplingRequest
 
@@ -92,6 +92,21 @@ class ServerState:
         if new:
             self._ignored_logged.update(new)
             logger.warning("The following fields were present in the request but ignored: %s", sorted(new))
+
+
+def unavailable_reason(state: ServerState) -> str | None:
+    """Why the server cannot take a request now (loading, draining, dead engine), or None."""
+    if state.draining:
+        return "The server is shutting down and no longer accepts requests."
+    if state.load_error is not None:
+        return f"The model failed to load: {state.load_error}"
+    if state.engine is None:
+        return "The model is still loading; retry when /health returns 200."
+    if not state.engine.is_healthy:
+        dead = state.engine.dead_error
+        reason = f" ({type(dead).__name__}: {dead})" if dead is not None else ""
+        return f"The engine is not running{reason}; the server must be restarted."
+    return None
 
 
 # ---------------------------------------------------------------------- checks
@@ -209,7 +224,7 @@ async def merged(state: ServerState, streams: Sequence[RequestStream]) -> AsyncI
             try:
                 async for out in stream:
                     queue.put_nowait((i, out, None))
-            except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            except Exception as exc:  # handed to the consumer
                 queue.put_nowait((i, None, exc))
             queue.put_nowait((i, None, None))
 
@@ -258,7 +273,7 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     task.cancel()
     try:
         await task
-    except BaseException:  # noqa: BLE001,S110 - the client is gone; its error has no reader
+    except BaseException:  # the client is gone; its error has no reader
         pass
     raise ClientDisconnected()
 

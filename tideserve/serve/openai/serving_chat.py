@@ -7,6 +7,7 @@ while the request may still wait for a slot), then content deltas; each choice's
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from contextlib import aclosing
@@ -48,8 +49,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     else:
         max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
     try:
-        token_ids = state.engine.tokenizer.encode_chat(req.messages,
-                                                       add_generation_prompt=req.add_generation_prompt)
+        token_ids = await asyncio.to_thread(  # rendering and encoding long chats must not stall the loop
+            state.engine.tokenizer.encode_chat, req.messages, add_generation_prompt=req.add_generation_prompt)
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from exc
     check_context(state, len(token_ids), max_tokens, "messages", max_tokens_param)
@@ -145,7 +146,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, streams, respo
             yield sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
                        "model": state.model_name, "choices": [],
                        "usage": usage(info.prompt_tokens, info.output_tokens or 0)})
-    except Exception as exc:  # noqa: BLE001 - the status line is gone; report in-band
+    except Exception as exc:  # the status line is gone; report in-band
         yield sse_error(exc)
     finally:
         for stream in streams:  # a client gone before the outputs were read must not keep its blocks

@@ -6,6 +6,7 @@ With a batch of P prompts and n samples, choice ``i * n + j`` is sample j of pro
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from contextlib import aclosing
@@ -74,10 +75,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         raise bad_request("suffix is not supported by this server.", "suffix")
     check_logprobs(state, req.logprobs, "logprobs")
     check_logprobs(state, req.prompt_logprobs, "prompt_logprobs")
-    prompts = _tokenize(state, req)
+    prompts = await asyncio.to_thread(_tokenize, state, req)  # long prompts must not stall the event loop
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is None and req.echo and req.logprobs is not None:
         prompt_logprobs = req.logprobs
+    # With max_tokens=0 and prompt logprobs the engine still runs the prefill: the prompt is scored alone.
     params = sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
     if state.config.log_prompts:
         logger.info("request_id=%s prompts=%r", info.request_id, [p.text for p in prompts])
@@ -191,7 +193,7 @@ async def _stream(state: ServerState, req: CompletionRequest, prompts: list[_Pro
             yield sse({"id": response_id, "object": "text_completion", "created": created,
                        "model": state.model_name, "choices": [],
                        "usage": usage(info.prompt_tokens, sum(completion_tokens))})
-    except Exception as exc:  # noqa: BLE001 - the status line is gone; report in-band
+    except Exception as exc:  # the status line is gone; report in-band
         yield sse_error(exc)
     finally:
         for stream in streams:  # a client gone before the outputs were read must not keep its blocks
