@@ -112,12 +112,14 @@ def burst(engine, rec: Recorder, workload, publish=None) -> dict:
             "seconds": elapsed, "output_tok_s": generated / elapsed}
 
 
-def make_llm(args, static_bytes: int | None, probe=None):
+def make_llm(args, static_bytes: int | None, probe=None, max_model_len: int | None = None,
+             max_num_seqs: int | None = None):
     from tideserve import LLM
     from tideserve.core.kv_cache.elastic import ElasticConfig
 
-    kwargs = dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.num_requests,
-                  block_size=args.block_size)
+    kwargs = dict(dtype=args.dtype, max_model_len=max_model_len or args.max_model_len,
+                  max_num_seqs=max_num_seqs or args.num_requests, block_size=args.block_size,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
     if probe is not None:
         kwargs["memory_probe"] = probe
     if static_bytes is not None:
@@ -201,15 +203,15 @@ def _engine_proc(args, index: int, mode: str, pools, turns, queue) -> None:
     torch.set_num_threads(1)
     probe = SharedDeviceProbe(args.device_mib * MiB, pools, index)
     static = args.device_mib * MiB // 2 if mode == "static" else None
-    llm = make_llm(args, static, probe)
+    llm = make_llm(args, static, probe, args.max_model_len2, args.num_requests2)
     engine = llm.engine
 
     def publish() -> None:
         pools[index] = engine.pool.pool_bytes
 
     publish()
-    workload = build_workload(llm.tokenizer, args.num_requests, args.seed + index, args.min_prompt2,
-                              args.max_prompt2, 8, 16)
+    workload = build_workload(llm.tokenizer, args.num_requests2, args.seed + index, args.min_prompt2,
+                              args.max_prompt2, args.min_output2, args.max_output2)
     rec = Recorder(engine, time.perf_counter())
     turns[index].wait(timeout=3600)  # wait for my turn
     b = burst(engine, rec, workload, publish)
@@ -255,6 +257,8 @@ def plot(results: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 7))
     for mode, color in (("elastic", "tab:blue"), ("static", "tab:orange")):
+        if "single" not in results:
+            break
         samples = results["single"][mode]["samples"]
         t = [s["t"] for s in samples]
         axes[0][0].plot(t, [s["pool_bytes"] / MiB for s in samples], color=color, label=f"{mode} pool")
@@ -284,30 +288,30 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=400)
     ap.add_argument("--max-output", type=int, default=48)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--max-model-len2", type=int, default=256, help="scenario 2's max_model_len")
     ap.add_argument("--block-size", default="16")
     ap.add_argument("--idle-seconds", type=float, default=3.0)
     ap.add_argument("--shrink-delay", type=float, default=2.0)
     ap.add_argument("--margin-floor-mib", type=int, default=32)
-    ap.add_argument("--device-mib", type=int, default=360, help="scenario 2: the simulated device")
+    ap.add_argument("--device-mib", type=int, default=600, help="scenario 2: the simulated device")
+    ap.add_argument("--num-requests2", type=int, default=128, help="scenario 2: requests per burst")
+    ap.add_argument("--min-output2", type=int, default=48, help="scenario 2: outputs long enough that a "
+                    "burst's requests overlap (memory, not the prefill rate, limits concurrency)")
+    ap.add_argument("--max-output2", type=int, default=64)
     ap.add_argument("--min-prompt2", type=int, default=60)
     ap.add_argument("--max-prompt2", type=int, default=120)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-two", action="store_true")
+    ap.add_argument("--skip-single", action="store_true")
     ap.add_argument("--out", default="memory-elasticity")
     args = ap.parse_args()
     args.block_size = "auto" if args.block_size == "auto" else int(args.block_size)
 
-    results = {"args": vars(args), "single": scenario_single(args)}
-    s = results["single"]
-    print(f"single engine: idle footprint elastic/static = {s['summary']['idle_footprint_ratio']:.3f}, "
-          f"burst throughput ratio = {s['summary']['burst_throughput_ratio']:.3f}, lost = {s['summary']['lost']}")
-    for mode in ("elastic", "static"):
-        r = s[mode]
-        print(f"  {mode:8s} idle pool {r['idle_pool_bytes_after'] / MiB:8.1f} MiB, peak pool "
-              f"{r['peak_pool_bytes'] / MiB:8.1f} MiB, burst {r['burst']['output_tok_s']:.1f} tok/s "
-              f"in {r['burst']['seconds']:.1f}s, preemptions {r['preemptions']}, fragmentation (median "
-              f"in burst) {r['fragmentation_median_burst']:.3f}, prefix hit rate {r['prefix_hit_rate']:.3f}"
-              f", prefill saved ~{r['prefill_seconds_saved_estimate']:.2f}s")
+    results = {"args": vars(args)}
+    if not args.skip_single:
+        results["single"] = scenario_single(args)
+        report_single(results["single"])
     if not args.skip_two:
         results["two"] = scenario_two_engines(args)
         t = results["two"]["summary"]
@@ -318,6 +322,18 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+def report_single(s: dict) -> None:
+    print(f"single engine: idle footprint elastic/static = {s['summary']['idle_footprint_ratio']:.3f}, "
+          f"burst throughput ratio = {s['summary']['burst_throughput_ratio']:.3f}, lost = {s['summary']['lost']}")
+    for mode in ("elastic", "static"):
+        r = s[mode]
+        print(f"  {mode:8s} idle pool {r['idle_pool_bytes_after'] / MiB:8.1f} MiB, peak pool "
+              f"{r['peak_pool_bytes'] / MiB:8.1f} MiB, burst {r['burst']['output_tok_s']:.1f} tok/s "
+              f"in {r['burst']['seconds']:.1f}s, preemptions {r['preemptions']}, fragmentation (median "
+              f"in burst) {r['fragmentation_median_burst']:.3f}, prefix hit rate {r['prefix_hit_rate']:.3f}"
+              f", prefill saved ~{r['prefill_seconds_saved_estimate']:.2f}s")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ _GAUGES = (
     ("vllm:num_requests_waiting", "Number of requests waiting to be scheduled.", "num_requests_waiting", 1),
     ("vllm:kv_cache_usage_perc", "KV cache usage: used blocks over pool blocks (1 means 100 percent).",
      "kv_cache_usage", 1),
-    ("vllm:fragmentation_ratio", "Share of allocated KV slots that hold no token (0..1).",
+    ("vllm:fragmentation_ratio", "KV fragmentation: internal (empty slots in allocated blocks / allocated slots) plus "
+     "external (free blocks below the highest live block / pool blocks).",
      "fragmentation_ratio", 1),
     ("vllm:kv_cache_pool_bytes", "Bytes of the KV cache pool now.", "kv_cache_pool_bytes", 1),
     ("vllm:kv_cache_pool_blocks", "Blocks in the KV cache pool now.", "kv_cache_pool_blocks", 1),
