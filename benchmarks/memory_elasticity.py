@@ -289,7 +289,7 @@ def main() -> None:
     ap.add_argument("--max-output", type=int, default=48)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    ap.add_argument("--max-model-len2", type=int, default=256, help="scenario 2's max_model_len")
+    ap.add_argument("--max-model-len2", type=int, default=512, help="scenario 2: max_model_len")
     ap.add_argument("--block-size", default="16")
     ap.add_argument("--idle-seconds", type=float, default=3.0)
     ap.add_argument("--shrink-delay", type=float, default=2.0)

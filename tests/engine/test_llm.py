@@ -153,3 +153,13 @@ def test_prompt_logprobs_survive_chunking():
     for x, y in zip(a[1:], b[1:]):
         (tx, lx), = [(t, v.logprob) for t, v in x.items() if v.rank is not None][:1]
         assert abs(lx - y[tx].logprob) < 1e-4
+
+
+def test_max_tokens_zero_scores_the_prompt_alone(llm):
+    out = llm.generate(["The capital of France is Paris"],
+                       SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=1))[0]
+    assert out.outputs[0].token_ids == [] and out.outputs[0].text == ""
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    plain = llm.generate(["Hello"], SamplingParams(max_tokens=0))[0]
+    assert plain.finished and plain.outputs[0].token_ids == []
