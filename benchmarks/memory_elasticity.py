@@ -250,33 +250,35 @@ def scenario_two_engines(args) -> dict:
 
 # ----------------------------------------------------------------------------- report
 def plot(results: dict, path: Path) -> None:
+    """One row per scenario that ran: pool and RSS over time (and fragmentation) for one engine; both
+    engines' pools over time, elastic beside static, for two."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 7))
-    for mode, color in (("elastic", "tab:blue"), ("static", "tab:orange")):
-        if "single" not in results:
-            break
-        samples = results["single"][mode]["samples"]
-        t = [s["t"] for s in samples]
-        axes[0][0].plot(t, [s["pool_bytes"] / MiB for s in samples], color=color, label=f"{mode} pool")
-        axes[0][0].plot(t, [s["used_blocks"] * 0 + s["rss_bytes"] / MiB for s in samples], color=color,
-                        linestyle=":", label=f"{mode} process RSS")
-        axes[0][1].plot(t, [s["fragmentation"] for s in samples], color=color, label=mode)
-    axes[0][0].set(title="One engine: idle, burst, idle", xlabel="s", ylabel="MiB")
-    axes[0][1].set(title="Fragmentation ratio", xlabel="s")
-    if "two" in results:
-        for ax, mode in zip(axes[1], ("elastic", "static")):
-            for r, color in zip(results["two"][mode], ("tab:green", "tab:red")):
-                samples = r["samples"]
-                ax.plot([s["t"] for s in samples], [s["pool_bytes"] / MiB for s in samples], color=color,
-                        label=f"engine {r['index']} pool")
-            ax.set(title=f"Two engines, {mode} pools", xlabel="s", ylabel="MiB")
+    rows = [k for k in ("single", "two") if k in results]
+    fig, axes = plt.subplots(len(rows), 2, figsize=(12, 3.5 * len(rows)), squeeze=False)
+    for row, kind in zip(axes, rows):
+        if kind == "single":
+            for mode, color in (("elastic", "tab:blue"), ("static", "tab:orange")):
+                samples = results["single"][mode]["samples"]
+                t = [x["t"] for x in samples]
+                row[0].plot(t, [x["pool_bytes"] / MiB for x in samples], color=color, label=f"{mode} pool")
+                row[0].plot(t, [x["rss_bytes"] / MiB for x in samples], color=color, linestyle=":",
+                            label=f"{mode} process RSS")
+                row[1].plot(t, [x["fragmentation"] for x in samples], color=color, label=mode)
+            row[0].set(title="One engine: idle, burst, idle", xlabel="s", ylabel="MiB")
+            row[1].set(title="Fragmentation ratio", xlabel="s")
+        else:
+            for ax, mode in zip(row, ("elastic", "static")):
+                for r, color in zip(results["two"][mode], ("tab:green", "tab:red")):
+                    samples = r["samples"]
+                    ax.plot([x["t"] for x in samples], [x["pool_bytes"] / MiB for x in samples], color=color,
+                            label=f"engine {r['index']} pool")
+                ax.set(title=f"Two engines, {mode} pools", xlabel="s", ylabel="MiB")
+        for ax in row:
             ax.legend()
-    for ax in axes[0]:
-        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
