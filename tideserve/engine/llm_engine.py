@@ -267,13 +267,13 @@ class LLMEngine:
                 touched[parent_id] = None
         sched_out = self.scheduler.schedule()
         if not sched_out.is_empty:
-            now = time.monotonic()
             runner_out = self.runner.execute(sched_out)
+            now = time.monotonic()  # when this step's tokens exist
             sampled = runner_out.sampled
             for rid, (first, entries) in runner_out.prompt_logprobs.items():
                 self.output_processor.on_prompt_logprobs(rid, first, entries)
             updated = self.scheduler.update_from_output({rid: s.token_id for rid, s in sampled.items()})
-            self._num_generation_tokens += len(updated)
+            self._num_generation_tokens += sum(1 for r in updated if r.max_tokens > 0)
             for request in updated:
                 stop = None
                 if request.max_tokens > 0:
