@@ -38,24 +38,23 @@ def _read_int(path: str) -> int | None:
         return None
 
 
-def _meminfo(key: str) -> int | None:
+def _kib_field(path: str, key: str) -> int | None:
+    """A "Key:   123 kB" line of a /proc file, in bytes (None when absent or unreadable)."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in Path(path).read_text().splitlines():
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         return None
     return None
 
 
+def _meminfo(key: str) -> int | None:
+    return _kib_field("/proc/meminfo", key)
+
+
 def process_rss_bytes() -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _kib_field("/proc/self/status", "VmRSS") or 0
 
 
 class SystemMemoryProbe:
@@ -105,13 +104,7 @@ def reset_peak_rss() -> bool:
 
 
 def peak_rss_bytes() -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _kib_field("/proc/self/status", "VmHWM") or 0
 
 
 def available_memory_bytes(device: torch.device) -> int:
