@@ -8,6 +8,7 @@ import pytest
 
 from tideserve import LLM, SamplingParams
 from tideserve.core.kv_cache.elastic import ElasticConfig
+from tideserve.worker.model_runner import ModelRunner
 
 GiB = 2**30
 SYSTEM = ("You are a meticulous assistant. Answer briefly, cite facts, and never invent sources. " * 6)
@@ -122,6 +123,35 @@ def test_shrink_with_compaction_mid_generation(reference):
     assert moved["frag"] > 0
     assert outs == reference
     assert engine.pool.num_resizes >= 1
+
+
+@pytest.fixture
+def garbage_pool(monkeypatch):
+    """Every KV allocation starts as NaN, as ``torch.empty`` may hand it out (resize and relayout too)."""
+    original = ModelRunner.allocate_kv_caches
+
+    def poisoned(self, *args, **kwargs):
+        caches = original(self, *args, **kwargs)
+        self.kv_storage.fill_(float("nan"))
+        return caches
+
+    monkeypatch.setattr(ModelRunner, "allocate_kv_caches", poisoned)
+
+
+@pytest.mark.parametrize("midway", ["none", "block_size_8", "block_size_64", "shrink"])
+def test_unwritten_kv_slots_never_reach_attention(reference, garbage_pool, midway):
+    """Decode attention reads whole blocks; slots no token wrote must not turn outputs into NaN."""
+    llm = LLM(dtype="float32", max_model_len=512, block_size=16, enable_prefix_caching=False)
+    engine = llm.engine
+    assert engine.runner.kv_storage.isnan().all()
+
+    def action(engine):
+        if midway.startswith("block_size"):
+            engine.pool.change_block_size(int(midway.rsplit("_", 1)[1]), "test")
+        elif midway == "shrink":
+            engine.pool.shrink(engine.pool.num_used_blocks() + 1, "test")
+
+    assert run_with_midway(llm, chats(llm), 4, action) == reference
 
 
 @pytest.mark.parametrize("new_block_size", [8, 64])

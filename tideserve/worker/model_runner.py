@@ -85,8 +85,10 @@ class ModelRunner:
         """Per layer K and V as [num_blocks, block_size, num_kv_heads, head_dim] views of ONE tensor.
 
         One allocation, so that freeing it really returns the memory (a large allocation is its own
-        mapping on CPU). ``torch.empty``: pages are committed only when a block is first written, and
-        attention never reads a slot that was not written (padding reads each request's first slot).
+        mapping on CPU). ``torch.empty``: pages are committed only when a block is first used. Decode
+        attention reads whole blocks (masked past each context), so a block's unwritten slots must hold
+        finite values: 0 x NaN is NaN even under a zero attention weight. ``_clear_unwritten`` zeroes
+        every slot a request owns beyond its computed tokens when the block is attached to it.
         ``zero=True`` commits it all up front, as a statically reserved pool does.
         """
         arch = self.model.arch
@@ -220,6 +222,7 @@ class ModelRunner:
             nv.view(-1, kvh, hd).index_copy_(0, dst, v.reshape(-1, kvh, hd).index_select(0, src))
         del old_caches, k, v
         self.block_size = new_bs
+        self._clear_unwritten([(s.block_ids, s.num_computed_tokens) for s in self.requests.values()])
         if self.swap_caches:
             self.allocate_swap(self.swap_caches[0][0].shape[0] * old_bs // new_bs)
         release_freed_memory(self.device)
@@ -230,14 +233,42 @@ class ModelRunner:
             self.requests.pop(request_id, None)
         for request_id in out.preempted_ids:
             self.requests.pop(request_id, None)
+        attached: list[tuple[list[int], int]] = []  # (blocks just attached, tokens already in them)
         for new in out.new_requests:
-            self.requests[new.request_id] = CachedRequestState(
+            state = CachedRequestState(
                 list(new.token_ids), new.num_prompt_tokens, new.sampling_params, new.generator,
                 new.eos_token_id, list(new.block_ids), new.num_computed_tokens)
+            self.requests[new.request_id] = state
+            # Its prefill writes every slot up to its tokens; only the last block's tail stays unwritten.
+            attached.append((state.block_ids, max(state.num_computed_tokens, len(state.token_ids))))
         for cached in out.cached_requests:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            if cached.new_block_ids:
+                attached.append((list(cached.new_block_ids), 0))
+        self._clear_unwritten(attached)
+
+    def _clear_unwritten(self, owned: list[tuple[list[int], int]]) -> None:
+        """Zero the slots of each block list from token ``num_valid`` to the end of its last block.
+
+        A fresh pool (``torch.empty``), a resize or a relayout leaves arbitrary bytes, NaN included, in
+        slots nobody wrote, and decode attention reads a context's last block whole; a recycled block
+        holds stale but finite values, which the mask handles. ``num_valid`` counts the tokens that are
+        (or will be, by this request's prefill) written, so prefix-cache hits and swapped-in tokens stay,
+        and the cost is about one block per sequence every ``block_size`` decode steps.
+        """
+        bs = self.block_size
+        flat = []
+        for block_ids, num_valid in owned:
+            end = len(block_ids) * bs
+            if num_valid < end:
+                pos = np.arange(num_valid, end, dtype=np.int64)
+                flat.append(np.asarray(block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
+        if not flat:
+            return
+        storage = self.kv_storage.view(*self.kv_storage.shape[:2], -1, *self.kv_storage.shape[4:])
+        storage.index_fill_(2, torch.from_numpy(np.concatenate(flat)).to(self.device), 0)
 
     # ----------------------------------------------------------------- one step
     @torch.inference_mode()
