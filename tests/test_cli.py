@@ -26,3 +26,12 @@ def test_bad_flag_values_exit_with_a_clear_error():
     assert "max_model_len=10000000 is larger than the model's trained context" in out.stderr
     out = run_cli("generate", "--kv-cache-memory", "lots", "--prompt", "x")
     assert out.returncode == 2 and "kv_cache_memory must be a size" in out.stderr
+    out = run_cli("generate", "--quantization", "int4", "--prompt", "x")
+    assert out.returncode == 2 and "invalid choice: 'int4'" in out.stderr
+
+
+def test_generate_with_int8_weights():
+    out = run_cli("generate", "--dtype", "float32", "--quantization", "int8", "--prompt",
+                  "The capital of France is", "--temperature", "0", "--max-tokens", "4")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()

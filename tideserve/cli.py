@@ -29,6 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="GGUF file, HF directory or hub id (default: embedded SmolLM2)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto")
+    g.add_argument("--quantization", "-q", default="none", choices=["none", "int8"],
+                   help="int8: int8 GEMMs for every linear layer and the LM head (CPU, fbgemm); "
+                        "about 2x faster batched decode on CPUs without AMX, slightly lower accuracy")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--allow-long-max-model-len", action="store_true")
     g.add_argument("--max-num-seqs", type=int, default=128)
@@ -54,7 +57,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
     keys = ["model", "dtype", "device", "max_model_len", "allow_long_max_model_len", "max_num_seqs",
             "max_num_batched_tokens", "enable_chunked_prefill", "block_size", "num_blocks",
             "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "preemption_mode",
-            "swap_space", "seed"]
+            "swap_space", "seed", "quantization"]
     return {k: getattr(ns, k) for k in keys}
 
 

@@ -23,6 +23,12 @@ from tideserve.core.scheduler import Scheduler
 from tideserve.engine.output_processor import OutputProcessor
 from tideserve.engine.pool_controller import PoolController
 from tideserve.engine.stats import EngineStats
+from tideserve.model.layers.quantization import (
+    CALIBRATION_TEXT,
+    calibrate,
+    model_weight_bytes,
+    quantize_model,
+)
 from tideserve.model.loader import load_model
 from tideserve.outputs import RequestOutput
 from tideserve.request import Request, RequestStatus
@@ -55,13 +61,14 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     swap_space: float = 4.0
     seed: int = 0
+    quantization: str = "none"
     memory_probe: MemoryProbe | None = None  # a test double answers for the machine
     elastic: ElasticConfig | None = None  # watermarks and delays of the elastic pool
 
     def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         return (
             ModelConfig(self.model, self.dtype, self.device, self.max_model_len,
-                        self.allow_long_max_model_len, self.seed),
+                        self.allow_long_max_model_len, self.seed, self.quantization),
             CacheConfig(self.block_size, self.num_blocks, self.kv_cache_memory, self.gpu_memory_utilization,
                         enable_prefix_caching=self.enable_prefix_caching, swap_space=self.swap_space),
             SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill,
@@ -91,6 +98,14 @@ class LLMEngine:
         self.model_path = loaded.path
         self.model_name = loaded.name
         self.tokenizer: Tokenizer = load_tokenizer(loaded.path)
+        self.quantization = model_config.quantization
+        if self.quantization != "none":
+            act_max = calibrate(self.model, self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False),
+                                self.device)
+            self.model, saved = quantize_model(self.model, self.quantization, self.device, act_max)
+            logger.info("quantization %s (per-token activations, SmoothQuant-calibrated): weights now "
+                        "%.2f GiB (%.2f GiB saved)", self.quantization, model_weight_bytes(self.model) / GiB,
+                        saved / GiB)
         self.max_model_len = resolve_max_model_len(
             model_config.max_model_len, self.arch.max_position_embeddings,
             model_config.allow_long_max_model_len)
@@ -126,7 +141,7 @@ class LLMEngine:
         per_block = self.runner.kv_bytes_per_block()
         bs = self.runner.block_size
         blocks_one_request = -(-self.max_model_len // bs)
-        weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        weights = model_weight_bytes(self.model)
         activation = 0
         if cache.num_blocks is None:
             activation = self.runner.profile_activation_bytes(

@@ -141,6 +141,7 @@ class LlamaForCausalLM(nn.Module):
                                       arch.rope_theta, arch.rope_scaling, dtype, device)
         self.lm_head = (self.model.embed_tokens if arch.tie_word_embeddings
                         else Embedding(arch.vocab_size, arch.hidden_size, dtype, device))
+        self.lm_head_q = None  # an Int8Weight under --quantization int8
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -156,7 +157,21 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
+        if self.lm_head_q is not None:
+            return self.lm_head_q(hidden).float()
         return F.linear(hidden, self.lm_head.weight).float()
+
+    def quantize_lm_head(self) -> int:
+        """int8 LM head (see layers/quantization.py); returns the bytes saved (negative when tied: the
+        float table stays for embedding lookups)."""
+        from tideserve.model.layers.quantization import Int8Weight
+
+        weight = self.lm_head.weight
+        self.lm_head_q = Int8Weight(weight)
+        if self.arch.tie_word_embeddings:
+            return -self.lm_head_q.nbytes
+        self.lm_head.weight = None
+        return weight.numel() * weight.element_size() - self.lm_head_q.nbytes
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -31,12 +31,17 @@ class Linear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.zeros(offset, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
+        self.qweight = None  # an Int8Weight once the model is quantized (the float weight is then dropped)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight(x)
         return F.linear(x, self.weight, self.bias)
 
     def load(self, param_name: str, tensor: torch.Tensor, shard_id: str | None = None) -> None:
         """Copy a checkpoint tensor ("weight" or "bias") into the rows of ``shard_id``; shapes must match."""
+        if self.qweight is not None:
+            raise ValueError("weights cannot be loaded into a quantized layer; load, then quantize")
         param = self.weight if param_name == "weight" else self.bias
         if param is None:
             raise ValueError(f"checkpoint has a {param_name} for a layer built without one")

@@ -1,0 +1,122 @@
+"""Where one batched decode step spends its time, and how close its matmuls come to the machine's rate.
+
+Fills a batch of ``--batch`` requests (prompts of ``--prompt-len`` tokens), lets them all reach decode,
+then times ``--steps`` engine steps (median step time, output tok/s) and profiles them with
+torch.profiler (top operators by self CPU time). It also times the step's linear layers alone at the
+same shapes, in float32 and bfloat16, which gives the "fraction of the matmul rate" figure: the
+step's matmul FLOPs divided by the step time, over the best rate the same GEMMs reach in isolation.
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/profile_decode.py --batch 64 --steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def linear_shapes(model) -> list[tuple[str, int, int]]:
+    """(name, in_features, out_features) of every matrix a decode step multiplies by, LM head included."""
+    from tideserve.model.layers.linear import Linear
+
+    shapes = [(name, m.in_features, m.out_features) for name, m in model.named_modules() if isinstance(m, Linear)]
+    shapes.append(("lm_head", model.arch.hidden_size, model.arch.vocab_size))
+    return shapes
+
+
+def time_gemm(m: int, k: int, n: int, kind: str, repeats: int = 7) -> float:
+    """Median time of one [m, k] x [k, n] product: float32, bfloat16, or our int8 layer."""
+    if kind == "int8":
+        from tideserve.model.layers.quantization import Int8Weight
+
+        x = torch.randn(m, k)
+        fn = Int8Weight(torch.randn(n, k))
+        run = lambda: fn(x)  # noqa: E731
+    else:
+        dtype = getattr(torch, kind)
+        x = torch.randn(m, k, dtype=dtype)
+        w = torch.randn(n, k, dtype=dtype)
+        run = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+    for _ in range(2):
+        run()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded SmolLM2)")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    from tideserve import LLM, SamplingParams
+
+    kwargs = {"dtype": args.dtype, "max_model_len": args.prompt_len + args.steps + 64,
+              "max_num_seqs": args.batch, "enable_prefix_caching": False}
+    if args.quantization:
+        kwargs["quantization"] = args.quantization
+    llm = LLM(args.model, **kwargs)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 32, ignore_eos=True)
+    for i in range(args.batch):
+        ids = [(i * 7919 + j * 104729) % 40000 + 100 for j in range(args.prompt_len)]
+        engine.add_request(ids, params, prompt_token_ids=ids)
+    # Prefill everything, then wait until every request decodes (one token per step).
+    while len(engine.scheduler.running) < args.batch or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        engine.step()
+    engine.step()
+
+    step_times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - t0)
+    step = statistics.median(step_times)
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top)
+
+    model = engine.runner.model
+    shapes = linear_shapes(model)
+    flops = sum(2 * args.batch * k * n for _, k, n in shapes)
+    gemm = {kind: sum(time_gemm(args.batch, k, n, kind) for _, k, n in shapes)
+            for kind in ("float32", "bfloat16", "int8")}
+    achieved = flops / step
+    result = {
+        "batch": args.batch, "prompt_len": args.prompt_len, "threads": torch.get_num_threads(),
+        "model_dtype": str(model.dtype if hasattr(model, "dtype") else next(model.parameters()).dtype),
+        "step_ms_median": step * 1e3, "step_ms_spread": [min(step_times) * 1e3, max(step_times) * 1e3],
+        "output_tok_s": args.batch / step,
+        "matmul_gflop_per_step": flops / 1e9,
+        "step_matmul_gflops": achieved / 1e9,
+        "isolated_gemm_ms": {k: v * 1e3 for k, v in gemm.items()},
+        "isolated_gemm_gflops": {k: flops / v / 1e9 for k, v in gemm.items()},
+        # The step's matmul FLOPs over its whole duration, against each kernel's rate alone.
+        "fraction_of_matmul_rate": {k: achieved / (flops / v) for k, v in gemm.items()},
+    }
+    print(table)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result | {"profile": table}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

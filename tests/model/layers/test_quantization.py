@@ -1,0 +1,93 @@
+"""int8 linear layers: close to float, per-token (so batch-mates cannot change a row), and quantizing a
+model leaves the float one untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tideserve.model.arch_config import ArchConfig
+from tideserve.model.layers.linear import Linear
+from tideserve.model.layers.quantization import (
+    Int8Weight,
+    int8_unavailable_reason,
+    model_weight_bytes,
+    quantize_model,
+)
+from tideserve.model.llama import LlamaForCausalLM
+
+pytestmark = pytest.mark.skipif(int8_unavailable_reason(torch.device("cpu")) is not None,
+                                reason="this torch build has no fbgemm/x86 quantized engine")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_is_close_to_float(bias):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g) / 8
+    b = torch.randn(96, generator=g) if bias else None
+    x = torch.randn(5, 7, 64, generator=g)
+    ref = torch.nn.functional.linear(x, w, b)
+    out = Int8Weight(w, b)(x)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert rel_err(out, ref) < 0.02
+
+
+def test_each_row_is_quantized_alone():
+    """A batch-mate with huge activations must not coarsen the other rows (per-tensor scaling would)."""
+    g = torch.Generator().manual_seed(1)
+    q = Int8Weight(torch.randn(32, 48, generator=g))
+    row = torch.randn(1, 48, generator=g)
+    loud = torch.randn(3, 48, generator=g) * 1000
+    assert torch.equal(q(row), q(torch.cat([loud[:2], row, loud[2:]]))[2:3])
+
+
+def test_smoothing_keeps_the_product():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 24, generator=g)
+    x = torch.randn(6, 24, generator=g)
+    x[:, 3] *= 50  # an outlier channel, the case smoothing is for
+    smooth = (x.abs().amax(0) ** 0.7 / w.abs().amax(0) ** 0.3)
+    ref = x @ w.T
+    assert rel_err(Int8Weight(w, smooth=smooth)(x), ref) < rel_err(Int8Weight(w)(x), ref)
+    assert rel_err(Int8Weight(w, smooth=smooth)(x), ref) < 0.02
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    arch = ArchConfig(architecture="LlamaForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      tie_word_embeddings=True)
+    model = LlamaForCausalLM(arch)
+    g = torch.Generator().manual_seed(3)
+    for p in model.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def test_quantize_model_copies_and_leaves_the_float_model_alone():
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    qmodel, saved = quantize_model(model, "int8", torch.device("cpu"))
+    assert qmodel is not model
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(m.qweight is None for m in model.modules() if isinstance(m, Linear))
+    assert all(m.qweight is not None and m.weight is None for m in qmodel.modules() if isinstance(m, Linear))
+    # Norms and embeddings are shared, not copied.
+    assert qmodel.model.embed_tokens.weight is model.model.embed_tokens.weight
+    assert model_weight_bytes(qmodel) < model_weight_bytes(model) + qmodel.lm_head_q.nbytes
+    assert saved > 0
+    hidden = torch.randn(3, 64)
+    assert rel_err(qmodel.compute_logits(hidden), model.compute_logits(hidden)) < 0.03
+
+
+def test_quantize_model_rejects_what_it_cannot_do():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="quantization must be one of none, int8, got 'int4'"):
+        quantize_model(model, "int4", torch.device("cpu"))
+    with pytest.raises(ValueError, match="does not run on cuda"):
+        quantize_model(model, "int8", torch.device("cuda"))
+    assert quantize_model(model, "none", torch.device("cpu")) == (model, 0)
