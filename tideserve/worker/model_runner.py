@@ -17,7 +17,7 @@ import torch
 
 from tideserve.core.kv_cache.memory import peak_rss_bytes, process_rss_bytes, reset_peak_rss
 from tideserve.core.scheduler import SchedulerOutput
-from tideserve.model.layers.attention import AttentionMetadata, PrefillSpan
+from tideserve.model.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from tideserve.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from tideserve.outputs import Logprob
 from tideserve.sampling_params import SamplingParams
@@ -34,6 +34,32 @@ def release_freed_memory(device: torch.device) -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+# What one more decode group costs, in padded block-rows (each layer pays a gather and an attention
+# call per group): splitting is worth it when it saves more padding than this.
+GROUP_OVERHEAD_BLOCK_ROWS = 16
+
+
+def group_by_blocks(num_blocks: np.ndarray, overhead: int = GROUP_OVERHEAD_BLOCK_ROWS) -> list[tuple[int, int]]:
+    """Split rows (sorted by ascending block count) into contiguous groups, each padded to its largest
+    row, minimising padded block-rows plus ``overhead`` per group (exact, over distinct block counts)."""
+    n = len(num_blocks)
+    values, firsts = np.unique(num_blocks, return_index=True)
+    bounds = [int(i) for i in firsts] + [n]
+    d = len(values)
+    best = [0.0] + [float("inf")] * d
+    cut = [0] * (d + 1)
+    for j in range(1, d + 1):
+        for i in range(j):
+            cost = best[i] + (bounds[j] - bounds[i]) * int(values[j - 1]) + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], d
+    while j > 0:
+        groups.append((bounds[cut[j]], bounds[j]))
+        j = cut[j]
+    return groups[::-1]
 
 
 @dataclass
@@ -280,7 +306,9 @@ class ModelRunner:
         result = ModelRunnerOutput({}, {})
         if out.is_empty:
             return result
-        decode_ids = [rid for rid, n in out.num_scheduled_tokens.items() if n == 1]
+        # Decodes sorted by context length, so attention can take them in groups of similar length.
+        decode_ids = sorted((rid for rid, n in out.num_scheduled_tokens.items() if n == 1),
+                            key=lambda rid: self.requests[rid].num_computed_tokens)
         prefill_ids = [rid for rid, n in out.num_scheduled_tokens.items() if n > 1]
         order = decode_ids + prefill_ids
         batch = self._build_batch(order, out.num_scheduled_tokens, len(decode_ids))
@@ -355,13 +383,15 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=to_dev(slot_mapping), num_decode_tokens=num_decodes)
         ends = starts + counts  # context length after this step
         if num_decodes:
-            ctx = ends[:num_decodes]
-            nb = -(-int(ctx.max()) // bs)
-            tables_d = tables[:num_decodes, :nb]
-            used = np.arange(nb)[None, :] < -(-ctx[:, None] // bs)
-            meta.decode_block_tables = to_dev(np.where(used, tables_d, tables_d[:, :1]))
-            valid = np.arange(nb * bs)[None, :] < ctx[:, None]
-            meta.decode_mask = to_dev(valid[:, None, None, :])
+            ctx = ends[:num_decodes]  # ascending: decodes come sorted by context length
+            for lo, hi in group_by_blocks(-(-ctx // bs)):
+                c = ctx[lo:hi]
+                nb = -(-int(c[-1]) // bs)
+                tables_d = tables[lo:hi, :nb]
+                used = np.arange(nb)[None, :] < -(-c[:, None] // bs)
+                valid = np.arange(nb * bs)[None, :] < c[:, None]
+                meta.decode_groups.append(DecodeGroup(lo, hi, to_dev(np.where(used, tables_d, tables_d[:, :1])),
+                                                      to_dev(valid[:, None, None, :])))
         for i in range(num_decodes, len(order)):
             q_len, start, ctx_len = int(counts[i]), int(starts[i]), int(ends[i])
             span = PrefillSpan(start=int(cu[i]), query_len=q_len, context_len=ctx_len)

@@ -32,6 +32,21 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows ``start:end`` (contexts of similar length), attended together.
+
+    ``block_tables``: [rows, max_blocks] int64, padded with each request's own first block (so a padded
+    read never touches another request's block); ``mask``: [rows, 1, 1, max_blocks * block_size] bool,
+    True = a key of this request.
+    """
+
+    start: int
+    end: int
+    block_tables: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
     """What attention needs to know about the flat batch; built once per step by the model runner."""
 
@@ -42,7 +57,17 @@ class AttentionMetadata:
     # [num_decodes, 1, 1, max_blocks * block_size] bool, True = a key of this request.
     decode_block_tables: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
+    # Or the decodes split by context length, so short contexts are not padded to the longest one.
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
+
+    def decode_batches(self) -> list[DecodeGroup]:
+        if self.decode_groups:
+            return self.decode_groups
+        if self.num_decode_tokens:
+            assert self.decode_block_tables is not None and self.decode_mask is not None
+            return [DecodeGroup(0, self.num_decode_tokens, self.decode_block_tables, self.decode_mask)]
+        return []
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -95,16 +120,14 @@ def paged_attention(
     v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
 
     out = torch.empty_like(q)
-    nd = meta.num_decode_tokens
-    if nd:
-        assert meta.decode_block_tables is not None and meta.decode_mask is not None
+    for group in meta.decode_batches():
         # Whole blocks are gathered (a few large copies, not one per token), then viewed as keys.
-        b, nb = meta.decode_block_tables.shape
-        idx = meta.decode_block_tables.reshape(-1)
+        b, nb = group.block_tables.shape
+        idx = group.block_tables.reshape(-1)
         lk = nb * k_cache.shape[1]
         kd = k_cache.index_select(0, idx).view(b, lk, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
         vd = v_cache.index_select(0, idx).view(b, lk, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-        out[:nd] = _decode_attention(q[:nd], kd, vd, meta.decode_mask, scale)
+        out[group.start:group.end] = _decode_attention(q[group.start:group.end], kd, vd, group.mask, scale)
     for span in meta.prefills:
         end = span.start + span.query_len
         qs = q[span.start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
