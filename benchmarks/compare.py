@@ -121,7 +121,7 @@ def run_tideserve_offline(args: argparse.Namespace, workloads: dict, levels: lis
     from tideserve.bench.offline import run_offline_benchmark
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(levels), enable_prefix_caching=True,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization)
 
     def runner(reqs: list[SampleRequest], c: int) -> dict[str, Any]:
         return run_offline_benchmark(llm, reqs, max_concurrency=c, ignore_eos=True, progress=False)["metrics"]
@@ -131,7 +131,7 @@ def run_tideserve_offline(args: argparse.Namespace, workloads: dict, levels: lis
 
 def run_hf(args: argparse.Namespace, workloads: dict, levels: list[int], rows: list, engines: list[str],
            notes: list[str]) -> None:
-    model = peers.load_hf_model(args.model, args.torch_dtype)
+    model = peers.load_hf_model(args.model, args.hf_torch_dtype)
     pad = model.generation_config.eos_token_id
     pad = pad[0] if isinstance(pad, list) else (pad if pad is not None else 0)
 
@@ -173,7 +173,8 @@ def run_tideserve_serve(args: argparse.Namespace, workloads: dict, levels: list[
     port = free_port()
     cmd = [sys.executable, "-m", "tideserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--model", args.model, "--dtype", args.dtype, "--max-num-seqs", str(max(levels)),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--enable-prefix-caching"]
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--enable-prefix-caching",
+           "--quantization", args.quantization]
     args.commands.append(" ".join(cmd))
     with ServerProcess(cmd, port, env=_thread_env(args.threads), name="tideserve-serve") as srv:
         runner = _http_runner(srv.base_url, discover_model(srv.base_url))
@@ -285,7 +286,9 @@ def write_report(args: argparse.Namespace, rows: list, notes: list[str], workloa
                       f"(mean {sum(ins) / len(ins):.0f}), output {min(outs)}-{max(outs)} "
                       f"(mean {sum(outs) / len(outs):.0f})")
     title = f"# tideserve vs peers ({time.strftime('%Y-%m-%d %H:%M')})"
-    setup = (f"Model: `{args.model}`, dtype {args.dtype}, {args.threads} CPU thread(s) per engine, "
+    hf_dtype = str(args.hf_torch_dtype).removeprefix("torch.")
+    setup = (f"Model: `{args.model}`, dtype {args.dtype} (transformers: {hf_dtype}), tideserve quantization "
+             f"{args.quantization}, {args.threads} CPU thread(s) per engine, "
              f"max_num_batched_tokens {args.max_num_batched_tokens}, seed {args.seed}.")
     text = [title + (" — quick smoke run, numbers not meaningful" if args.quick else ""), "",
             f"Command: `{' '.join(sys.argv)}`", "", setup, "",
@@ -304,6 +307,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded SmolLM2)")
     ap.add_argument("--dtype", default="auto", help="one dtype for every engine (auto: what tideserve picks)")
+    ap.add_argument("--quantization", default="none", choices=["none", "int8"],
+                    help="tideserve's --quantization (peers keep their own weights)")
+    ap.add_argument("--hf-dtype", default=None, help="transformers' dtype (default: --dtype's)")
     ap.add_argument("--concurrency", default=DEFAULT_LEVELS, help="comma-separated levels")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--engines", default=",".join(ENGINES))
@@ -327,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     args.model = str(path)
     args.torch_dtype = resolve_dtype(args.dtype, "cpu")
     args.dtype = str(args.torch_dtype).removeprefix("torch.")  # pin "auto" so every engine gets the same
+    args.hf_torch_dtype = getattr(torch, args.hf_dtype) if args.hf_dtype else args.torch_dtype
     if args.threads:
         torch.set_num_threads(args.threads)
     args.threads = torch.get_num_threads()

@@ -1,9 +1,12 @@
 """Offline throughput: tideserve's LLM.generate against Hugging Face transformers' batched generate().
 
 Same model file, same prompts (chat prompts of varied length), same greedy output length with EOS
-ignored, same dtype, measured in one run and interleaved. Prints output tokens/s for both and the ratio.
+ignored, measured in one run and interleaved. tideserve runs once per ``--quantization`` value, and
+transformers once per ``--hf-dtypes`` value (its bfloat16 is the reference config on CPUs with AMX;
+float32 is its fastest where bf16 is emulated). Prints output tokens/s and the ratios.
 
-    .venv/bin/python benchmarks/offline_throughput.py --num-prompts 64 --output-len 128 --repeats 3
+    .venv/bin/python benchmarks/offline_throughput.py --num-prompts 64 --output-len 128 --repeats 3 \
+        --quantization none,int8 --hf-dtypes float32,bfloat16 --hf-repeats 1
 """
 
 from __future__ import annotations
@@ -77,6 +80,9 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=None, help="default: all prompts in one batch")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--quantization", default="none", help="comma-separated tideserve variants: none,int8")
+    ap.add_argument("--hf-dtypes", default=None, help="comma-separated transformers dtypes (default: --dtype's)")
+    ap.add_argument("--hf-repeats", type=int, default=None, help="transformers runs (default: --repeats)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
 
@@ -84,8 +90,10 @@ def main() -> None:
 
     from tideserve import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 1),
-              max_num_batched_tokens=4096)
+    variants = args.quantization.split(",")
+    llms = {q: LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 1),
+                   max_num_batched_tokens=4096, quantization=q) for q in variants}
+    llm = llms[variants[0]]
     dtype = llm.engine.dtype
     prompts = make_prompts(args.num_prompts, args.seed)
     prompt_ids = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
@@ -94,48 +102,59 @@ def main() -> None:
           f"prompt tokens min/median/max={min(lens)}/{int(statistics.median(lens))}/{max(lens)} "
           f"output={args.output_len} threads={torch.get_num_threads()}")
 
-    hf = None
+    hfs = {}
     if not args.skip_transformers:
         path = Path(llm.engine.model_path)
-        if path.is_file():
-            hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-        else:
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        hf.eval()
+        for name in (args.hf_dtypes.split(",") if args.hf_dtypes else [str(dtype).removeprefix("torch.")]):
+            hf_dtype = getattr(torch, name)
+            if path.is_file():
+                hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=hf_dtype)
+            else:
+                hf = AutoModelForCausalLM.from_pretrained(path, dtype=hf_dtype)
+            hfs[name] = hf.eval()
         pad = llm.tokenizer.eos_token_id or 0
 
-    # Warm up both once (small), then interleave the timed runs.
-    run_tideserve(llm, prompt_ids[:2], 4)
-    if hf is not None:
+    # Warm up each once (small), then interleave the timed runs.
+    for one in llms.values():
+        run_tideserve(one, prompt_ids[:2], 4)
+    for hf in hfs.values():
         run_transformers(hf, pad, prompt_ids[:2], 4, 2)
-    ours, theirs = [], []
+    ours: dict[str, list[float]] = {q: [] for q in variants}
+    theirs: dict[str, list[float]] = {name: [] for name in hfs}
+    hf_repeats = args.repeats if args.hf_repeats is None else args.hf_repeats
     for r in range(args.repeats):
-        t, n = run_tideserve(llm, prompt_ids, args.output_len)
-        ours.append(n / t)
-        line = f"run {r}: tideserve {n / t:8.1f} tok/s ({n} tokens in {t:.1f}s)"
-        if hf is not None:
-            t2, n2 = run_transformers(hf, pad, prompt_ids, args.output_len,
-                                      args.hf_batch_size or len(prompt_ids))
-            theirs.append(n2 / t2)
-            line += f" | transformers {n2 / t2:8.1f} tok/s ({n2} tokens in {t2:.1f}s)"
-        print(line, flush=True)
+        parts = []
+        for q, one in llms.items():
+            t, n = run_tideserve(one, prompt_ids, args.output_len)
+            ours[q].append(n / t)
+            parts.append(f"tideserve[{q}] {n / t:7.1f} tok/s ({t:.1f}s)")
+        if r < hf_repeats:
+            for name, hf in hfs.items():
+                t2, n2 = run_transformers(hf, pad, prompt_ids, args.output_len,
+                                          args.hf_batch_size or len(prompt_ids))
+                theirs[name].append(n2 / t2)
+                parts.append(f"transformers[{name}] {n2 / t2:7.1f} tok/s ({t2:.1f}s)")
+        print(f"run {r}: " + " | ".join(parts), flush=True)
 
+    med = statistics.median
     result = {
         "machine": f"{platform.machine()} {platform.processor()} threads={torch.get_num_threads()}",
         "torch": torch.__version__, "dtype": str(dtype), "num_prompts": args.num_prompts,
-        "output_len": args.output_len, "tideserve_tok_s": ours,
-        "tideserve_median": statistics.median(ours),
+        "output_len": args.output_len,
+        "tideserve_tok_s": ours, "tideserve_median": {q: med(v) for q, v in ours.items()},
     }
-    print(f"tideserve median {statistics.median(ours):.1f} tok/s (spread {min(ours):.1f}-{max(ours):.1f})")
+    for q, v in ours.items():
+        print(f"tideserve[{q}] median {med(v):.1f} tok/s (spread {min(v):.1f}-{max(v):.1f})")
     if theirs:
         import transformers
 
         result.update(transformers=transformers.__version__, transformers_tok_s=theirs,
-                      transformers_median=statistics.median(theirs),
-                      ratio=statistics.median(ours) / statistics.median(theirs))
-        print(f"transformers median {statistics.median(theirs):.1f} tok/s "
-              f"(spread {min(theirs):.1f}-{max(theirs):.1f})")
-        print(f"ratio tideserve / transformers: {result['ratio']:.2f}x")
+                      transformers_median={n: med(v) for n, v in theirs.items()},
+                      ratios={f"{q}/{n}": med(ours[q]) / med(theirs[n]) for q in ours for n in theirs})
+        for n, v in theirs.items():
+            print(f"transformers[{n}] median {med(v):.1f} tok/s (spread {min(v):.1f}-{max(v):.1f})")
+        for key, ratio in result["ratios"].items():
+            print(f"ratio tideserve[{key.split('/')[0]}] / transformers[{key.split('/')[1]}]: {ratio:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 
