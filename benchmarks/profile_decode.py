@@ -59,19 +59,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--fixed-threads", action="store_true", help="turn the thread governor off")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
     from tideserve import LLM, SamplingParams
 
-    kwargs = {"dtype": args.dtype, "max_model_len": args.prompt_len + args.steps + 64,
-              "max_num_seqs": args.batch, "enable_prefix_caching": False}
+    kwargs = {"dtype": args.dtype, "max_model_len": args.prompt_len + 3 * args.steps + 64,
+              "max_num_seqs": args.batch, "enable_prefix_caching": False,
+              "adaptive_threads": not args.fixed_threads}
     if args.quantization:
         kwargs["quantization"] = args.quantization
     llm = LLM(args.model, **kwargs)
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 32, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=3 * args.steps + 32, ignore_eos=True)
     for i in range(args.batch):
         ids = [(i * 7919 + j * 104729) % 40000 + 100 for j in range(args.prompt_len)]
         engine.add_request(ids, params, prompt_token_ids=ids)
@@ -79,7 +81,8 @@ def main() -> None:
     while len(engine.scheduler.running) < args.batch or any(
             r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
         engine.step()
-    engine.step()
+    for _ in range(min(16, args.steps)):  # past the pool's growth at the first block boundary
+        engine.step()
 
     step_times = []
     for _ in range(args.steps):
@@ -101,6 +104,7 @@ def main() -> None:
     achieved = flops / step
     result = {
         "batch": args.batch, "prompt_len": args.prompt_len, "threads": torch.get_num_threads(),
+        "thread_changes": engine.thread_governor.num_changes if engine.thread_governor else None,
         "model_dtype": str(model.dtype if hasattr(model, "dtype") else next(model.parameters()).dtype),
         "step_ms_median": step * 1e3, "step_ms_spread": [min(step_times) * 1e3, max(step_times) * 1e3],
         "output_tok_s": args.batch / step,

@@ -38,6 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-adaptive-threads", dest="adaptive_threads", action="store_false",
+                   help="keep the intra-op thread count fixed even when other processes take cores")
     kv = p.add_argument_group("KV cache (elastic by default: sized from measurement, grows and shrinks)")
     kv.add_argument("--block-size", type=_block_size, default="auto",
                     help="8, 16, 32, 64, 128 or auto (chosen from the workload)")
@@ -57,7 +59,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
     keys = ["model", "dtype", "device", "max_model_len", "allow_long_max_model_len", "max_num_seqs",
             "max_num_batched_tokens", "enable_chunked_prefill", "block_size", "num_blocks",
             "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "preemption_mode",
-            "swap_space", "seed", "quantization"]
+            "swap_space", "seed", "quantization", "adaptive_threads"]
     return {k: getattr(ns, k) for k in keys}
 
 

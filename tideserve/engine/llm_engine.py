@@ -23,6 +23,7 @@ from tideserve.core.scheduler import Scheduler
 from tideserve.engine.output_processor import OutputProcessor
 from tideserve.engine.pool_controller import PoolController
 from tideserve.engine.stats import EngineStats
+from tideserve.engine.threads import ThreadGovernor
 from tideserve.model.layers.quantization import (
     CALIBRATION_TEXT,
     calibrate,
@@ -62,6 +63,7 @@ class EngineArgs:
     swap_space: float = 4.0
     seed: int = 0
     quantization: str = "none"
+    adaptive_threads: bool = True  # CPU: follow the cores actually free (see engine/threads.py)
     memory_probe: MemoryProbe | None = None  # a test double answers for the machine
     elastic: ElasticConfig | None = None  # watermarks and delays of the elastic pool
 
@@ -129,6 +131,8 @@ class LLMEngine:
         self.pool = PoolController(self.kv_manager, self.runner, self.scheduler, self.probe, account, policy,
                                    self.max_model_len, swap_bytes, cache_config.auto_block_size)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.thread_governor = (ThreadGovernor() if args.adaptive_threads and self.device.type == "cpu"
+                                else None)
         self._ids = itertools.count()
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
@@ -275,6 +279,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the outputs of every parent request that changed."""
         self.pool.maintain()
+        if self.thread_governor is not None:
+            self.thread_governor.observe()
         touched: dict[str, None] = {}
         # Requests finished without running (max_tokens=0) are reported on the next step.
         for parent_id, parent in list(self.output_processor.parents.items()):
