@@ -154,6 +154,27 @@ def test_unwritten_kv_slots_never_reach_attention(reference, garbage_pool, midwa
     assert run_with_midway(llm, chats(llm), 4, action) == reference
 
 
+def test_block_size_change_right_after_a_request_finished(reference, garbage_pool):
+    """A request finished in the last step is still known to the runner, with old-layout block ids."""
+    llm = LLM(dtype="float32", max_model_len=512, block_size=16, enable_prefix_caching=False)
+    engine = llm.engine
+    prompts = chats(llm)
+    ids = [engine.add_request(p, GREEDY, prompt_token_ids=p) for p in prompts]
+    long_prompt = prompts[0] * 3
+    engine.add_request(long_prompt, SamplingParams(max_tokens=1), prompt_token_ids=long_prompt)
+    finished = {}
+    for out in engine.step():  # prefills everything; the one-token request ends here
+        if out.finished:
+            finished[out.request_id] = out
+    assert len(finished) == 1
+    engine.pool.change_block_size(64, "test")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert [finished[i].outputs[0].token_ids for i in ids] == reference
+
+
 @pytest.mark.parametrize("new_block_size", [8, 64])
 def test_block_size_change_mid_generation(reference, new_block_size, caplog):
     caplog.set_level(logging.INFO)

@@ -248,7 +248,10 @@ class ModelRunner:
             nv.view(-1, kvh, hd).index_copy_(0, dst, v.reshape(-1, kvh, hd).index_select(0, src))
         del old_caches, k, v
         self.block_size = new_bs
-        self._clear_unwritten([(s.block_ids, s.num_computed_tokens) for s in self.requests.values()])
+        # Only the requests moved into the new layout: a request that finished in the last step is
+        # still here (until the next step drops it) with block ids of the old layout.
+        self._clear_unwritten([(self.requests[rid].block_ids, self.requests[rid].num_computed_tokens)
+                               for rid in tables if rid in self.requests])
         if self.swap_caches:
             self.allocate_swap(self.swap_caches[0][0].shape[0] * old_bs // new_bs)
         release_freed_memory(self.device)
