@@ -21,7 +21,7 @@ class FakeCpu:
 
 def governor(cpu: FakeCpu) -> tuple[ThreadGovernor, list[int]]:
     calls: list[int] = []
-    return ThreadGovernor(max_threads=2, interval_s=1.0, sampler=cpu, set_threads=calls.append), calls
+    return ThreadGovernor(max_threads=2, interval_s=0.0, sampler=cpu, set_threads=calls.append), calls
 
 
 def test_a_busy_neighbour_drops_a_thread_and_its_leaving_restores_it():
@@ -50,8 +50,23 @@ def test_a_single_burst_does_not_flap():
 
 def test_one_thread_is_never_changed_and_this_machine_can_be_read():
     cpu = FakeCpu()
-    gov = ThreadGovernor(max_threads=1, sampler=cpu, set_threads=lambda n: None)
+    gov = ThreadGovernor(max_threads=1, interval_s=0.0, sampler=cpu, set_threads=lambda n: None)
     cpu.own_cores = 0.2
     assert [gov.observe() for _ in range(4)] == [1, 1, 1, 1]
     sample = read_cpu_sample()
     assert sample is None or (sample.idle_s >= 0 and sample.own_s > 0)
+
+
+def test_the_machine_is_read_once_per_interval_not_once_per_step():
+    cpu = FakeCpu()
+    reads = []
+    clock = [0.0]
+    gov = ThreadGovernor(max_threads=2, interval_s=2.0, sampler=lambda: reads.append(1) or cpu(),
+                         set_threads=lambda n: None, clock=lambda: clock[0])
+    for _ in range(10):  # ten steps within one interval
+        gov.observe()
+        clock[0] += 0.1
+    assert len(reads) == 1
+    clock[0] += 2.0
+    gov.observe()
+    assert len(reads) == 2

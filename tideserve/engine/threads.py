@@ -55,7 +55,8 @@ class ThreadGovernor:
 
     def __init__(self, max_threads: int | None = None, interval_s: float = 2.0,
                  sampler: Callable[[], CpuSample | None] | None = None,
-                 set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
+                 set_threads: Callable[[int], None] = torch.set_num_threads,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.max_threads = max_threads or torch.get_num_threads()
         self.interval_s = interval_s
         try:
@@ -64,6 +65,8 @@ class ThreadGovernor:
             cpus = None
         self._sample = sampler or (lambda: read_cpu_sample(cpus))
         self._set_threads = set_threads
+        self._clock = clock
+        self._checked_at = float("-inf")
         self.threads = self.max_threads
         self.num_changes = 0
         self._last: CpuSample | None = None
@@ -73,13 +76,16 @@ class ThreadGovernor:
         """Call between steps while busy; returns the thread count in force."""
         if self.max_threads <= 1:
             return self.threads
+        now = self._clock()
+        if now - self._checked_at < self.interval_s:  # a step costs no /proc read between readings
+            return self.threads
+        self._checked_at = now
         sample = self._sample()
         if sample is None:
             return self.threads
         last = self._last
-        if last is None or sample.wall_s - last.wall_s < self.interval_s:
-            if last is None:
-                self._last = sample
+        if last is None or sample.wall_s <= last.wall_s:
+            self._last = sample
             return self.threads
         self._last = sample
         wall = sample.wall_s - last.wall_s
