@@ -101,15 +101,27 @@ def _summary(records: list, duration: float, concurrency: int) -> dict[str, Any]
     return compute_metrics(records, duration, max_concurrency=concurrency)
 
 
+def prompts_at(args: argparse.Namespace, total: int, concurrency: int) -> int:
+    """How many of a workload's requests run at one concurrency level.
+
+    All of them unless --prompts-per-slot is set; then K requests per slot (at least --min-prompts), so a
+    sweep's low-concurrency cells do not take hours on a small CPU. The first N requests are used, so
+    every engine sees the same ones.
+    """
+    if not getattr(args, "prompts_per_slot", 0):
+        return total
+    return min(total, max(args.min_prompts, args.prompts_per_slot * concurrency))
+
+
 def measure(engine: str, runner: Runner, workloads: dict[str, list[SampleRequest]], levels: list[int],
-            rows: list[dict[str, Any]]) -> None:
+            rows: list[dict[str, Any]], args: argparse.Namespace | None = None) -> None:
     """Warm the engine up once, then run every workload at every concurrency level."""
     first = next(iter(workloads.values()))
     runner([dataclasses.replace(r, output_len=min(r.output_len, 4)) for r in first[:2]], 2)  # warmup
     for name, reqs in workloads.items():
         for c in levels:
             t0 = time.perf_counter()
-            metrics = runner(reqs, c)
+            metrics = runner(reqs[:prompts_at(args, len(reqs), c)] if args else reqs, c)
             logger.info("%s %s c=%d: %.1f output tok/s, %d ok, %d failed (%.0fs)", engine, name, c,
                         metrics["output_throughput"], metrics["completed"], metrics["failed"],
                         time.perf_counter() - t0)
@@ -126,7 +138,7 @@ def run_tideserve_offline(args: argparse.Namespace, workloads: dict, levels: lis
     def runner(reqs: list[SampleRequest], c: int) -> dict[str, Any]:
         return run_offline_benchmark(llm, reqs, max_concurrency=c, ignore_eos=True, progress=False)["metrics"]
 
-    measure("tideserve-offline", runner, workloads, levels, rows)
+    measure("tideserve-offline", runner, workloads, levels, rows, args)
 
 
 def run_hf(args: argparse.Namespace, workloads: dict, levels: list[int], rows: list, engines: list[str],
@@ -142,10 +154,10 @@ def run_hf(args: argparse.Namespace, workloads: dict, levels: list[int], rows: l
         return _summary(*peers.run_hf_continuous(model, reqs, c, args.max_num_batched_tokens), c)
 
     if "hf-static" in engines:
-        measure("hf-static", static, workloads, levels, rows)
+        measure("hf-static", static, workloads, levels, rows, args)
     if "hf-cb" in engines:
         if peers.has_continuous_batching(model):
-            measure("hf-cb", continuous, workloads, levels, rows)
+            measure("hf-cb", continuous, workloads, levels, rows, args)
         else:
             notes.append("hf-cb skipped: this transformers has no continuous batching (generate_batch).")
 
@@ -178,7 +190,7 @@ def run_tideserve_serve(args: argparse.Namespace, workloads: dict, levels: list[
     args.commands.append(" ".join(cmd))
     with ServerProcess(cmd, port, env=_thread_env(args.threads), name="tideserve-serve") as srv:
         runner = _http_runner(srv.base_url, discover_model(srv.base_url))
-        measure("tideserve-serve", runner, workloads, levels, rows)
+        measure("tideserve-serve", runner, workloads, levels, rows, args)
 
 
 def run_llama_server(args: argparse.Namespace, workloads: dict, levels: list[int], rows: list,
@@ -204,7 +216,7 @@ def run_llama_server(args: argparse.Namespace, workloads: dict, levels: list[int
         cmd = peers.llama_server_command(binary, args.model, port, c, ctx, args.threads)
         args.commands.append(" ".join(cmd))
         with ServerProcess(cmd, port, ready_path="/health", name="llama-server") as srv:
-            measure("llama-server", _http_runner(srv.base_url, "llama"), workloads, [c], rows)
+            measure("llama-server", _http_runner(srv.base_url, "llama"), workloads, [c], rows, args)
 
 
 def _thread_env(threads: int) -> dict[str, str]:
@@ -302,6 +314,20 @@ def write_report(args: argparse.Namespace, rows: list, notes: list[str], workloa
     return "\n".join(text) + "\n"
 
 
+def merge_rows(paths: list[str], rows: list[dict[str, Any]], notes: list[str]) -> None:
+    """Add earlier runs' cells that this run did not measure, each noted with the run it came from."""
+    have = {(r["workload"], r["concurrency"], r["engine"]) for r in rows}
+    for path in paths:
+        earlier = json.loads(Path(path).read_text())
+        added = [r for r in earlier["rows"] if (r["workload"], r["concurrency"], r["engine"]) not in have]
+        for r in added:
+            have.add((r["workload"], r["concurrency"], r["engine"]))
+            rows.append(r | {"source": Path(path).name})
+        levels = sorted({r["concurrency"] for r in added})
+        notes.append(f"{len(added)} cells (concurrency {', '.join(map(str, levels))}) come from an earlier run, "
+                     f"{Path(path).name}: `{' '.join(earlier.get('command', []))}`")
+
+
 # --------------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -314,6 +340,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--num-prompts", type=int, default=None, help="requests per workload (64; quick: 4)")
+    ap.add_argument("--prompts-per-slot", type=int, default=0,
+                    help="run K requests per concurrency slot (at least --min-prompts, at most --num-prompts) "
+                         "instead of all of them at every level")
+    ap.add_argument("--min-prompts", type=int, default=8)
+    ap.add_argument("--merge", nargs="*", default=[],
+                    help="JSON files of earlier runs whose rows join the table and chart (this run's rows "
+                         "win where both have a cell)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads per engine (default: torch's)")
     ap.add_argument("--llama-server", default=None, help="path of a llama-server binary (default: PATH)")
@@ -374,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             first_line = str(exc).splitlines()[0] if str(exc) else ""
             notes.append(f"{name} failed: {type(exc).__name__}: {first_line}")
 
+    merge_rows(args.merge, rows, notes)
     out = Path(args.out) if args.out else Path("docs") / f"compare-{time.strftime('%Y%m%d-%H%M')}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     report = write_report(args, rows, notes, workloads, out)
