@@ -24,7 +24,8 @@ class PagedCache:
     """
 
     def __init__(self, arch: ArchConfig, num_blocks: int = 64, block_size: int = 4,
-                 dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
+                 dtype: torch.dtype = torch.float32, seed: int = 0, native: bool = False) -> None:
+        self.native = native  # decode metadata for the native kernel (tables + lengths) or the torch path
         shape = (num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
                           for _ in range(arch.num_hidden_layers)]
@@ -72,7 +73,11 @@ class PagedCache:
 
         meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping), prefills=prefills,
                                  num_decode_tokens=len(decode_contexts))
-        if decode_contexts:
+        if decode_contexts and self.native:
+            width = max(len(t) for t, _ in decode_contexts)
+            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t, _ in decode_contexts])
+            meta.decode_context_lens = torch.tensor([n for _, n in decode_contexts])
+        elif decode_contexts:
             width = max(len(t) for t, _ in decode_contexts)
             meta.decode_block_tables = torch.tensor([t + [t[0]] * (width - len(t)) for t, _ in decode_contexts])
             keys = width * self.block_size
@@ -101,8 +106,9 @@ class MixedBatch:
         self.seqs = {rid: torch.randint(0, vocab_size, (n,), generator=g).tolist()
                      for rid, n in self.seq_lens.items()}
 
-    def ours(self, model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-        cache = PagedCache(model.arch, num_blocks=32, block_size=4, dtype=dtype)
+    def ours(self, model: torch.nn.Module, dtype: torch.dtype = torch.float32,
+             native: bool = False) -> list[torch.Tensor]:
+        cache = PagedCache(model.arch, num_blocks=32, block_size=4, dtype=dtype, native=native)
         out = []
         for step in self.steps:
             ids, positions, meta = cache.step([(rid, self.seqs[rid][a:b]) for rid, a, b in step])
@@ -116,9 +122,9 @@ class MixedBatch:
             full = {rid: hf_model(torch.tensor([s])).logits[0].float() for rid, s in self.seqs.items()}
         return [torch.cat([full[rid][a:b] for rid, a, b in step]) for step in self.steps]
 
-    def assert_matches(self, model: torch.nn.Module, hf_model: torch.nn.Module) -> None:
+    def assert_matches(self, model: torch.nn.Module, hf_model: torch.nn.Module, native: bool = False) -> None:
         """float32: every logit row of every step within rtol 1e-4 of transformers."""
-        for got, want in zip(self.ours(model), self.reference(hf_model), strict=True):
+        for got, want in zip(self.ours(model, native=native), self.reference(hf_model), strict=True):
             assert got.dtype == torch.float32
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
+from tideserve import native
 from tideserve.model.loader import load_model
 
 COMMON: dict[str, Any] = {
@@ -55,14 +56,24 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return request.param, hf_model, directory
 
 
-def test_logits_match_transformers_mixed_batch(tiny: tuple[str, Any, Path], mixed_batch: Any) -> None:
+@pytest.mark.parametrize("decode_path", ["torch", "native"])
+def test_logits_match_transformers_mixed_batch(tiny: tuple[str, Any, Path], mixed_batch: Any, decode_path: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode attention through torch (gathered, masked groups) and through the native kernel."""
+    calls: list[bool] = []
+    if decode_path == "native":
+        if native.load_library() is None:
+            pytest.skip("no C compiler to build the native kernel")
+        kernel = native.paged_decode_attention
+        monkeypatch.setattr(native, "paged_decode_attention", lambda *a: calls.append(kernel(*a)) or calls[-1])
     name, hf_model, directory = tiny
     loaded = load_model(str(directory), dtype="float32")
     assert loaded.dtype == torch.float32 and loaded.name == directory.name and loaded.path == str(directory)
     if "sharded" in name:
         assert (directory / "model.safetensors.index.json").is_file()
     assert loaded.arch.tie_word_embeddings == name.endswith("-tied")
-    mixed_batch(loaded.arch.vocab_size).assert_matches(loaded.model, hf_model)
+    mixed_batch(loaded.arch.vocab_size).assert_matches(loaded.model, hf_model, native=decode_path == "native")
+    assert calls == ([True] * 2 * loaded.arch.num_hidden_layers if decode_path == "native" else [])
 
 
 def test_bfloat16_close_to_float32(tiny: tuple[str, Any, Path], mixed_batch: Any) -> None:

@@ -1,15 +1,17 @@
-"""The runner's decode grouping: optimal by its cost model, and invisible in the outputs."""
+"""The runner's decode paths: grouping by context length (torch) is optimal by its cost model, and
+neither it nor the native kernel's in-place reads show in the outputs."""
 
 from __future__ import annotations
 
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tideserve.worker.model_runner as model_runner
-from tideserve import LLM, SamplingParams
+from tideserve import LLM, SamplingParams, native
 from tideserve.worker.model_runner import group_by_blocks
 
 
@@ -38,16 +40,27 @@ def test_grouping_is_contiguous_complete_and_optimal(blocks, overhead):
     assert cost(blocks, groups, overhead) == brute_force(blocks, overhead)
 
 
-def test_grouped_decodes_give_the_same_tokens_as_requests_alone(monkeypatch):
-    seen = []
+@pytest.mark.parametrize("decode_path", ["torch", "native"])
+def test_batched_decodes_give_the_same_tokens_as_requests_alone(monkeypatch, decode_path):
+    seen, calls = [], []
     original = model_runner.group_by_blocks
     monkeypatch.setattr(model_runner, "group_by_blocks", lambda nbs, *a: seen.append(len(original(nbs, *a)))
                         or original(nbs, *a))
+    if decode_path == "torch":
+        monkeypatch.setattr(model_runner, "decode_attention_supported", lambda *a: False)
+    else:
+        if native.load_library() is None:
+            pytest.skip("no C compiler to build the native kernel")
+        kernel = native.paged_decode_attention
+        monkeypatch.setattr(native, "paged_decode_attention", lambda *a: calls.append(kernel(*a)) or calls[-1])
     llm = LLM(dtype="float32", max_model_len=1024, enable_prefix_caching=False)
     words = "tide moon harbour boat gull rope bread sand shell wave storm flag".split()
     prompts = [" ".join(words[: 2 + 3 * i] * (1 + 12 * (i % 3))) for i in range(8)]  # 3 to ~600 tokens
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert max(seen) > 1  # contexts this far apart were split into several groups
+    if decode_path == "torch":
+        assert max(seen) > 1  # contexts this far apart were split into several groups
+    else:
+        assert not seen and calls and all(calls)  # every decode went through the kernel
     alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert batched == alone

@@ -19,6 +19,7 @@ from tideserve.core.kv_cache.memory import peak_rss_bytes, process_rss_bytes, re
 from tideserve.core.scheduler import SchedulerOutput
 from tideserve.model.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from tideserve.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
+from tideserve.native import decode_attention_supported
 from tideserve.outputs import Logprob
 from tideserve.sampling_params import SamplingParams
 
@@ -95,6 +96,8 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_dtype = kv_dtype
         self.sampler = Sampler()
+        # Decode attention straight from the paged cache (tideserve/native) where it can run.
+        self.native_decode = decode_attention_supported(device, getattr(model, "dtype", None), kv_dtype)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches = self.allocate_kv_caches(num_blocks)
         self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -385,7 +388,10 @@ class ModelRunner:
         to_dev = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
         meta = AttentionMetadata(slot_mapping=to_dev(slot_mapping), num_decode_tokens=num_decodes)
         ends = starts + counts  # context length after this step
-        if num_decodes:
+        if num_decodes and self.native_decode:
+            meta.decode_block_tables = to_dev(tables[:num_decodes])
+            meta.decode_context_lens = to_dev(ends[:num_decodes].copy())
+        elif num_decodes:
             ctx = ends[:num_decodes]  # ascending: decodes come sorted by context length
             for lo, hi in group_by_blocks(-(-ctx // bs)):
                 c = ctx[lo:hi]

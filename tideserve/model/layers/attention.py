@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tideserve import native
+
 _HAS_ENABLE_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
@@ -59,15 +61,33 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None
     # Or the decodes split by context length, so short contexts are not padded to the longest one.
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    # Or, for the native kernel (tideserve/native), which reads the paged cache in place: every decode's
+    # raw block table (padding never read) in decode_block_tables, and its context length here.
+    decode_context_lens: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
 
-    def decode_batches(self) -> list[DecodeGroup]:
+    def decode_batches(self, block_size: int) -> list[DecodeGroup]:
         if self.decode_groups:
             return self.decode_groups
+        if self.num_decode_tokens and self.decode_context_lens is not None:
+            return [self._padded_group(block_size)]
         if self.num_decode_tokens:
             assert self.decode_block_tables is not None and self.decode_mask is not None
             return [DecodeGroup(0, self.num_decode_tokens, self.decode_block_tables, self.decode_mask)]
         return []
+
+
+    def _padded_group(self, block_size: int) -> DecodeGroup:
+        """One group padded to the longest context, from the native kernel's tables and lengths: what the
+        torch path runs when the kernel turns a call down."""
+        assert self.decode_block_tables is not None and self.decode_context_lens is not None
+        lens = self.decode_context_lens
+        num_blocks = int((lens.max() + block_size - 1) // block_size)
+        tables = self.decode_block_tables[:, :num_blocks]
+        used = torch.arange(num_blocks, device=lens.device)[None, :] < ((lens + block_size - 1) // block_size)[:, None]
+        mask = torch.arange(num_blocks * block_size, device=lens.device)[None, :] < lens[:, None]
+        return DecodeGroup(0, self.num_decode_tokens, torch.where(used, tables, tables[:, :1]),
+                           mask[:, None, None, :])
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -120,7 +140,11 @@ def paged_attention(
     v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
 
     out = torch.empty_like(q)
-    for group in meta.decode_batches():
+    n = meta.num_decode_tokens
+    native_done = (n > 0 and meta.decode_context_lens is not None and meta.decode_block_tables is not None
+                   and native.paged_decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables,
+                                                     meta.decode_context_lens, scale, out[:n]))
+    for group in ([] if native_done else meta.decode_batches(k_cache.shape[1])):
         # Whole blocks are gathered (a few large copies, not one per token), then viewed as keys.
         b, nb = group.block_tables.shape
         idx = group.block_tables.reshape(-1)

@@ -1,0 +1,127 @@
+"""Small C kernels for the CPU, compiled on first use with the system's C compiler and called via ctypes.
+
+Why C at all: decode attention is bound by memory traffic, and in torch it must first gather each
+request's KV blocks into a contiguous copy. A kernel that reads the paged cache in place halves that
+traffic. Why not a torch C++ extension: compiling against torch's headers takes minutes on a small CPU,
+while this file builds in about a second and needs no torch ABI. It is linked against the OpenMP runtime
+torch has already loaded (same soname), so both share one thread pool.
+
+Everything here is optional: with no compiler, a failed build, another device or dtype, or
+``TIDESERVE_NATIVE=0``, callers get ``None``/``False`` and use the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+CFLAGS = ("-O3", "-march=native", "-std=c11", "-fopenmp", "-fPIC", "-shared")
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: $TIDESERVE_CACHE_DIR, else $XDG_CACHE_HOME/tideserve, else
+    ~/.cache/tideserve."""
+    if os.environ.get("TIDESERVE_CACHE_DIR"):
+        return Path(os.environ["TIDESERVE_CACHE_DIR"]) / "native"
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "tideserve" / "native"
+
+
+def _cpu_signature() -> str:
+    """-march=native code must not be reused on another CPU: key the build on the CPU's flags."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return platform.machine() + line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        proc = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                              capture_output=True, text=True, timeout=300, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: concurrent processes never load a half-written file
+
+
+def find_compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (logged once) when they cannot be had here."""
+    if os.environ.get("TIDESERVE_NATIVE", "1") == "0":
+        return None
+    compiler = find_compiler()
+    if compiler is None:
+        logger.info("No C compiler found: decode attention uses the torch path.")
+        return None
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30,
+                                 check=False).stdout
+        key = hashlib.sha256(b"\0".join(s.encode() for s in (
+            SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_signature()))).hexdigest()[:16]
+        path = cache_dir() / f"paged_decode-{key}.so"
+        if not path.exists():
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("Native kernels unavailable, using the torch path: %s", exc)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.ts_paged_decode_f32.restype = ctypes.c_int
+    lib.ts_paged_decode_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                                        ctypes.c_float, ctypes.c_int]
+    return lib
+
+
+def decode_attention_supported(device: torch.device | str, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether ``paged_decode_attention`` can serve a model on this device with these dtypes."""
+    return (torch.device(device).type == "cpu" and dtype == torch.float32 and kv_dtype == torch.float32
+            and load_library() is not None)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor) -> bool:
+    """out[i] = attention of q[i] ([H, D]) over request i's first context_lens[i] cached keys.
+
+    q, out: [N, H, D] with unit stride in D and D in H (rows may be strided); k_cache, v_cache:
+    contiguous [num_blocks, block_size, KVH, D]; block_tables [N, W] and context_lens [N] int64, with
+    every block id below num_blocks. Returns False, computing nothing, when the inputs do not fit.
+    """
+    lib = load_library()
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    ok = (lib is not None and n > 0 and q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.float32
+          and q.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()
+          and q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
+          and block_tables.dtype == context_lens.dtype == torch.int64 and block_tables.is_contiguous()
+          and context_lens.is_contiguous() and num_heads % num_kv_heads == 0
+          and block_tables.shape[0] == context_lens.shape[0] == n)
+    if not ok:
+        return False
+    failed = lib.ts_paged_decode_f32(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(), out.stride(0), n, num_heads,
+        num_kv_heads, head_dim, k_cache.shape[1], scale, torch.get_num_threads())
+    return failed == 0
