@@ -1,7 +1,8 @@
 """Offline throughput: tideserve's LLM.generate against Hugging Face transformers' batched generate().
 
 Same model file, same prompts (chat prompts of varied length), same greedy output length with EOS
-ignored, measured in one run and interleaved. tideserve runs once per ``--quantization`` value, and
+ignored, measured in one run and interleaved. tideserve runs once per ``--quantization`` value (times
+each ``--kv-cache-dtypes`` value), and
 transformers once per ``--hf-dtypes`` value (its bfloat16 is the reference config on CPUs with AMX;
 float32 is its fastest where bf16 is emulated). Prints output tokens/s and the ratios.
 
@@ -81,6 +82,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--quantization", default="none", help="comma-separated tideserve variants: none,int8")
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated KV cache dtypes: auto,bfloat16")
     ap.add_argument("--hf-dtypes", default=None, help="comma-separated transformers dtypes (default: --dtype's)")
     ap.add_argument("--hf-repeats", type=int, default=None, help="transformers runs (default: --repeats)")
     ap.add_argument("--json", default=None, help="write the results here")
@@ -90,9 +92,11 @@ def main() -> None:
 
     from tideserve import LLM
 
-    variants = args.quantization.split(",")
-    llms = {q: LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 1),
-                   max_num_batched_tokens=4096, quantization=q) for q in variants}
+    combos = [(q, kv) for q in args.quantization.split(",") for kv in args.kv_cache_dtypes.split(",")]
+    variants = [q if kv == "auto" else f"{q}+kv-{kv}" for q, kv in combos]
+    llms = {name: LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 1),
+                      max_num_batched_tokens=4096, quantization=q, kv_cache_dtype=kv)
+            for name, (q, kv) in zip(variants, combos)}
     llm = llms[variants[0]]
     dtype = llm.engine.dtype
     prompts = make_prompts(args.num_prompts, args.seed)

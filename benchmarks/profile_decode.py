@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--fixed-threads", action="store_true", help="turn the thread governor off")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--json", default=None)
@@ -68,7 +69,7 @@ def main() -> None:
 
     kwargs = {"dtype": args.dtype, "max_model_len": args.prompt_len + 3 * args.steps + 64,
               "max_num_seqs": args.batch, "enable_prefix_caching": False,
-              "adaptive_threads": not args.fixed_threads}
+              "adaptive_threads": not args.fixed_threads, "kv_cache_dtype": args.kv_cache_dtype}
     if args.quantization:
         kwargs["quantization"] = args.quantization
     llm = LLM(args.model, **kwargs)

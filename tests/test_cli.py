@@ -28,6 +28,8 @@ def test_bad_flag_values_exit_with_a_clear_error():
     assert out.returncode == 2 and "kv_cache_memory must be a size" in out.stderr
     out = run_cli("generate", "--quantization", "int4", "--prompt", "x")
     assert out.returncode == 2 and "invalid choice: 'int4'" in out.stderr
+    out = run_cli("generate", "--kv-cache-dtype", "fp8", "--prompt", "x")
+    assert out.returncode == 2 and "invalid choice: 'fp8'" in out.stderr
 
 
 def test_generate_with_int8_weights():

@@ -32,6 +32,9 @@ def parse_size(value: int | float | str | None, name: str) -> int | None:
         raise ValueError(f"{name} must be a size such as 4GiB, 512MiB or a byte count, got {value!r}.") from None
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass
 class CacheConfig:
     """KV cache settings. The pool is elastic (sized from measurement, grows and shrinks with load)
@@ -41,7 +44,7 @@ class CacheConfig:
     num_blocks: int | None = None  # fixed pool size in blocks (tests, preemption experiments)
     kv_cache_memory: int | str | None = None  # fixed pool size in bytes, e.g. "4GiB"
     gpu_memory_utilization: float | None = None  # fixed pool: this share of the device (or host) memory
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), float32, bfloat16 or float16
     enable_prefix_caching: bool = True
     swap_space: float = 4.0  # GiB of host memory for preemption_mode="swap"
 
@@ -57,6 +60,9 @@ class CacheConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}.")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}.")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}.")
 

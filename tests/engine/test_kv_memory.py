@@ -242,3 +242,27 @@ def test_fixed_pool_flags_are_validated():
         LLM(dtype="float32", kv_cache_memory="lots")
     with pytest.raises(ValueError, match="preemption_mode"):
         LLM(dtype="float32", preemption_mode="drop")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, float16"):
+        LLM(dtype="float32", kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("decode_path", ["native", "torch"])
+def test_bfloat16_kv_cache_halves_the_bytes_and_keeps_the_answers(reference, decode_path, monkeypatch):
+    """A float32 model over a bfloat16 cache: half the bytes per block, and greedy answers that follow the
+    float32 cache's (rounding K/V to bf16 moves logits slightly, so late tokens may differ)."""
+    import torch
+
+    import tideserve.worker.model_runner as model_runner
+
+    if decode_path == "torch":
+        monkeypatch.setattr(model_runner, "decode_attention_supported", lambda *a: False)
+    llm = LLM(dtype="float32", enable_prefix_caching=False, max_model_len=512, kv_cache_dtype="bfloat16")
+    runner = llm.engine.runner
+    assert runner.kv_storage.dtype == torch.bfloat16 and runner.native_decode == (decode_path == "native")
+    arch = llm.engine.arch
+    bf16_bytes = 2 * arch.num_hidden_layers * 16 * arch.num_key_value_heads * arch.head_dim * 2
+    assert runner.kv_bytes_per_block(16) == bf16_bytes
+    got = token_lists(llm.generate(chats(llm), GREEDY))
+    for ours, want in zip(got, reference):
+        assert ours[:8] == want[:8]
+    assert sum(a == b for o, w in zip(got, reference) for a, b in zip(o, w)) >= 0.75 * sum(map(len, reference))

@@ -46,18 +46,22 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [
     (1, 9, 3, 64, 16, 300),   # SmolLM2's heads, one request: split over KV heads
     (3, 4, 4, 32, 4, 40),     # multi-head attention
     (20, 8, 2, 16, 8, 130),   # many requests: one task per request
     (5, 6, 1, 64, 1, 50),     # multi-query, block size 1
 ])
-def test_matches_torch_attention(shape):
+def test_matches_torch_attention(shape, kv_dtype):
+    """bfloat16 caches are widened exactly, so both dtypes must match the reference over the same values."""
     q, k_cache, v_cache, tables, lens = make_case(*shape)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     scale = q.shape[-1] ** -0.5
     out = torch.full(q.shape, float("nan"))
     assert native.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out)
-    torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, scale), rtol=1e-5, atol=2e-6)
+    want = reference(q, k_cache.float(), v_cache.float(), tables, lens, scale)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=2e-6)
 
 
 @needs_kernel
@@ -92,9 +96,11 @@ def test_declines_what_it_cannot_run():
     assert not native.paged_decode_attention(q.double(), k_cache, v_cache, tables, lens, 0.25, out)
     assert not native.paged_decode_attention(q, k_cache.transpose(0, 1), v_cache, tables, lens, 0.25, out)
     assert not native.paged_decode_attention(q, k_cache, v_cache, tables.int(), lens, 0.25, out)
-    assert not native.paged_decode_attention(q, k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 0.25, out)
+    assert not native.paged_decode_attention(q, k_cache.half(), v_cache.half(), tables, lens, 0.25, out)
+    assert not native.paged_decode_attention(q, k_cache.bfloat16(), v_cache, tables, lens, 0.25, out)
     assert (out == 0).all()
     assert not native.decode_attention_supported("cpu", torch.bfloat16, torch.bfloat16)
+    assert not native.decode_attention_supported("cpu", torch.float32, torch.float16)
     assert not native.decode_attention_supported("meta", torch.float32, torch.float32)
 
 

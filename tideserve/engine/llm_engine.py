@@ -58,6 +58,7 @@ class EngineArgs:
     num_blocks: int | None = None
     kv_cache_memory: int | str | None = None
     gpu_memory_utilization: float | None = None
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16 halves the KV bytes of float32
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     swap_space: float = 4.0
@@ -72,7 +73,8 @@ class EngineArgs:
             ModelConfig(self.model, self.dtype, self.device, self.max_model_len,
                         self.allow_long_max_model_len, self.seed, self.quantization),
             CacheConfig(self.block_size, self.num_blocks, self.kv_cache_memory, self.gpu_memory_utilization,
-                        enable_prefix_caching=self.enable_prefix_caching, swap_space=self.swap_space),
+                        kv_cache_dtype=self.kv_cache_dtype, enable_prefix_caching=self.enable_prefix_caching,
+                        swap_space=self.swap_space),
             SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill,
                             self.preemption_mode),
         )
@@ -116,7 +118,12 @@ class LLMEngine:
         self.probe: MemoryProbe = args.memory_probe or SystemMemoryProbe(self.device)
 
         block_size = cache_config.initial_block_size
-        self.runner = ModelRunner(self.model, 0, block_size, self.dtype, self.device)
+        self.kv_dtype = (self.dtype if cache_config.kv_cache_dtype == "auto"
+                         else getattr(torch, cache_config.kv_cache_dtype))
+        self.runner = ModelRunner(self.model, 0, block_size, self.kv_dtype, self.device)
+        logger.info("KV cache dtype %s (%d bytes per token); decode attention: %s",
+                    str(self.kv_dtype).removeprefix("torch."), self.runner.kv_bytes_per_block(1),
+                    "native kernel" if self.runner.native_decode else "torch")
         num_blocks, account, policy = self._plan_pool(cache_config, sched_config, args.elastic)
         self.runner.kv_caches = self.runner.allocate_kv_caches(num_blocks, zero=cache_config.is_static)
         self.kv_manager = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching,

@@ -28,6 +28,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
+HEADERS = (Path(__file__).with_name("paged_decode_kv.h"),)
+KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # cache element types with a kernel
 CFLAGS = ("-O3", "-march=native", "-std=c11", "-fopenmp", "-fPIC", "-shared")
 
 
@@ -79,7 +81,8 @@ def load_library() -> ctypes.CDLL | None:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30,
                                  check=False).stdout
         key = hashlib.sha256(b"\0".join(s.encode() for s in (
-            SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_signature()))).hexdigest()[:16]
+            SOURCE.read_text(), *(h.read_text() for h in HEADERS), " ".join(CFLAGS), version,
+            _cpu_signature()))).hexdigest()[:16]
         path = cache_dir() / f"paged_decode-{key}.so"
         if not path.exists():
             _build(compiler, path)
@@ -88,15 +91,17 @@ def load_library() -> ctypes.CDLL | None:
         logger.warning("Native kernels unavailable, using the torch path: %s", exc)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.ts_paged_decode_f32.restype = ctypes.c_int
-    lib.ts_paged_decode_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                                        ctypes.c_float, ctypes.c_int]
+    for suffix in KV_DTYPES.values():
+        fn = getattr(lib, f"ts_paged_decode_{suffix}")
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+                       ctypes.c_int]
     return lib
 
 
 def decode_attention_supported(device: torch.device | str, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
     """Whether ``paged_decode_attention`` can serve a model on this device with these dtypes."""
-    return (torch.device(device).type == "cpu" and dtype == torch.float32 and kv_dtype == torch.float32
+    return (torch.device(device).type == "cpu" and dtype == torch.float32 and kv_dtype in KV_DTYPES
             and load_library() is not None)
 
 
@@ -105,22 +110,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor) -> bool:
     """out[i] = attention of q[i] ([H, D]) over request i's first context_lens[i] cached keys.
 
-    q, out: [N, H, D] with unit stride in D and D in H (rows may be strided); k_cache, v_cache:
-    contiguous [num_blocks, block_size, KVH, D]; block_tables [N, W] and context_lens [N] int64, with
-    every block id below num_blocks. Returns False, computing nothing, when the inputs do not fit.
+    q, out: float32 [N, H, D] with unit stride in D and D in H (rows may be strided); k_cache, v_cache:
+    contiguous [num_blocks, block_size, KVH, D], float32 or bfloat16; block_tables [N, W] and
+    context_lens [N] int64, with every block id below num_blocks. Returns False, computing nothing,
+    when the inputs do not fit.
     """
     lib = load_library()
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    ok = (lib is not None and n > 0 and q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.float32
-          and q.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()
+    ok = (lib is not None and n > 0 and q.dtype == out.dtype == torch.float32 and k_cache.dtype in KV_DTYPES
+          and v_cache.dtype == k_cache.dtype and q.device.type == k_cache.device.type == "cpu"
+          and k_cache.is_contiguous() and v_cache.is_contiguous()
           and q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
           and block_tables.dtype == context_lens.dtype == torch.int64 and block_tables.is_contiguous()
           and context_lens.is_contiguous() and num_heads % num_kv_heads == 0
           and block_tables.shape[0] == context_lens.shape[0] == n)
     if not ok:
         return False
-    failed = lib.ts_paged_decode_f32(
+    kernel = getattr(lib, f"ts_paged_decode_{KV_DTYPES[k_cache.dtype]}")
+    failed = kernel(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(), out.stride(0), n, num_heads,
         num_kv_heads, head_dim, k_cache.shape[1], scale, torch.get_num_threads())

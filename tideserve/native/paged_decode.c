@@ -7,7 +7,7 @@
  *
  * Layouts (all contiguous in their last dimension):
  *   q            [num_seqs, num_heads, head_dim], rows q_stride floats apart
- *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
+ *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16 (read as float32)
  *   block_tables [num_seqs, table_width] int64
  *   context_lens [num_seqs] int64, keys per request including the token of this step
  *   out          [num_seqs, num_heads, head_dim], rows out_stride floats apart
@@ -56,180 +56,31 @@ static inline float hsum(__m256 a) {
 }
 #endif
 
-/* scores[g][s] = q_g . k_s * scale for the n keys of one block and one KV head (k: its first key). */
-static void block_scores(const float *q, const float *k, int64_t token_stride, int64_t n, int64_t group,
-                         int64_t head_dim, float scale, float *scores, int64_t score_stride) {
+static inline float bf16_to_f32(const uint16_t *p) {
+    uint32_t bits = (uint32_t)*p << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+#define KV_T float
+#define KV_NAME(x) x##_f32
+#define KV_LOAD1(p) (*(p))
 #ifdef TS_AVX2
-    if (head_dim % 32 == 0) {
-        const __m256 vscale = _mm256_set1_ps(scale);
-        for (int64_t g = 0; g < group; g++) {
-            const float *qg = q + g * head_dim;
-            float *sg = scores + g * score_stride;
-            int64_t s = 0;
-            for (; s + 8 <= n; s += 8) { /* eight keys at once: one q load feeds eight FMAs */
-                const float *ks = k + s * token_stride;
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-                for (int64_t j = 0; j < head_dim; j += 8) {
-                    const __m256 qv = _mm256_loadu_ps(qg + j);
-                    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(ks + j), a0);
-                    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(ks + token_stride + j), a1);
-                    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(ks + 2 * token_stride + j), a2);
-                    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(ks + 3 * token_stride + j), a3);
-                    a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(ks + 4 * token_stride + j), a4);
-                    a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(ks + 5 * token_stride + j), a5);
-                    a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(ks + 6 * token_stride + j), a6);
-                    a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(ks + 7 * token_stride + j), a7);
-                }
-                _mm256_storeu_ps(sg + s, _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), vscale));
-            }
-            for (; s < n; s++) {
-                const float *ks = k + s * token_stride;
-                __m256 a = _mm256_setzero_ps();
-                for (int64_t j = 0; j < head_dim; j += 8)
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j), _mm256_loadu_ps(ks + j), a);
-                sg[s] = hsum(a) * scale;
-            }
-        }
-        return;
-    }
+#define KV_LOAD8(p) _mm256_loadu_ps(p)
 #endif
-    for (int64_t s = 0; s < n; s++) {
-        for (int64_t g = 0; g < group; g++) {
-            const float *qg = q + g * head_dim;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * k[s * token_stride + d];
-            scores[g * score_stride + s] = dot * scale;
-        }
-    }
-}
+#include "paged_decode_kv.h"
+#undef KV_T
+#undef KV_NAME
+#undef KV_LOAD1
+#undef KV_LOAD8
 
-/* acc[g] += sum_s p[g][s] v_s over the n values of one block and one KV head (v: its first value). */
-static void block_values(const float *p, int64_t p_stride, const float *v, int64_t token_stride, int64_t n,
-                         int64_t group, int64_t head_dim, float *acc) {
+/* bfloat16 is the top half of a float32: widening is a shift. */
+#define KV_T uint16_t
+#define KV_NAME(x) x##_bf16
+#define KV_LOAD1(p) bf16_to_f32(p)
 #ifdef TS_AVX2
-    if (head_dim % 32 == 0) {
-        for (int64_t g = 0; g < group; g++) {
-            const float *pg = p + g * p_stride;
-            for (int64_t j = 0; j < head_dim; j += 32) { /* 32 outputs stay in registers over the block */
-                float *ag = acc + g * head_dim + j;
-                __m256 a0 = _mm256_loadu_ps(ag), a1 = _mm256_loadu_ps(ag + 8);
-                __m256 a2 = _mm256_loadu_ps(ag + 16), a3 = _mm256_loadu_ps(ag + 24);
-                for (int64_t s = 0; s < n; s++) {
-                    const float *vs = v + s * token_stride + j;
-                    const __m256 pv = _mm256_broadcast_ss(pg + s);
-                    a0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vs), a0);
-                    a1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vs + 8), a1);
-                    a2 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vs + 16), a2);
-                    a3 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vs + 24), a3);
-                }
-                _mm256_storeu_ps(ag, a0);
-                _mm256_storeu_ps(ag + 8, a1);
-                _mm256_storeu_ps(ag + 16, a2);
-                _mm256_storeu_ps(ag + 24, a3);
-            }
-        }
-        return;
-    }
+#define KV_LOAD8(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #endif
-    for (int64_t s = 0; s < n; s++) {
-        for (int64_t g = 0; g < group; g++) {
-            const float pgs = p[g * p_stride + s];
-            float *ag = acc + g * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; d++) ag[d] += pgs * v[s * token_stride + d];
-        }
-    }
-}
-
-/* Attention of one request's query heads of KV heads [kv_lo, kv_hi). A block is read head after head
- * while it is hot in cache, and each key and value serves every query head that shares it. */
-static void attend_one(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
-                       int64_t context_len, int64_t kv_lo, int64_t kv_hi, int64_t group, int64_t head_dim,
-                       int64_t block_size, int64_t num_kv_heads, float scale, float *scores, float *acc,
-                       float *out, int64_t max_context) {
-    const int64_t token_stride = num_kv_heads * head_dim;
-    const int64_t block_stride = block_size * token_stride;
-    const int64_t num_blocks = (context_len + block_size - 1) / block_size;
-    const int64_t rows = (kv_hi - kv_lo) * group; /* query heads handled here, from q and out's start */
-
-    /* Pass 1: scores[r][t] = q_r . k_t * scale. */
-    for (int64_t blk = 0; blk < num_blocks; blk++) {
-        const int64_t t0 = blk * block_size;
-        const int64_t n = context_len - t0 < block_size ? context_len - t0 : block_size;
-        for (int64_t h = kv_lo; h < kv_hi; h++) {
-            const int64_t r0 = (h - kv_lo) * group;
-            block_scores(q + r0 * head_dim, k_cache + table[blk] * block_stride + h * head_dim, token_stride, n,
-                         group, head_dim, scale, scores + r0 * max_context + t0, max_context);
-        }
-    }
-
-    /* Softmax per query head, in float32. */
-    for (int64_t r = 0; r < rows; r++) {
-        float *sr = scores + r * max_context;
-        float m = sr[0];
-        for (int64_t t = 1; t < context_len; t++) m = sr[t] > m ? sr[t] : m;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < context_len; t++) {
-            float e = exp_nonpositive(sr[t] - m);
-            sr[t] = e;
-            sum += e;
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t t = 0; t < context_len; t++) sr[t] *= inv;
-    }
-
-    /* Pass 2: out_r = sum_t p[r][t] v_t. */
-    memset(acc, 0, sizeof(float) * rows * head_dim);
-    for (int64_t blk = 0; blk < num_blocks; blk++) {
-        const int64_t t0 = blk * block_size;
-        const int64_t n = context_len - t0 < block_size ? context_len - t0 : block_size;
-        for (int64_t h = kv_lo; h < kv_hi; h++) {
-            const int64_t r0 = (h - kv_lo) * group;
-            block_values(scores + r0 * max_context + t0, max_context,
-                         v_cache + table[blk] * block_stride + h * head_dim, token_stride, n, group, head_dim,
-                         acc + r0 * head_dim);
-        }
-    }
-    memcpy(out, acc, sizeof(float) * rows * head_dim);
-}
-
-/* Returns 0 on success, 1 when a worker could not allocate its scratch (the caller falls back). */
-int ts_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                        const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
-                        float *out, int64_t out_stride, int64_t num_seqs, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                        int num_threads) {
-    const int64_t group = num_heads / num_kv_heads;
-    /* Whole requests per task stream their blocks best; with too few requests to keep every thread
-     * busy, each KV head becomes a task of its own. */
-    const int64_t chunks = num_seqs < 2 * (int64_t)num_threads ? num_kv_heads : 1;
-    const int64_t heads_per_chunk = num_kv_heads / chunks;
-    int64_t max_context = 1;
-    for (int64_t i = 0; i < num_seqs; i++) max_context = context_lens[i] > max_context ? context_lens[i] : max_context;
-    int failed = 0;
-
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        float *scores = (float *)malloc(sizeof(float) * heads_per_chunk * group * max_context);
-        float *acc = (float *)malloc(sizeof(float) * heads_per_chunk * group * head_dim);
-        if (scores == NULL || acc == NULL) failed = 1;
-        /* Dynamic scheduling evens out unequal context lengths. */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < num_seqs * chunks; task++) {
-            if (scores == NULL || acc == NULL) continue;
-            const int64_t seq = task / chunks;
-            const int64_t kv_lo = (task % chunks) * heads_per_chunk;
-            if (context_lens[seq] <= 0) continue;
-            attend_one(q + seq * q_stride + kv_lo * group * head_dim, k_cache, v_cache,
-                       block_tables + seq * table_width, context_lens[seq], kv_lo, kv_lo + heads_per_chunk,
-                       group, head_dim, block_size, num_kv_heads, scale, scores, acc,
-                       out + seq * out_stride + kv_lo * group * head_dim, max_context);
-        }
-        free(scores);
-        free(acc);
-    }
-    return failed;
-}
+#include "paged_decode_kv.h"
