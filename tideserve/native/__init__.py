@@ -2,8 +2,12 @@
 
 Why C at all: decode attention is bound by memory traffic, and in torch it must first gather each
 request's KV blocks into a contiguous copy. A kernel that reads the paged cache in place halves that
-traffic. Why not a torch C++ extension: compiling against torch's headers takes minutes on a small CPU,
-while this file builds in about a second and needs no torch ABI. It is linked against the OpenMP runtime
+traffic. And a few row-wise steps (RMSNorm with its residual add, the int8 GEMM's per-token scaling)
+are four to seven torch operators each, whose dispatch costs more than their arithmetic at small
+batches; here each is one pass.
+
+Why not a torch C++ extension: compiling against torch's headers takes minutes on a small CPU, while
+these files build in about a second and need no torch ABI. They are linked against the OpenMP runtime
 torch has already loaded (same soname), so both share one thread pool.
 
 Everything here is optional: with no compiler, a failed build, another device or dtype, or
@@ -27,7 +31,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
+SOURCES = (Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("rows.c"))
 HEADERS = (Path(__file__).with_name("paged_decode_kv.h"),)
 KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # cache element types with a kernel
 CFLAGS = ("-O3", "-march=native", "-std=c11", "-fopenmp", "-fPIC", "-shared")
@@ -57,7 +61,7 @@ def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        proc = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"],
+        proc = subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
                               capture_output=True, text=True, timeout=300, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
@@ -81,9 +85,9 @@ def load_library() -> ctypes.CDLL | None:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30,
                                  check=False).stdout
         key = hashlib.sha256(b"\0".join(s.encode() for s in (
-            SOURCE.read_text(), *(h.read_text() for h in HEADERS), " ".join(CFLAGS), version,
+            *(f.read_text() for f in (*SOURCES, *HEADERS)), " ".join(CFLAGS), version,
             _cpu_signature()))).hexdigest()[:16]
-        path = cache_dir() / f"paged_decode-{key}.so"
+        path = cache_dir() / f"tideserve_kernels-{key}.so"
         if not path.exists():
             _build(compiler, path)
         lib = ctypes.CDLL(str(path))
@@ -96,6 +100,16 @@ def load_library() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
         fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                        ctypes.c_int]
+    f32, cint = ctypes.c_float, ctypes.c_int
+    signatures = {
+        "ts_rms_norm_f32": [ptr, ptr, ptr, i64, i64, f32, cint],
+        "ts_add_rms_norm_f32": [ptr, ptr, ptr, ptr, i64, i64, f32, cint],
+        "ts_int8_rows_f32": [ptr, ptr, ptr, ptr, i64, i64, cint],
+        "ts_scale_rows_f32": [ptr, ptr, ptr, ptr, i64, i64, cint],
+    }
+    for name, argtypes in signatures.items():
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = argtypes
     return lib
 
 
@@ -133,3 +147,57 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(), out.stride(0), n, num_heads,
         num_kv_heads, head_dim, k_cache.shape[1], scale, torch.get_num_threads())
     return failed == 0
+
+
+def _plain_f32(*tensors: torch.Tensor | None) -> bool:
+    """float32, on the CPU, contiguous (None entries are optional arguments left out). A plain loop: this
+    runs several hundred times per decode step."""
+    for t in tensors:
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()):
+            return False
+    return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x / rms(x) * weight over the last dimension; with ``residual``, first ``residual += x`` (in place)
+    and normalise the sum. None, touching nothing, when the inputs do not fit the kernel."""
+    lib = load_library()
+    if lib is None or x.numel() == 0 or not _plain_f32(x, weight, residual):
+        return None
+    cols = x.shape[-1]
+    rows = x.numel() // cols
+    if weight.numel() != cols or (residual is not None and residual.shape != x.shape):
+        return None
+    out = torch.empty_like(x)
+    if residual is None:
+        lib.ts_rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, cols, eps,
+                            torch.get_num_threads())
+    else:
+        lib.ts_add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, cols,
+                                eps, torch.get_num_threads())
+    return out
+
+
+def int8_rows(x: torch.Tensor, inv_smooth: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The int8 GEMM's input for x [M, K]: (rows [M + 1, K], row_max [M, 1]); see rows.c. None when the
+    inputs do not fit the kernel."""
+    lib = load_library()
+    if lib is None or x.dim() != 2 or x.shape[0] == 0 or not _plain_f32(x, inv_smooth):
+        return None
+    m, k = x.shape
+    rows = torch.empty(m + 1, k)
+    row_max = torch.empty(m, 1)
+    lib.ts_int8_rows_f32(x.data_ptr(), None if inv_smooth is None else inv_smooth.data_ptr(), rows.data_ptr(),
+                         row_max.data_ptr(), m, k, torch.get_num_threads())
+    return rows, row_max
+
+
+def scale_rows_(y: torch.Tensor, row_max: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """y[r] = y[r] * row_max[r] (+ bias), in place; False, touching nothing, when the inputs do not fit."""
+    lib = load_library()
+    if lib is None or y.dim() != 2 or not _plain_f32(y, row_max, bias):
+        return False
+    lib.ts_scale_rows_f32(y.data_ptr(), row_max.data_ptr(), None if bias is None else bias.data_ptr(),
+                          y.data_ptr(), y.shape[0], y.shape[1], torch.get_num_threads())
+    return True

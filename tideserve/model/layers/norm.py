@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tideserve import native
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight, with the statistics in float32 (bf16 sums lose too much precision)."""
@@ -27,6 +29,9 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual); the sum is done in the
         model dtype, like HF's ``hidden = residual + hidden``."""
+        out = native.rms_norm(x, self.weight, self.eps, residual)  # one pass on CPU float32; else None
+        if out is not None:
+            return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         residual = residual.add_(x)  # the residual stream is ours to reuse in place

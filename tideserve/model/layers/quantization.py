@@ -22,6 +22,8 @@ import warnings
 import torch
 from torch import nn
 
+from tideserve import native
+
 QUANTIZATION_METHODS = ("none", "int8")
 
 
@@ -71,15 +73,20 @@ class Int8Weight:
         x2 = x.reshape(-1, shape[-1])
         out_dtype = x2.dtype
         x2 = x2.float()
-        if self.inv_smooth is not None:
-            x2 = x2 * self.inv_smooth
-        row_max = x2.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
-        rows = torch.cat([x2 / row_max, self.range_row])
+        prepared = native.int8_rows(x2, self.inv_smooth)  # the same rows in one pass, where it can run
+        if prepared is not None:
+            rows, row_max = prepared
+        else:
+            if self.inv_smooth is not None:
+                x2 = x2 * self.inv_smooth
+            row_max = x2.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+            rows = torch.cat([x2 / row_max, self.range_row])
         # reduce_range=True: 7-bit activations, so AVX2's pairwise int16 accumulation cannot saturate.
         y = torch.ops.quantized.linear_dynamic(rows, self.packed, True)[:-1]
-        y = y.mul_(row_max)
-        if self.bias is not None:
-            y = y.add_(self.bias)
+        if not native.scale_rows_(y, row_max, self.bias):
+            y = y.mul_(row_max)
+            if self.bias is not None:
+                y = y.add_(self.bias)
         return y.to(out_dtype).reshape(*shape[:-1], self.out_features)
 
 

@@ -1,0 +1,72 @@
+"""The row-wise kernels (RMSNorm with its residual add, the int8 GEMM's per-token scaling) against the
+torch operators they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tideserve import native
+
+pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the kernels")
+
+# one row; a decode batch; enough elements for several threads; an odd width
+SHAPES = [(1, 576), (64, 576), (300, 1536), (7, 13)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm_matches_torch(shape):
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(shape, generator=gen) * 3, torch.randn(shape[-1], generator=gen)
+    want = F.rms_norm(x, (shape[-1],), weight, 1e-5)
+    torch.testing.assert_close(native.rms_norm(x, weight, 1e-5), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_add_rms_norm_updates_the_residual_in_place(shape):
+    gen = torch.Generator().manual_seed(1)
+    x, residual = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    weight = torch.randn(shape[-1], generator=gen)
+    total = residual + x
+    out = native.rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(residual, total)
+    torch.testing.assert_close(out, F.rms_norm(total, (shape[-1],), weight, 1e-6), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("smooth", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int8_rows_scale_each_row_and_append_the_range_row(shape, smooth):
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(shape, generator=gen)
+    x[0] = 0.0  # an all-zero row keeps a positive scale
+    inv_smooth = torch.rand(shape[-1], generator=gen) + 0.5 if smooth else None
+    rows, row_max = native.int8_rows(x, inv_smooth)
+    scaled = x * inv_smooth if smooth else x
+    want_max = scaled.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+    torch.testing.assert_close(row_max, want_max)
+    torch.testing.assert_close(rows[:-1], scaled / want_max)
+    range_row = torch.zeros(shape[-1])
+    range_row[0], range_row[-1] = 1.0, -1.0
+    assert torch.equal(rows[-1], range_row)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_scale_rows_undoes_the_row_scaling(with_bias):
+    gen = torch.Generator().manual_seed(3)
+    y, row_max = torch.randn(9, 40, generator=gen), torch.rand(9, 1, generator=gen)
+    bias = torch.randn(40, generator=gen) if with_bias else None
+    want = y * row_max + (bias if with_bias else 0)
+    assert native.scale_rows_(y, row_max, bias)
+    torch.testing.assert_close(y, want)
+
+
+def test_declines_what_it_cannot_run():
+    x = torch.randn(4, 8)
+    assert native.rms_norm(x.bfloat16(), torch.ones(8, dtype=torch.bfloat16), 1e-5) is None
+    assert native.rms_norm(x.t(), torch.ones(4), 1e-5) is None  # not contiguous
+    assert native.rms_norm(x, torch.ones(7), 1e-5) is None
+    assert native.int8_rows(x.double(), None) is None
+    assert native.int8_rows(torch.empty(0, 8), None) is None
+    y = x.clone()
+    assert not native.scale_rows_(y.t(), torch.ones(8, 1), None) and torch.equal(y, x)
