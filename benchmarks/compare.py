@@ -133,7 +133,8 @@ def run_tideserve_offline(args: argparse.Namespace, workloads: dict, levels: lis
     from tideserve.bench.offline import run_offline_benchmark
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(levels), enable_prefix_caching=True,
-              max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization)
+              max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
 
     def runner(reqs: list[SampleRequest], c: int) -> dict[str, Any]:
         return run_offline_benchmark(llm, reqs, max_concurrency=c, ignore_eos=True, progress=False)["metrics"]
@@ -186,7 +187,7 @@ def run_tideserve_serve(args: argparse.Namespace, workloads: dict, levels: list[
     cmd = [sys.executable, "-m", "tideserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--model", args.model, "--dtype", args.dtype, "--max-num-seqs", str(max(levels)),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--enable-prefix-caching",
-           "--quantization", args.quantization]
+           "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype]
     args.commands.append(" ".join(cmd))
     with ServerProcess(cmd, port, env=_thread_env(args.threads), name="tideserve-serve") as srv:
         runner = _http_runner(srv.base_url, discover_model(srv.base_url))
@@ -300,7 +301,7 @@ def write_report(args: argparse.Namespace, rows: list, notes: list[str], workloa
     title = f"# tideserve vs peers ({time.strftime('%Y-%m-%d %H:%M')})"
     hf_dtype = str(args.hf_torch_dtype).removeprefix("torch.")
     setup = (f"Model: `{args.model}`, dtype {args.dtype} (transformers: {hf_dtype}), tideserve quantization "
-             f"{args.quantization}, {args.threads} CPU thread(s) per engine, "
+             f"{args.quantization} and KV cache dtype {args.kv_cache_dtype}, {args.threads} CPU thread(s) per engine, "
              f"max_num_batched_tokens {args.max_num_batched_tokens}, seed {args.seed}.")
     text = [title + (" — quick smoke run, numbers not meaningful" if args.quick else ""), "",
             f"Command: `{' '.join(sys.argv)}`", "", setup, "",
@@ -335,6 +336,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", help="one dtype for every engine (auto: what tideserve picks)")
     ap.add_argument("--quantization", default="none", choices=["none", "int8"],
                     help="tideserve's --quantization (peers keep their own weights)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="tideserve's --kv-cache-dtype")
     ap.add_argument("--hf-dtype", default=None, help="transformers' dtype (default: --dtype's)")
     ap.add_argument("--concurrency", default=DEFAULT_LEVELS, help="comma-separated levels")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
