@@ -303,6 +303,10 @@ def write_report(args: argparse.Namespace, rows: list, notes: list[str], workloa
     setup = (f"Model: `{args.model}`, dtype {args.dtype} (transformers: {hf_dtype}), tideserve quantization "
              f"{args.quantization} and KV cache dtype {args.kv_cache_dtype}, {args.threads} CPU thread(s) per engine, "
              f"max_num_batched_tokens {args.max_num_batched_tokens}, seed {args.seed}.")
+    if getattr(args, "prompts_per_slot", 0):
+        shapes.append(f"- at each concurrency level C only the first min(N, max({args.min_prompts}, "
+                      f"{args.prompts_per_slot} x C)) requests of a workload run (--prompts-per-slot); the "
+                      f"table's last column counts them")
     text = [title + (" — quick smoke run, numbers not meaningful" if args.quick else ""), "",
             f"Command: `{' '.join(sys.argv)}`", "", setup, "",
             "Machine and versions: " + ", ".join(f"{k} {v}" for k, v in env.items()), "",
