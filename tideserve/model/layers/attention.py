@@ -76,7 +76,6 @@ class AttentionMetadata:
             return [DecodeGroup(0, self.num_decode_tokens, self.decode_block_tables, self.decode_mask)]
         return []
 
-
     def _padded_group(self, block_size: int) -> DecodeGroup:
         """One group padded to the longest context, from the native kernel's tables and lengths: what the
         torch path runs when the kernel turns a call down."""
