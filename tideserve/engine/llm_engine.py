@@ -104,12 +104,13 @@ class LLMEngine:
         self.tokenizer: Tokenizer = load_tokenizer(loaded.path)
         self.quantization = model_config.quantization
         if self.quantization != "none":
-            act_max = calibrate(self.model, self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False),
-                                self.device)
+            act_max = (calibrate(self.model, self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False),
+                                 self.device) if self.quantization == "int8" else None)
             self.model, saved = quantize_model(self.model, self.quantization, self.device, act_max)
-            logger.info("quantization %s (per-token activations, SmoothQuant-calibrated): weights now "
-                        "%.2f GiB (%.2f GiB saved)", self.quantization, model_weight_bytes(self.model) / GiB,
-                        saved / GiB)
+            how = ("per-token activations, SmoothQuant-calibrated" if self.quantization == "int8"
+                   else "4-bit blocks of 32, LM head 8-bit")
+            logger.info("quantization %s (%s): weights now %.2f GiB (%.2f GiB saved)", self.quantization, how,
+                        model_weight_bytes(self.model) / GiB, saved / GiB)
         self.max_model_len = resolve_max_model_len(
             model_config.max_model_len, self.arch.max_position_embeddings,
             model_config.allow_long_max_model_len)

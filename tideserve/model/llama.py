@@ -8,7 +8,8 @@ except that q/k/v and gate/up are fused; ``load_weights`` maps checkpoint names 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -141,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
                                       arch.rope_theta, arch.rope_scaling, dtype, device)
         self.lm_head = (self.model.embed_tokens if arch.tie_word_embeddings
                         else Embedding(arch.vocab_size, arch.hidden_size, dtype, device))
-        self.lm_head_q = None  # an Int8Weight under --quantization int8
+        self.lm_head_q = None  # a quantized copy of the LM head under --quantization int8/int4
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -161,13 +162,11 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head_q(hidden).float()
         return F.linear(hidden, self.lm_head.weight).float()
 
-    def quantize_lm_head(self) -> int:
-        """int8 LM head (see layers/quantization.py); returns the bytes saved (negative when tied: the
-        float table stays for embedding lookups)."""
-        from tideserve.model.layers.quantization import Int8Weight
-
+    def quantize_lm_head(self, quantize: Callable[[torch.Tensor], Any]) -> int:
+        """A quantized LM head, ``quantize(weight)`` (see layers/quantization.py); returns the bytes saved
+        (negative when tied: the float table stays for embedding lookups)."""
         weight = self.lm_head.weight
-        self.lm_head_q = Int8Weight(weight)
+        self.lm_head_q = quantize(weight)
         if self.arch.tie_word_embeddings:
             return -self.lm_head_q.nbytes
         self.lm_head.weight = None

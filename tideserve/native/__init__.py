@@ -2,7 +2,8 @@
 
 Why C at all: decode attention is bound by memory traffic, and in torch it must first gather each
 request's KV blocks into a contiguous copy. A kernel that reads the paged cache in place halves that
-traffic. And a few row-wise steps (RMSNorm with its residual add, the int8 GEMM's per-token scaling)
+traffic. Linear layers over 4- and 8-bit block-quantized weights (qgemm.c) read a quarter or half of
+float32's bytes, which is what a single decode stream is bound by. And a few row-wise steps (RMSNorm with its residual add, the int8 GEMM's per-token scaling)
 are four to seven torch operators each, whose dispatch costs more than their arithmetic at small
 batches; here each is one pass.
 
@@ -31,7 +32,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("rows.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "rows.c", "qgemm.c"))
 HEADERS = (Path(__file__).with_name("paged_decode_kv.h"),)
 KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # cache element types with a kernel
 CFLAGS = ("-O3", "-march=native", "-std=c11", "-fopenmp", "-fPIC", "-shared")
@@ -110,6 +111,8 @@ def load_library() -> ctypes.CDLL | None:
     for name, argtypes in signatures.items():
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = argtypes
+    lib.ts_qlinear_f32.restype = cint
+    lib.ts_qlinear_f32.argtypes = [ptr, i64, i64, i64, cint, ptr, ptr, ptr, ptr, i64, ptr, i64, cint]
     return lib
 
 
@@ -201,3 +204,23 @@ def scale_rows_(y: torch.Tensor, row_max: torch.Tensor, bias: torch.Tensor | Non
     lib.ts_scale_rows_f32(y.data_ptr(), row_max.data_ptr(), None if bias is None else bias.data_ptr(),
                           y.data_ptr(), y.shape[0], y.shape[1], torch.get_num_threads())
     return True
+
+
+QUANT_FORMATS = {"q4": 4, "q8": 8}  # block-quantized weight formats with a kernel (see qgemm.c)
+
+
+def qlinear(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+            bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [M, K] float32 times a block-quantized weight [N, K] (``fmt`` "q4" or "q8", laid out as qgemm.c
+    says), plus bias: [M, N] float32. None, computing nothing, when the inputs do not fit the kernel."""
+    lib = load_library()
+    if (lib is None or fmt not in QUANT_FORMATS or x.dim() != 2 or x.shape[0] == 0 or x.stride(1) != 1
+            or x.dtype != torch.float32 or x.device.type != "cpu" or not _plain_f32(bias)):
+        return None
+    rows, k = x.shape
+    n = qs.shape[0]
+    out = torch.empty(rows, n)
+    failed = lib.ts_qlinear_f32(x.data_ptr(), x.stride(0), rows, k, QUANT_FORMATS[fmt], qs.data_ptr(), d.data_ptr(),
+                                None if m is None else m.data_ptr(), None if bias is None else bias.data_ptr(), n,
+                                out.data_ptr(), n, torch.get_num_threads())
+    return None if failed else out

@@ -1,5 +1,5 @@
-"""int8 linear layers: close to float, per-token (so batch-mates cannot change a row), and quantizing a
-model leaves the float one untouched."""
+"""int8 and int4 linear layers: close to float, per-token (so batch-mates cannot change a row), and
+quantizing a model leaves the float one untouched."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import torch
 from tideserve.model.arch_config import ArchConfig
 from tideserve.model.layers.linear import Linear
 from tideserve.model.layers.quantization import (
+    BlockQuantWeight,
     Int8Weight,
     int8_unavailable_reason,
+    unavailable_reason,
     model_weight_bytes,
     quantize_model,
 )
@@ -86,8 +88,40 @@ def test_quantize_model_copies_and_leaves_the_float_model_alone():
 
 def test_quantize_model_rejects_what_it_cannot_do():
     model = tiny_llama()
-    with pytest.raises(ValueError, match="quantization must be one of none, int8, got 'int4'"):
-        quantize_model(model, "int4", torch.device("cpu"))
+    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4, got 'int2'"):
+        quantize_model(model, "int2", torch.device("cpu"))
     with pytest.raises(ValueError, match="does not run on cuda"):
         quantize_model(model, "int8", torch.device("cuda"))
+    with pytest.raises(ValueError, match="does not run on cuda"):
+        quantize_model(model, "int4", torch.device("cuda"))
     assert quantize_model(model, "none", torch.device("cpu")) == (model, 0)
+
+
+@pytest.mark.skipif(unavailable_reason("int4", torch.device("cpu")) is not None, reason="no native kernels")
+def test_int4_model_uses_4_bit_layers_and_an_8_bit_head_and_keeps_rows_independent():
+    model = tiny_llama()
+    qmodel, saved = quantize_model(model, "int4", torch.device("cpu"))
+    layers = [m.qweight for m in qmodel.modules() if isinstance(m, Linear)]
+    assert layers and all(isinstance(q, BlockQuantWeight) and q.fmt == "q4" for q in layers)
+    assert isinstance(qmodel.lm_head_q, BlockQuantWeight) and qmodel.lm_head_q.fmt == "q8"
+    assert saved > 0
+    hidden = torch.randn(5, 64)
+    assert rel_err(qmodel.compute_logits(hidden), model.compute_logits(hidden)) < 0.03
+    mlp = qmodel.model.layers[0].mlp
+    assert rel_err(mlp(hidden), model.model.layers[0].mlp(hidden)) < 0.2  # 4-bit weights, two layers deep
+    # Each row is quantized on its own: a row's output does not depend on its batch-mates.
+    assert torch.equal(mlp(hidden)[2:3], mlp(hidden[2:3]))
+
+
+def test_int4_reproduces_the_gguf_q4_1_weights(smollm2_gguf_path):
+    """The embedded GGUF stores Q4_1 blocks; quantizing their dequantized values gives the same numbers."""
+    import gguf
+
+    from tideserve.model.loader.gguf import dequantize_tensor
+
+    reader = gguf.GGUFReader(str(smollm2_gguf_path))
+    tensor = next(t for t in reader.tensors if t.name == "blk.3.ffn_down.weight")
+    assert tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1
+    weight = dequantize_tensor(tensor)
+    back = BlockQuantWeight(weight, fmt="q4").dequantize()
+    torch.testing.assert_close(back, weight, rtol=0, atol=1e-6 * float(weight.abs().max()))

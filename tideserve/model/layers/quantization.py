@@ -1,6 +1,7 @@
-"""Weight quantization: ``--quantization int8`` runs every linear layer (and the LM head) as int8 GEMMs.
+"""Weight quantization: ``--quantization int8`` runs every linear layer (and the LM head) as int8 GEMMs;
+``--quantization int4`` keeps weights in 4-bit blocks (the LM head in 8-bit blocks) for native kernels.
 
-Why this method: on CPUs without AVX-512 or AMX, float32 GEMMs already run near the core's FMA peak and
+Why int8 this way: on CPUs without AVX-512 or AMX, float32 GEMMs already run near the core's FMA peak and
 bfloat16 is emulated (several times slower), so the only way to do the same matmuls faster is integer
 arithmetic. fbgemm's dynamic int8 linear (shipped in every x86 build of torch) quantizes each step's
 activations on the fly (one asymmetric 8-bit scale per call, 7-bit range so the AVX2 ``vpmaddubsw``
@@ -8,6 +9,13 @@ accumulation cannot saturate) against weights quantized once per output channel 
 measured about 2x float32 on batched decode shapes and 3.5x on the 49k-row LM head. torch's weight-only
 kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) dequantize inside a float GEMM and
 measured over 20x slower than float32 on such CPUs, so they are not used.
+
+Why int4 as blocks: a single decode stream is bound by how fast weights stream from memory, and fbgemm
+has no 4-bit kernel. Blocks of 32 weights with an fp16 scale and minimum each (GGUF's Q4_1 layout, about
+5 bits per weight) read 0.6 bytes per weight against int8's 1 and float32's 4, and the embedded
+SmolLM2's GGUF weights are already Q4_1, so quantizing their dequantized values gives the file's blocks
+back. The LM head, the one matrix whose errors land directly on the logits, gets 8-bit blocks, as the
+GGUF's own Q8_0 embedding table does. The kernels live in tideserve/native/qgemm.c.
 
 Trade-offs, measured in docs/benchmarks.md: greedy tokens agree with the float model for most of a
 generation and perplexity rises slightly; the activation scale is shared by the rows of one call, so a
@@ -20,11 +28,26 @@ import copy
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tideserve import native
 
-QUANTIZATION_METHODS = ("none", "int8")
+QUANTIZATION_METHODS = ("none", "int8", "int4")
+BLOCK = 32  # weights per block of the block-quantized formats
+
+
+def unavailable_reason(method: str, device: torch.device) -> str | None:
+    """Why ``method`` cannot run here, or None when it can."""
+    if method == "int8":
+        return int8_unavailable_reason(device)
+    if method == "int4":
+        if device.type != "cpu":
+            return f"--quantization int4 uses tideserve's CPU kernels and does not run on {device.type}"
+        if native.load_library() is None:
+            return ("--quantization int4 needs tideserve's native kernels, which need a C compiler (cc or $CC) "
+                    "and TIDESERVE_NATIVE unset or 1")
+    return None
 
 
 def int8_unavailable_reason(device: torch.device) -> str | None:
@@ -90,6 +113,71 @@ class Int8Weight:
         return y.to(out_dtype).reshape(*shape[:-1], self.out_features)
 
 
+def quantize_blocks(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """weight [N, K] -> (qs, d, m) in the layout of tideserve/native/qgemm.c (m is None for "q8").
+
+    q4: per block of 32, m = the block's minimum and d = its range / 15, both rounded to fp16 before the
+    4-bit codes are computed, so the codes fit the stored numbers. q8: d = the largest magnitude / 127.
+    """
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"block-quantized weights need in_features divisible by {BLOCK}, got {k}")
+    blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    if fmt == "q4":
+        low = blocks.amin(dim=-1).clamp(-65504, 65504).half()
+        d = ((blocks.amax(dim=-1) - low.float()) / 15).clamp(max=65504).half()
+        inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros(()))
+        codes = ((blocks - low.float()[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
+        qs = codes[..., : BLOCK // 2] | (codes[..., BLOCK // 2:] << 4)
+        return qs.reshape(n, k // 2).contiguous(), d.contiguous(), low.contiguous()
+    if fmt == "q8":
+        d = (blocks.abs().amax(dim=-1) / 127).clamp(max=65504).half()
+        inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros(()))
+        codes = (blocks * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
+        return codes.reshape(n, k).contiguous(), d.contiguous(), None
+    raise ValueError(f"unknown block format {fmt!r}")
+
+
+def dequantize_blocks(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, fmt: str) -> torch.Tensor:
+    """The float32 weight [N, K] that ``quantize_blocks``' output stands for."""
+    n = qs.shape[0]
+    if fmt == "q4":
+        packed = qs.reshape(n, -1, BLOCK // 2)
+        codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
+        return (codes * d.float()[..., None] + m.float()[..., None]).reshape(n, -1)
+    return (qs.reshape(n, -1, BLOCK).float() * d.float()[..., None]).reshape(n, -1)
+
+
+class BlockQuantWeight:
+    """One weight matrix [out, in] in blocks of 32 ("q4": 4-bit codes with an fp16 scale and minimum per
+    block; "q8": 8-bit codes with an fp16 scale), multiplied by tideserve/native/qgemm.c.
+
+    Each call quantizes its input to 8 bits per block of 32, row by row, so a row's result never depends
+    on its batch-mates. Without the native library (inputs it cannot take) the weight is dequantized and
+    multiplied in float: slow, but the same numbers up to the activation rounding.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, fmt: str = "q4") -> None:
+        self.fmt = fmt
+        self.qs, self.d, self.m = quantize_blocks(weight, fmt)
+        self.bias = bias.detach().float().contiguous() if bias is not None else None
+        self.out_features, self.in_features = weight.shape
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_blocks(self.qs, self.d, self.m, self.fmt)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        out_dtype = x2.dtype
+        x2 = x2.float()
+        y = native.qlinear(x2, self.fmt, self.qs, self.d, self.m, self.bias)
+        if y is None:
+            y = F.linear(x2, self.dequantize(), self.bias)
+        return y.to(out_dtype).reshape(*shape[:-1], self.out_features)
+
+
 def quantize_model(model: nn.Module, method: str, device: torch.device,
                    act_max: dict[str, torch.Tensor] | None = None, alpha: float = 0.7) -> tuple[nn.Module, int]:
     """A quantized model and the weight bytes saved; ``model`` itself is left as it was.
@@ -104,7 +192,7 @@ def quantize_model(model: nn.Module, method: str, device: torch.device,
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}.")
     if method == "none":
         return model, 0
-    reason = int8_unavailable_reason(device)
+    reason = unavailable_reason(method, device)
     if reason:
         raise ValueError(reason + "; use --quantization none.")
     from tideserve.model.layers.linear import Linear
@@ -118,24 +206,28 @@ def quantize_model(model: nn.Module, method: str, device: torch.device,
             if act_max is not None and name in act_max:
                 w_max = module.weight.detach().float().abs().amax(dim=0).clamp_min(1e-5)
                 smooth = (act_max[name].float().clamp_min(1e-5) ** alpha / w_max ** (1 - alpha)).clamp_min(1e-5)
-            module.qweight = Int8Weight(module.weight, module.bias, smooth)
+            if method == "int4":
+                module.qweight = BlockQuantWeight(module.weight, module.bias, "q4")
+            else:
+                module.qweight = Int8Weight(module.weight, module.bias, smooth)
             saved += module.weight.numel() * module.weight.element_size() - module.qweight.nbytes
             module.weight = None
             module.bias = None
     if hasattr(model, "quantize_lm_head"):
-        saved += model.quantize_lm_head()
+        saved += model.quantize_lm_head(
+            (lambda w: BlockQuantWeight(w, fmt="q8")) if method == "int4" else Int8Weight)
     return model, saved
 
 
 def model_weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights occupy: float tensors plus packed int8 ones (not in the state dict)."""
+    """Bytes the model's weights occupy: float tensors plus quantized ones (not in the state dict)."""
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     for module in model.modules():
         q = getattr(module, "qweight", None)
-        if isinstance(q, Int8Weight):
+        if isinstance(q, (Int8Weight, BlockQuantWeight)):
             total += q.nbytes
     head = getattr(model, "lm_head_q", None)
-    if isinstance(head, Int8Weight):
+    if isinstance(head, (Int8Weight, BlockQuantWeight)):
         total += head.nbytes
     return total
 

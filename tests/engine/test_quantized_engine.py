@@ -1,5 +1,6 @@
-"""``quantization="int8"`` end to end on the embedded SmolLM2: the engine runs, its predictions stay close
-to the float model's, and the float model it was made from (shared between engines) is untouched."""
+"""``quantization="int8"`` and ``"int4"`` end to end on the embedded SmolLM2: the engine runs, its
+predictions stay close to the float model's, and the float model it was made from (shared between
+engines) is untouched."""
 
 from __future__ import annotations
 
@@ -9,10 +10,7 @@ import pytest
 import torch
 
 from tideserve import LLM, SamplingParams
-from tideserve.model.layers.quantization import int8_unavailable_reason
-
-pytestmark = pytest.mark.skipif(int8_unavailable_reason(torch.device("cpu")) is not None,
-                                reason="this torch build has no fbgemm/x86 quantized engine")
+from tideserve.model.layers.quantization import unavailable_reason
 
 TEXT = ("The harbour town woke slowly. Fishing boats returned with the tide, and gulls circled above the "
         "market square where traders set out bread, cheese and rope. A teacher explained to her class how "
@@ -26,12 +24,15 @@ def scored(llm: LLM, ids: list[int]) -> tuple[float, list[int]]:
     return math.exp(-sum(logprobs) / len(logprobs)), top1
 
 
-def test_int8_engine_stays_close_to_float_and_leaves_the_shared_model_alone():
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_engine_stays_close_to_float_and_leaves_the_shared_model_alone(method):
+    if unavailable_reason(method, torch.device("cpu")):
+        pytest.skip(unavailable_reason(method, torch.device("cpu")))
     float_llm = LLM(dtype="float32", max_model_len=256)
     ids = float_llm.tokenizer.encode(TEXT)
     ref_ppl, ref_top1 = scored(float_llm, ids)
 
-    q_llm = LLM(dtype="float32", max_model_len=256, quantization="int8")
+    q_llm = LLM(dtype="float32", max_model_len=256, quantization=method)
     assert q_llm.engine.model is not float_llm.engine.model
     ppl, top1 = scored(q_llm, ids)
     agreement = sum(a == b for a, b in zip(top1, ref_top1)) / len(ref_top1)
@@ -45,5 +46,5 @@ def test_int8_engine_stays_close_to_float_and_leaves_the_shared_model_alone():
 
 
 def test_quantization_is_validated():
-    with pytest.raises(ValueError, match="quantization must be one of none, int8, got 'int4'"):
-        LLM(dtype="float32", max_model_len=256, quantization="int4")
+    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4, got 'fp4'"):
+        LLM(dtype="float32", max_model_len=256, quantization="fp4")
