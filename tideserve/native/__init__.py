@@ -2,17 +2,18 @@
 
 Why C at all: decode attention is bound by memory traffic, and in torch it must first gather each
 request's KV blocks into a contiguous copy. A kernel that reads the paged cache in place halves that
-traffic. Linear layers over 4- and 8-bit block-quantized weights (qgemm.c) read a quarter or half of
-float32's bytes, which is what a single decode stream is bound by. And a few row-wise steps (RMSNorm with its residual add, the int8 GEMM's per-token scaling)
-are four to seven torch operators each, whose dispatch costs more than their arithmetic at small
-batches; here each is one pass.
+traffic. Linear layers over 4- and 8-bit block-quantized weights (qgemm.c) read a sixth or a quarter of
+float32's bytes, and weight bytes are what a single decode stream is bound by. And a few row-wise steps
+(RMSNorm with its residual add, the int8 GEMM's per-token scaling) are four to seven torch operators
+each, whose dispatch costs more than their arithmetic at small batches; here each is one pass.
 
 Why not a torch C++ extension: compiling against torch's headers takes minutes on a small CPU, while
 these files build in about a second and need no torch ABI. They are linked against the OpenMP runtime
 torch has already loaded (same soname), so both share one thread pool.
 
 Everything here is optional: with no compiler, a failed build, another device or dtype, or
-``TIDESERVE_NATIVE=0``, callers get ``None``/``False`` and use the torch path.
+``TIDESERVE_NATIVE=0``, callers get ``None``/``False`` and use the torch path. The one exception is
+``--quantization int4``, which has no torch kernel worth running and says so at startup.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ from tideserve.model.layers.quantization import (
     BlockQuantWeight,
     Int8Weight,
     int8_unavailable_reason,
-    unavailable_reason,
     model_weight_bytes,
     quantize_model,
+    unavailable_reason,
 )
 from tideserve.model.llama import LlamaForCausalLM
 
