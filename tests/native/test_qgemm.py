@@ -55,6 +55,20 @@ def test_qlinear_matches_the_arithmetic_it_implements(fmt, rows, bias):
     assert (out - want).abs().max() < 0.02 * want.abs().max()
 
 
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_qlinear_applies_swiglu_on_the_way_in(fmt, monkeypatch):
+    gen = torch.Generator().manual_seed(11)
+    weight = BlockQuantWeight(torch.randn(40, 64, generator=gen), fmt=fmt)
+    gate_up = torch.randn(5, 128, generator=gen) * 3
+    out = native.qlinear(gate_up, fmt, weight.qs, weight.d, weight.m, None, swiglu=True)
+    activated = torch.nn.functional.silu(gate_up[:, :64]) * gate_up[:, 64:]
+    torch.testing.assert_close(out, reference(activated, weight), rtol=1e-3, atol=2e-2)
+    assert native.qlinear(gate_up[:, :127], fmt, weight.qs, weight.d, weight.m, None, swiglu=True) is None
+    # The layer's torch fallback (float input, dequantized weight) computes the same product.
+    monkeypatch.setattr(native, "qlinear", lambda *a: None)
+    torch.testing.assert_close(weight(gate_up, swiglu=True), out, rtol=1e-3, atol=0.02 * float(out.abs().max()))
+
+
 def test_qlinear_takes_strided_rows_and_zero_blocks():
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(64, 128, generator=gen)

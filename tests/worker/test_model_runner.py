@@ -48,6 +48,7 @@ def test_batched_decodes_give_the_same_tokens_as_requests_alone(monkeypatch, dec
                         or original(nbs, *a))
     if decode_path == "torch":
         monkeypatch.setattr(model_runner, "decode_attention_supported", lambda *a: False)
+        monkeypatch.setattr(native, "rope_store", lambda *a: False)
     else:
         if native.load_library() is None:
             pytest.skip("no C compiler to build the native kernel")

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tideserve import native
 from tideserve.model.arch_config import ArchConfig
 from tideserve.model.layers.attention import AttentionMetadata, paged_attention
 from tideserve.model.layers.linear import Linear
@@ -54,13 +55,17 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = h.shape[0]
         qkv = self.qkv_proj(h)
+        # The native kernel rotates q|k and stores k, v in the cache in one pass; else torch does both.
+        stored = native.rope_store(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], self.num_heads,
+                                   self.num_kv_heads)
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                                       self.head_dim)
-        apply_rotary_(qk, cos, sin)  # q and k in one pass
+        if not stored:
+            apply_rotary_(qk, cos, sin)  # q and k in one pass
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_stored=stored)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -76,9 +81,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(size, arch.hidden_size, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj.forward_swiglu(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -33,7 +33,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "rows.c", "qgemm.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "rows.c", "qgemm.c", "rope_store.c"))
 HEADERS = (Path(__file__).with_name("paged_decode_kv.h"),)
 KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # cache element types with a kernel
 CFLAGS = ("-O3", "-march=native", "-std=c11", "-fopenmp", "-fPIC", "-shared")
@@ -112,8 +112,10 @@ def load_library() -> ctypes.CDLL | None:
     for name, argtypes in signatures.items():
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = argtypes
+    lib.ts_rope_store_f32.restype = None
+    lib.ts_rope_store_f32.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, cint, cint]
     lib.ts_qlinear_f32.restype = cint
-    lib.ts_qlinear_f32.argtypes = [ptr, i64, i64, i64, cint, ptr, ptr, ptr, ptr, i64, ptr, i64, cint]
+    lib.ts_qlinear_f32.argtypes = [ptr, i64, i64, i64, cint, cint, ptr, ptr, ptr, ptr, i64, ptr, i64, cint]
     return lib
 
 
@@ -207,21 +209,51 @@ def scale_rows_(y: torch.Tensor, row_max: torch.Tensor, bias: torch.Tensor | Non
     return True
 
 
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> bool:
+    """Rotate the q and k heads of qkv [T, (H + 2 KVH) * D] in place and store k and v at ``slots`` in the
+    caches ([num_blocks, block_size, KVH, D], float32 or bfloat16); see rope_store.c. False, touching
+    nothing, when the inputs do not fit the kernel."""
+    lib = load_library()
+    if lib is None or qkv.dim() != 2 or qkv.shape[0] == 0:
+        return False
+    tokens = qkv.shape[0]
+    head_dim = k_cache.shape[-1]
+    ok = (qkv.dtype == cos.dtype == sin.dtype == torch.float32 and qkv.device.type == "cpu" and qkv.stride(1) == 1
+          and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0
+          and cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() == tokens * head_dim // 2
+          and slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == tokens
+          and k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_DTYPES and k_cache.device.type == "cpu"
+          and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-2] == num_kv_heads)
+    if not ok:
+        return False
+    lib.ts_rope_store_f32(qkv.data_ptr(), qkv.stride(0), tokens, num_heads, num_kv_heads, head_dim, cos.data_ptr(),
+                          sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                          int(k_cache.dtype == torch.bfloat16), torch.get_num_threads())
+    return True
+
+
 QUANT_FORMATS = {"q4": 4, "q8": 8}  # block-quantized weight formats with a kernel (see qgemm.c)
 
 
 def qlinear(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
-            bias: torch.Tensor | None) -> torch.Tensor | None:
+            bias: torch.Tensor | None, swiglu: bool = False) -> torch.Tensor | None:
     """x [M, K] float32 times a block-quantized weight [N, K] (``fmt`` "q4" or "q8", laid out as qgemm.c
-    says), plus bias: [M, N] float32. None, computing nothing, when the inputs do not fit the kernel."""
+    says), plus bias: [M, N] float32. With ``swiglu``, x is [M, 2K] (gate | up) and the product is taken
+    with silu(gate) * up. None, computing nothing, when the inputs do not fit the kernel."""
     lib = load_library()
     if (lib is None or fmt not in QUANT_FORMATS or x.dim() != 2 or x.shape[0] == 0 or x.stride(1) != 1
             or x.dtype != torch.float32 or x.device.type != "cpu" or not _plain_f32(bias)):
         return None
     rows, k = x.shape
+    if swiglu:
+        k //= 2
     n = qs.shape[0]
+    if qs.shape[1] * (2 if fmt == "q4" else 1) != k or (bias is not None and bias.numel() != n):
+        return None
     out = torch.empty(rows, n)
-    failed = lib.ts_qlinear_f32(x.data_ptr(), x.stride(0), rows, k, QUANT_FORMATS[fmt], qs.data_ptr(), d.data_ptr(),
-                                None if m is None else m.data_ptr(), None if bias is None else bias.data_ptr(), n,
-                                out.data_ptr(), n, torch.get_num_threads())
+    failed = lib.ts_qlinear_f32(x.data_ptr(), x.stride(0), rows, k, QUANT_FORMATS[fmt], int(swiglu), qs.data_ptr(),
+                                d.data_ptr(), None if m is None else m.data_ptr(),
+                                None if bias is None else bias.data_ptr(), n, out.data_ptr(), n,
+                                torch.get_num_threads())
     return None if failed else out

@@ -165,20 +165,33 @@ static inline __attribute__((always_inline)) void dot_q8(const int8_t *wq, const
 #endif
 }
 
-/* out[i, c] = sum_j x[i, j] * W[c, j] (+ bias[c]) for i < m, c < n; format 4 (q4: wq, wd, wm) or 8 (q8: wq, wd).
+/* silu(gate) * up for one row whose first k values are the gate and next k the up projection. */
+static void swiglu_row(const float *x, int64_t k, float *out) {
+    for (int64_t j = 0; j < k; j++) {
+        const float g = x[j];
+        out[j] = g / (1.0f + expf(-g)) * x[k + j];
+    }
+}
+
+/* out[i, c] = sum_j a(x)[i, j] * W[c, j] (+ bias[c]) for i < m, c < n; format 4 (q4: wq, wd, wm) or 8 (q8: wq,
+ * wd). act 0: a(x) = x, rows of k values; act 1 (SwiGLU, the MLP's down projection): rows of 2k values, and
+ * a(x) = silu(first half) * second half, so the gate/up product never goes through memory as a tensor.
  * Returns 0, or -1 when k is not a multiple of 32 or scratch memory cannot be had (out untouched). */
-int ts_qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, int format, const void *wq,
+int ts_qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, int format, int act, const void *wq,
                    const uint16_t *wd, const uint16_t *wm, const float *bias, int64_t n, float *out,
                    int64_t out_stride, int num_threads) {
-    if (k % TS_QBLOCK != 0 || (format != 4 && format != 8) || m <= 0 || n <= 0) return -1;
+    if (k % TS_QBLOCK != 0 || (format != 4 && format != 8) || (act != 0 && act != 1) || m <= 0 || n <= 0)
+        return -1;
     const int64_t kb = k / TS_QBLOCK;
     int8_t *xq = malloc((size_t)(m * k));
     float *xd = malloc(sizeof(float) * (size_t)(m * kb));
     float *xs = malloc(sizeof(float) * (size_t)(m * kb));
-    if (xq == NULL || xd == NULL || xs == NULL) {
+    float *activated = act ? malloc(sizeof(float) * (size_t)(m * k)) : NULL;
+    if (xq == NULL || xd == NULL || xs == NULL || (act && activated == NULL)) {
         free(xq);
         free(xd);
         free(xs);
+        free(activated);
         return -1;
     }
     const int64_t row_bytes = format == 4 ? k / 2 : k;
@@ -186,7 +199,14 @@ int ts_qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, int f
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++) quantize_row_q8(x + i * x_stride, k, xq + i * k, xd + i * kb, xs + i * kb);
+        for (int64_t i = 0; i < m; i++) {
+            const float *row = x + i * x_stride;
+            if (act) {
+                swiglu_row(row, k, activated + i * k);
+                row = activated + i * k;
+            }
+            quantize_row_q8(row, k, xq + i * k, xd + i * kb, xs + i * kb);
+        }
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < n; c++) {
             float acc[TS_QGEMM_ROWS];
@@ -221,5 +241,6 @@ int ts_qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, int f
     free(xq);
     free(xd);
     free(xs);
+    free(activated);
     return 0;
 }

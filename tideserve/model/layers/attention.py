@@ -126,8 +126,9 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kv_stored: bool = False,
 ) -> torch.Tensor:
-    """Store this step's K/V in the paged cache, then attend.
+    """Store this step's K/V in the paged cache (unless ``kv_stored`` says it is already there), then attend.
 
     q: [T, H, D]; k, v: [T, KVH, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D].
     Returns [T, H, D].
@@ -135,8 +136,9 @@ def paged_attention(
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
-    v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+    if not kv_stored:
+        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
 
     out = torch.empty_like(q)
     n = meta.num_decode_tokens

@@ -167,13 +167,20 @@ class BlockQuantWeight:
     def dequantize(self) -> torch.Tensor:
         return dequantize_blocks(self.qs, self.d, self.m, self.fmt)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    takes_swiglu = True  # __call__ can apply silu(gate) * up to its input on the way in
+
+    def __call__(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+        """x [..., in] -> [..., out]; with ``swiglu``, x is [..., 2 * in] (gate | up) and the product is
+        taken with silu(gate) * up."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         out_dtype = x2.dtype
         x2 = x2.float()
-        y = native.qlinear(x2, self.fmt, self.qs, self.d, self.m, self.bias)
+        y = native.qlinear(x2, self.fmt, self.qs, self.d, self.m, self.bias, swiglu)
         if y is None:
+            if swiglu:
+                gate, up = x2.split(self.in_features, dim=-1)
+                x2 = F.silu(gate) * up
             y = F.linear(x2, self.dequantize(), self.bias)
         return y.to(out_dtype).reshape(*shape[:-1], self.out_features)
 

@@ -1,0 +1,55 @@
+"""Rotary embedding with the cache store in one pass (rope_store.c) against the torch path it replaces:
+apply_rotary_ on q|k, then index_copy_ of k and v into the paged cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tideserve import native
+from tideserve.model.layers.rotary import RotaryEmbedding, apply_rotary_
+
+pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the kernels")
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim"), [(1, 9, 3, 64), (40, 4, 4, 16), (3, 8, 1, 8)])
+def test_rope_store_matches_rotary_then_index_copy(tokens, heads, kv_heads, head_dim, kv_dtype):
+    gen = torch.Generator().manual_seed(tokens)
+    width = (heads + 2 * kv_heads) * head_dim
+    base = torch.randn(tokens, width + 5, generator=gen)  # rows wider than qkv, as a strided view
+    qkv = base[:, :width]
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0, None, torch.float32, "cpu")
+    positions = torch.randint(0, 512, (tokens,), generator=gen)
+    cos, sin = rotary.cos_sin(positions)
+    shape = (16, 4, kv_heads, head_dim)  # 64 slots
+    slots = torch.randperm(64, generator=gen)[:tokens]
+    k_cache, v_cache = torch.full(shape, 7.0, dtype=kv_dtype), torch.full(shape, 7.0, dtype=kv_dtype)
+
+    want_qkv = qkv.clone()
+    qk = want_qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    apply_rotary_(qk, cos, sin)
+    want_k, want_v = k_cache.clone().view(64, kv_heads, head_dim), v_cache.clone().view(64, kv_heads, head_dim)
+    want_k.index_copy_(0, slots, qk[:, heads:].to(kv_dtype))
+    want_v.index_copy_(0, slots, want_qkv[:, (heads + kv_heads) * head_dim:].reshape(tokens, kv_heads,
+                                                                                   head_dim).to(kv_dtype))
+
+    assert native.rope_store(qkv, cos, sin, slots, k_cache, v_cache, heads, kv_heads)
+    torch.testing.assert_close(qkv, want_qkv, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_cache.view(64, kv_heads, head_dim), want_k, rtol=1e-2 if kv_dtype != torch.float32
+                               else 1e-6, atol=1e-6)
+    assert torch.equal(v_cache.view(64, kv_heads, head_dim), want_v)  # stored as is (same rounding)
+    assert torch.equal(base[:, width:], base[:, width:].clone())
+
+
+def test_rope_store_declines_what_it_cannot_take():
+    qkv = torch.randn(2, 5 * 8)
+    cos = sin = torch.ones(2, 4)
+    slots = torch.tensor([0, 1])
+    cache = torch.zeros(2, 2, 1, 8)
+    before = qkv.clone()
+    assert not native.rope_store(qkv.double(), cos, sin, slots, cache, cache.clone(), 3, 1)
+    assert not native.rope_store(qkv, cos, sin, slots, cache.half(), cache.half(), 3, 1)
+    assert not native.rope_store(qkv, cos, sin, slots.int(), cache, cache.clone(), 3, 1)
+    assert not native.rope_store(qkv, cos, sin, slots, cache, cache.clone(), 4, 1)  # widths disagree
+    assert torch.equal(qkv, before)
