@@ -146,6 +146,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (self.model.embed_tokens if arch.tie_word_embeddings
                         else Embedding(arch.vocab_size, arch.hidden_size, dtype, device))
         self.lm_head_q = None  # a quantized copy of the LM head under --quantization int8/int4
+        # Every decoder layer of a decode-only step in one native call (model/native_decode.py); set by
+        # enable_native_decode once the layers are block-quantized.
+        self.native_decode: Any = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -153,6 +156,8 @@ class LlamaForCausalLM(nn.Module):
         [num_blocks, block_size, num_kv_heads, head_dim]. Positions must be < ``rotary.max_positions``."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
+        if self.native_decode is not None and self.native_decode(h, cos, sin, kv_caches, meta):
+            return h
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             h, residual = layer(h, residual, cos, sin, kv_cache, meta)
@@ -164,6 +169,13 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head_q is not None:
             return self.lm_head_q(hidden).float()
         return F.linear(hidden, self.lm_head.weight).float()
+
+    def enable_native_decode(self) -> bool:
+        """Run decode-only steps through one native call when the layers allow it; returns whether they do."""
+        from tideserve.model.native_decode import NativeDecodeForward
+
+        self.native_decode = NativeDecodeForward.build(self)
+        return self.native_decode is not None
 
     def quantize_lm_head(self, quantize: Callable[[torch.Tensor], Any]) -> int:
         """A quantized LM head, ``quantize(weight)`` (see layers/quantization.py); returns the bytes saved

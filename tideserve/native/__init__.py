@@ -33,7 +33,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "rows.c", "qgemm.c", "rope_store.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "rows.c", "qgemm.c", "rope_store.c",
+                                                          "decode_forward.c"))
 HEADERS = (Path(__file__).with_name("paged_decode_kv.h"),)
 KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # cache element types with a kernel
 CFLAGS = ("-O3", "-march=native", "-std=c11", "-fopenmp", "-fPIC", "-shared")
@@ -114,6 +115,9 @@ def load_library() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = argtypes
     lib.ts_rope_store_f32.restype = None
     lib.ts_rope_store_f32.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, cint, cint]
+    lib.ts_decode_forward_f32.restype = cint
+    lib.ts_decode_forward_f32.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, ptr, ptr,
+                                          ptr, ptr, i64, ptr, i64, cint, f32, cint]
     lib.ts_qlinear_f32.restype = cint
     lib.ts_qlinear_f32.argtypes = [ptr, i64, i64, i64, cint, cint, ptr, ptr, ptr, ptr, i64, ptr, i64, cint]
     return lib

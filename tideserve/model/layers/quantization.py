@@ -223,6 +223,8 @@ def quantize_model(model: nn.Module, method: str, device: torch.device,
     if hasattr(model, "quantize_lm_head"):
         saved += model.quantize_lm_head(
             (lambda w: BlockQuantWeight(w, fmt="q8")) if method == "int4" else Int8Weight)
+    if method == "int4" and hasattr(model, "enable_native_decode"):
+        model.enable_native_decode()
     return model, saved
 
 

@@ -1,0 +1,56 @@
+"""The whole-step native decode (model/native_decode.py) against the Python layer loop over the same
+kernels: equal outputs, bit for bit, on tiny random Llama (GQA) and Qwen2 (qkv bias) models, with float32
+and bfloat16 caches; and the cases it must leave to the Python path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tideserve import native
+from tideserve.model.arch_config import ArchConfig
+from tideserve.model.layers.quantization import quantize_model
+from tideserve.model.llama import LlamaForCausalLM
+
+pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the kernels")
+
+
+def tiny(bias: bool) -> LlamaForCausalLM:
+    arch = ArchConfig(architecture="Qwen2ForCausalLM" if bias else "LlamaForCausalLM", vocab_size=96,
+                      hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6,
+                      rope_theta=10000.0, tie_word_embeddings=not bias, qkv_bias=bias)
+    model = LlamaForCausalLM(arch)
+    g = torch.Generator().manual_seed(int(bias))
+    for p in model.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_decode_equals_the_python_layer_loop(bias, kv_dtype, mixed_batch):
+    qmodel, _ = quantize_model(tiny(bias), "int4", torch.device("cpu"))
+    fast = qmodel.native_decode
+    assert fast is not None
+    runs = []
+    for use_native in (True, False):
+        qmodel.native_decode = fast if use_native else None
+        calls: list[bool] = []
+        if use_native:
+            qmodel.native_decode = lambda *a: calls.append(fast(*a)) or calls[-1]
+        batch = mixed_batch(qmodel.arch.vocab_size)
+        runs.append(batch.ours(qmodel, dtype=kv_dtype, native=True))  # dtype: the cache's
+        if use_native:
+            # Steps 1 and 2 hold prefills (Python path); step 3 is all decodes (one native call).
+            assert calls == [False, False, True]
+    for got, want in zip(*runs, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_native_decode_is_only_built_for_block_quantized_float32_models():
+    model = tiny(False)
+    assert not model.enable_native_decode()  # float weights
+    int8, _ = quantize_model(model, "int8", torch.device("cpu"))
+    assert int8.native_decode is None
+    assert quantize_model(model.to(torch.bfloat16), "int4", torch.device("cpu"))[0].native_decode is None

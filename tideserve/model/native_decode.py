@@ -1,0 +1,109 @@
+"""A whole decode step's decoder layers in one native call (tideserve/native/decode_forward.c).
+
+Why: with 4-bit weights a batch-1 step streams about 100 MB of weights, a dozen milliseconds on a small
+CPU, and the per-layer Python calls around the kernels cost several more: each takes tens of
+microseconds once the weights have pushed the interpreter's data out of the caches. The native loop
+calls the very kernels the Python path calls, in the same order, so both give the same numbers; the
+Python path remains for prefills, other dtypes and other quantizations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tideserve import native
+from tideserve.model.layers.attention import AttentionMetadata
+from tideserve.model.layers.quantization import BlockQuantWeight
+
+
+class _QWeight(ctypes.Structure):
+    _fields_ = [("format", ctypes.c_int64), ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p),
+                ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _QWeight),
+                ("o", _QWeight), ("gate_up", _QWeight), ("down", _QWeight)]
+
+
+def _qweight(linear: torch.nn.Module) -> _QWeight | None:
+    q = linear.qweight
+    if not isinstance(q, BlockQuantWeight) or q.fmt not in native.QUANT_FORMATS:
+        return None
+    return _QWeight(native.QUANT_FORMATS[q.fmt], q.qs.data_ptr(), q.d.data_ptr(),
+                    None if q.m is None else q.m.data_ptr(), None if q.bias is None else q.bias.data_ptr(),
+                    q.out_features, q.in_features)
+
+
+def _plain_f32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+class NativeDecodeForward:
+    """Runs the decoder layers of a block-quantized float32 Llama-family model for decode-only steps.
+
+    Holds raw pointers to the model's weights: it must not outlive them, and the model must not be
+    re-quantized or moved while it is in use (the model owns it, so both go together).
+    """
+
+    def __init__(self, lib: ctypes.CDLL, model: torch.nn.Module, layers: ctypes.Array) -> None:
+        self.lib = lib
+        self.model = model
+        self.layers = layers  # kept alive: the kernel reads it through layers_ptr
+        self.layers_ptr = ctypes.cast(layers, ctypes.c_void_p)
+        self._cache_arrays: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> NativeDecodeForward | None:
+        """The native forward for ``model``, or None when its layers are not all block-quantized, float32
+        and laid out as the kernel expects (or no native library could be built)."""
+        lib = native.load_library()
+        if lib is None or getattr(model, "dtype", None) != torch.float32:
+            return None
+        layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            weights = [_qweight(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(w is None for w in weights) or not all(_plain_f32(n) for n in norms):
+                return None
+            layers.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *weights))
+        if not _plain_f32(model.model.norm.weight):
+            return None
+        return cls(lib, model, (_Layer * len(layers))(*layers))
+
+    def _caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[ctypes.c_void_p, ctypes.c_void_p]:
+        """Pointers to arrays of the layers' cache pointers, rebuilt only when the pool has reallocated."""
+        ptrs = tuple(t.data_ptr() for pair in kv_caches for t in pair)
+        if self._cache_arrays is None or self._cache_arrays[0] != ptrs:
+            array = ctypes.c_void_p * len(kv_caches)
+            self._cache_arrays = (ptrs, array(*ptrs[0::2]), array(*ptrs[1::2]))
+        return (ctypes.cast(self._cache_arrays[1], ctypes.c_void_p),
+                ctypes.cast(self._cache_arrays[2], ctypes.c_void_p))
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> bool:
+        """Replace ``hidden`` (the step's embeddings, [T, hidden]) by the final-normed hidden states. False,
+        touching nothing, when the step is not a plain decode step the kernel can take."""
+        tokens = hidden.shape[0]
+        tables, lens, slots = meta.decode_block_tables, meta.decode_context_lens, meta.slot_mapping
+        if (meta.prefills or meta.num_decode_tokens != tokens or tokens == 0 or tables is None or lens is None
+                or not _plain_f32(hidden) or not _plain_f32(cos) or not _plain_f32(sin)
+                or not all(t.dtype == torch.int64 and t.is_contiguous() for t in (tables, lens, slots))):
+            return False
+        k0 = kv_caches[0][0]
+        if k0.dtype not in native.KV_DTYPES or not all(
+                k.dtype == v.dtype == k0.dtype and k.is_contiguous() and v.is_contiguous() for k, v in kv_caches):
+            return False
+        arch = self.model.arch
+        attn = self.model.model.layers[0].self_attn
+        k_ptrs, v_ptrs = self._caches(kv_caches)
+        failed = self.lib.ts_decode_forward_f32(
+            self.layers_ptr, k_ptrs, v_ptrs, len(kv_caches), hidden.data_ptr(), self.model.model.norm.weight.data_ptr(),
+            tokens, arch.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, arch.intermediate_size,
+            arch.rms_norm_eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+            lens.data_ptr(),
+            k0.shape[1], int(k0.dtype == torch.bfloat16), attn.scale, torch.get_num_threads())
+        return failed == 0

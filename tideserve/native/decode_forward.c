@@ -1,0 +1,102 @@
+/* Every decoder layer of a Llama-family model for one decode step, in one call.
+ *
+ * Why: at batch 1 a step's arithmetic is a few milliseconds of weight streaming, and each layer's dozen
+ * Python-level calls (norms, projections, rotary, attention, residuals) cost tens of microseconds each
+ * once the weights have pushed the interpreter's own data out of the CPU caches. Here the layer loop runs
+ * in C over the same kernels the Python path calls (rows.c, qgemm.c, rope_store.c, paged_decode.c), in
+ * the same order, so both paths give the same numbers.
+ *
+ * Scope: float32 activations, block-quantized projections (--quantization int4), a float32 or bfloat16
+ * paged cache, and a batch of single-token queries (decodes) only; callers take the Python path otherwise.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+/* One block-quantized weight, as qgemm.c takes it. */
+typedef struct {
+    int64_t format; /* 4 (q4) or 8 (q8) */
+    const void *qs;
+    const uint16_t *d;
+    const uint16_t *m; /* NULL for q8 */
+    const float *bias; /* NULL when none */
+    int64_t n, k;
+} ts_qweight;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    ts_qweight qkv, o, gate_up, down;    /* gate_up: 2 * intermediate rows, gate first */
+} ts_decoder_layer;
+
+void ts_rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t cols, float eps,
+                     int num_threads);
+void ts_add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t rows,
+                         int64_t cols, float eps, int num_threads);
+int ts_qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, int format, int act, const void *wq,
+                   const uint16_t *wd, const uint16_t *wm, const float *bias, int64_t n, float *out,
+                   int64_t out_stride, int num_threads);
+void ts_rope_store_f32(float *qkv, int64_t qkv_stride, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, const float *cos, const float *sin, const int64_t *slots, void *k_cache,
+                       void *v_cache, int kv_bf16, int num_threads);
+int ts_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                        const int64_t *block_tables, int64_t table_width, const int64_t *context_lens, float *out,
+                        int64_t out_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, float scale, int num_threads);
+int ts_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                         const int64_t *block_tables, int64_t table_width, const int64_t *context_lens, float *out,
+                         int64_t out_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t block_size, float scale, int num_threads);
+
+static int project(const ts_qweight *w, const float *x, int64_t tokens, int act, float *out, int threads) {
+    return ts_qlinear_f32(x, act ? 2 * w->k : w->k, tokens, w->k, (int)w->format, act, w->qs, w->d, w->m, w->bias,
+                          w->n, out, w->n, threads);
+}
+
+/* hidden [tokens, hidden_size]: the embeddings in, the final-normed hidden states out. Returns 0, or -1
+ * when a kernel could not get its scratch memory (hidden is then undefined; the step must be redone). */
+int ts_decode_forward_f32(const ts_decoder_layer *layers, void *const *k_caches, void *const *v_caches,
+                          int64_t num_layers, float *hidden, const float *final_norm, int64_t tokens,
+                          int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t intermediate, float eps, const float *cos, const float *sin, const int64_t *slots,
+                          const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
+                          int64_t block_size, int kv_bf16, float scale, int num_threads) {
+    const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
+    const int64_t q_width = num_heads * head_dim;
+    float *residual = malloc(sizeof(float) * (size_t)(tokens * hidden_size));
+    float *normed = malloc(sizeof(float) * (size_t)(tokens * hidden_size));
+    float *qkv = malloc(sizeof(float) * (size_t)(tokens * qkv_width));
+    float *attn = malloc(sizeof(float) * (size_t)(tokens * q_width));
+    float *gate_up = malloc(sizeof(float) * (size_t)(tokens * 2 * intermediate));
+    int failed = residual == NULL || normed == NULL || qkv == NULL || attn == NULL || gate_up == NULL;
+    for (int64_t l = 0; l < num_layers && !failed; l++) {
+        const ts_decoder_layer *layer = layers + l;
+        if (l == 0) { /* the first layer's residual stream is its input */
+            for (int64_t i = 0; i < tokens * hidden_size; i++) residual[i] = hidden[i];
+            ts_rms_norm_f32(hidden, layer->input_norm, normed, tokens, hidden_size, eps, num_threads);
+        } else {
+            ts_add_rms_norm_f32(hidden, residual, layer->input_norm, normed, tokens, hidden_size, eps, num_threads);
+        }
+        failed |= project(&layer->qkv, normed, tokens, 0, qkv, num_threads);
+        ts_rope_store_f32(qkv, qkv_width, tokens, num_heads, num_kv_heads, head_dim, cos, sin, slots, k_caches[l],
+                          v_caches[l], kv_bf16, num_threads);
+        failed |= kv_bf16 ? ts_paged_decode_bf16(qkv, qkv_width, k_caches[l], v_caches[l], block_tables, table_width,
+                                                 context_lens, attn, q_width, tokens, num_heads, num_kv_heads,
+                                                 head_dim, block_size, scale, num_threads)
+                          : ts_paged_decode_f32(qkv, qkv_width, k_caches[l], v_caches[l], block_tables, table_width,
+                                                context_lens, attn, q_width, tokens, num_heads, num_kv_heads,
+                                                head_dim, block_size, scale, num_threads);
+        failed |= project(&layer->o, attn, tokens, 0, hidden, num_threads);
+        ts_add_rms_norm_f32(hidden, residual, layer->post_norm, normed, tokens, hidden_size, eps, num_threads);
+        failed |= project(&layer->gate_up, normed, tokens, 0, gate_up, num_threads);
+        failed |= project(&layer->down, gate_up, tokens, 1, hidden, num_threads);
+    }
+    if (!failed) {
+        ts_add_rms_norm_f32(hidden, residual, final_norm, normed, tokens, hidden_size, eps, num_threads);
+        for (int64_t i = 0; i < tokens * hidden_size; i++) hidden[i] = normed[i];
+    }
+    free(residual);
+    free(normed);
+    free(qkv);
+    free(attn);
+    free(gate_up);
+    return failed ? -1 : 0;
+}
