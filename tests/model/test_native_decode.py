@@ -33,17 +33,13 @@ def test_native_decode_equals_the_python_layer_loop(bias, kv_dtype, mixed_batch)
     qmodel, _ = quantize_model(tiny(bias), "int4", torch.device("cpu"))
     fast = qmodel.native_decode
     assert fast is not None
-    runs = []
-    for use_native in (True, False):
-        qmodel.native_decode = fast if use_native else None
-        calls: list[bool] = []
-        if use_native:
-            qmodel.native_decode = lambda *a: calls.append(fast(*a)) or calls[-1]
-        batch = mixed_batch(qmodel.arch.vocab_size)
-        runs.append(batch.ours(qmodel, dtype=kv_dtype, native=True))  # dtype: the cache's
-        if use_native:
-            # Steps 1 and 2 hold prefills (Python path); step 3 is all decodes (one native call).
-            assert calls == [False, False, True]
+    calls: list[bool] = []
+    qmodel.native_decode = lambda *a: calls.append(fast(*a)) or calls[-1]
+    with_native = mixed_batch(qmodel.arch.vocab_size).ours(qmodel, dtype=kv_dtype, native=True)  # dtype: the cache's
+    # Steps 1 and 2 hold prefills (Python path); step 3 is all decodes (one native call).
+    assert calls == [False, False, True]
+    qmodel.native_decode = None
+    runs = [with_native, mixed_batch(qmodel.arch.vocab_size).ours(qmodel, dtype=kv_dtype, native=True)]
     for got, want in zip(*runs, strict=True):
         assert torch.equal(got, want)
 
