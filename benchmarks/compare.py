@@ -338,7 +338,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded SmolLM2)")
     ap.add_argument("--dtype", default="auto", help="one dtype for every engine (auto: what tideserve picks)")
-    ap.add_argument("--quantization", default="none", choices=["none", "int8"],
+    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
                     help="tideserve's --quantization (peers keep their own weights)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="tideserve's --kv-cache-dtype")
     ap.add_argument("--hf-dtype", default=None, help="transformers' dtype (default: --dtype's)")

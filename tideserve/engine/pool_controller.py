@@ -118,7 +118,7 @@ class PoolController:
             if self._relieve_pressure():
                 return
         used = self.num_used_blocks()
-        grow = self.policy.grow_target(self.kv.num_blocks, used, 0, self._affordable_blocks())
+        grow = self.policy.grow_target(self.kv.num_blocks, used, 0, self._affordable_blocks)
         if grow is not None:
             self._resize(grow, f"usage {used}/{self.kv.num_blocks} above the high watermark")
             return

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 MARGIN_FLOOR = 256 * 2**20
@@ -77,14 +77,19 @@ class ElasticPolicy:
     _low_since: float | None = None
     _fragmented_since: float | None = None
 
-    def grow_target(self, num_blocks: int, num_used: int, extra_needed: int, affordable: int) -> int | None:
+    def grow_target(self, num_blocks: int, num_used: int, extra_needed: int,
+                    affordable: int | Callable[[], int]) -> int | None:
         """New pool size when usage crosses the high watermark, or when an allocation needs
-        ``extra_needed`` more blocks; bounded by the budget and by what the machine affords now."""
+        ``extra_needed`` more blocks; bounded by the budget and by what the machine affords now.
+        ``affordable`` may be a function, called only when growing is on the table: asking the machine
+        reads files under /proc, which costs more than a whole decode step's bookkeeping."""
         want = num_used + extra_needed
         if extra_needed == 0 and want <= num_blocks * self.config.high_watermark:
             return None
         target = max(math.ceil(num_blocks * self.config.grow_factor),
                      math.ceil(want / self.config.high_watermark))
+        if callable(affordable):
+            affordable = affordable()
         target = min(target, self.max_blocks, num_blocks + max(0, affordable))
         return target if target > num_blocks else None
 
