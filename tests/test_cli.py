@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tideserve.cli", "--log-level", "WARNING", *args],
@@ -26,14 +28,21 @@ def test_bad_flag_values_exit_with_a_clear_error():
     assert "max_model_len=10000000 is larger than the model's trained context" in out.stderr
     out = run_cli("generate", "--kv-cache-memory", "lots", "--prompt", "x")
     assert out.returncode == 2 and "kv_cache_memory must be a size" in out.stderr
-    out = run_cli("generate", "--quantization", "int4", "--prompt", "x")
-    assert out.returncode == 2 and "invalid choice: 'int4'" in out.stderr
+    out = run_cli("generate", "--quantization", "int3", "--prompt", "x")
+    assert out.returncode == 2 and "invalid choice: 'int3'" in out.stderr
     out = run_cli("generate", "--kv-cache-dtype", "fp8", "--prompt", "x")
     assert out.returncode == 2 and "invalid choice: 'fp8'" in out.stderr
 
 
-def test_generate_with_int8_weights():
-    out = run_cli("generate", "--dtype", "float32", "--quantization", "int8", "--prompt",
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_generate_with_quantized_weights(method):
+    import torch
+
+    from tideserve.model.layers.quantization import unavailable_reason
+
+    if unavailable_reason(method, torch.device("cpu")):
+        pytest.skip(unavailable_reason(method, torch.device("cpu")))
+    out = run_cli("generate", "--dtype", "float32", "--quantization", method, "--prompt",
                   "The capital of France is", "--temperature", "0", "--max-tokens", "4")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip()
+    assert "Paris" in out.stdout
