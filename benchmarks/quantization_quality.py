@@ -1,4 +1,4 @@
-"""What ``--quantization int8`` costs in accuracy, beside what it buys in speed.
+"""What ``--quantization int8`` or ``int4`` costs in accuracy, beside what it buys in speed.
 
 Three measures against the float model on the same file:
 - perplexity on a fixed text (prose, code, numbers; written for this benchmark, not a public corpus),
