@@ -48,7 +48,8 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
 @needs_kernel
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [
-    (1, 9, 3, 64, 16, 300),   # SmolLM2's heads, one request: split over KV heads
+    (1, 9, 3, 64, 16, 300),   # SmolLM2's heads, one request: its context split into parts, merged
+    (2, 9, 3, 64, 16, 1000),  # two long requests: parts of unequal length (the other is 1 token)
     (3, 4, 4, 32, 4, 40),     # multi-head attention
     (20, 8, 2, 16, 8, 130),   # many requests: one task per request
     (5, 6, 1, 64, 1, 50),     # multi-query, block size 1

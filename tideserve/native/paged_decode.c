@@ -14,6 +14,9 @@
  */
 #include <math.h>
 #include <stdint.h>
+
+/* Fewest blocks a part of a split request covers: below this the merge costs more than it spreads. */
+#define TS_MIN_BLOCKS_PER_PART 4
 #include <stdlib.h>
 #include <string.h>
 

@@ -88,94 +88,147 @@ static void KV_NAME(block_values)(const float *p, int64_t p_stride, const KV_T *
     }
 }
 
-/* Attention of one request's query heads of KV heads [kv_lo, kv_hi). A block is read head after head
- * while it is hot in cache, and each key and value serves every query head that shares it. */
-static void KV_NAME(attend_one)(const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table,
-                       int64_t context_len, int64_t kv_lo, int64_t kv_hi, int64_t group, int64_t head_dim,
-                       int64_t block_size, int64_t num_kv_heads, float scale, float *scores, float *acc,
-                       float *out, int64_t max_context) {
+/* Attention of one request's query heads of KV heads [kv_lo, kv_hi) over the keys of blocks [blk_lo,
+ * blk_hi) of its table, left unnormalized so that several such parts merge exactly: for each query head r,
+ * part_max[r] = the largest score, part_sum[r] = sum_t exp(score_t - part_max[r]) and acc[r] = sum_t
+ * exp(score_t - part_max[r]) v_t. A block is read head after head while it is hot in cache, and each key
+ * and value serves every query head that shares it. An empty range leaves part_sum at 0. */
+static void KV_NAME(attend_part)(const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table,
+                       int64_t context_len, int64_t blk_lo, int64_t blk_hi, int64_t kv_lo, int64_t kv_hi,
+                       int64_t group, int64_t head_dim, int64_t block_size, int64_t num_kv_heads, float scale,
+                       float *scores, float *acc, float *part_max, float *part_sum, int64_t max_context) {
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t block_stride = block_size * token_stride;
-    const int64_t num_blocks = (context_len + block_size - 1) / block_size;
-    const int64_t rows = (kv_hi - kv_lo) * group; /* query heads handled here, from q and out's start */
+    const int64_t rows = (kv_hi - kv_lo) * group; /* query heads handled here, from q and acc's start */
+    const int64_t first = blk_lo * block_size;
+    const int64_t last = blk_hi * block_size < context_len ? blk_hi * block_size : context_len;
+    memset(acc, 0, sizeof(float) * rows * head_dim);
+    for (int64_t r = 0; r < rows; r++) {
+        part_max[r] = -INFINITY;
+        part_sum[r] = 0.0f;
+    }
+    if (last <= first) return;
 
-    /* Pass 1: scores[r][t] = q_r . k_t * scale. */
-    for (int64_t blk = 0; blk < num_blocks; blk++) {
+    /* Pass 1: scores[r][t - first] = q_r . k_t * scale. */
+    for (int64_t blk = blk_lo; blk < blk_hi; blk++) {
         const int64_t t0 = blk * block_size;
-        const int64_t n = context_len - t0 < block_size ? context_len - t0 : block_size;
+        const int64_t n = last - t0 < block_size ? last - t0 : block_size;
         for (int64_t h = kv_lo; h < kv_hi; h++) {
             const int64_t r0 = (h - kv_lo) * group;
             KV_NAME(block_scores)(q + r0 * head_dim, k_cache + table[blk] * block_stride + h * head_dim, token_stride, n,
-                         group, head_dim, scale, scores + r0 * max_context + t0, max_context);
+                         group, head_dim, scale, scores + r0 * max_context + (t0 - first), max_context);
         }
     }
 
-    /* Softmax per query head, in float32. */
+    /* exp(score - max) per query head, in float32. */
+    const int64_t count = last - first;
     for (int64_t r = 0; r < rows; r++) {
         float *sr = scores + r * max_context;
         float m = sr[0];
-        for (int64_t t = 1; t < context_len; t++) m = sr[t] > m ? sr[t] : m;
+        for (int64_t t = 1; t < count; t++) m = sr[t] > m ? sr[t] : m;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < context_len; t++) {
+        for (int64_t t = 0; t < count; t++) {
             float e = exp_nonpositive(sr[t] - m);
             sr[t] = e;
             sum += e;
         }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t t = 0; t < context_len; t++) sr[t] *= inv;
+        part_max[r] = m;
+        part_sum[r] = sum;
     }
 
-    /* Pass 2: out_r = sum_t p[r][t] v_t. */
-    memset(acc, 0, sizeof(float) * rows * head_dim);
-    for (int64_t blk = 0; blk < num_blocks; blk++) {
+    /* Pass 2: acc_r = sum_t e[r][t] v_t. */
+    for (int64_t blk = blk_lo; blk < blk_hi; blk++) {
         const int64_t t0 = blk * block_size;
-        const int64_t n = context_len - t0 < block_size ? context_len - t0 : block_size;
+        const int64_t n = last - t0 < block_size ? last - t0 : block_size;
         for (int64_t h = kv_lo; h < kv_hi; h++) {
             const int64_t r0 = (h - kv_lo) * group;
-            KV_NAME(block_values)(scores + r0 * max_context + t0, max_context,
+            KV_NAME(block_values)(scores + r0 * max_context + (t0 - first), max_context,
                          v_cache + table[blk] * block_stride + h * head_dim, token_stride, n, group, head_dim,
                          acc + r0 * head_dim);
         }
     }
-    memcpy(out, acc, sizeof(float) * rows * head_dim);
 }
 
-/* Returns 0 on success, 1 when a worker could not allocate its scratch (the caller falls back). */
+/* Returns 0 on success, 1 when scratch memory could not be had (the caller falls back). */
 int KV_NAME(ts_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cache, const KV_T *v_cache,
                         const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
                         float *out, int64_t out_stride, int64_t num_seqs, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                         int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
-    /* Whole requests per task stream their blocks best; with too few requests to keep every thread
-     * busy, each KV head becomes a task of its own. */
-    const int64_t chunks = num_seqs < 2 * (int64_t)num_threads ? num_kv_heads : 1;
-    const int64_t heads_per_chunk = num_kv_heads / chunks;
     int64_t max_context = 1;
     for (int64_t i = 0; i < num_seqs; i++) max_context = context_lens[i] > max_context ? context_lens[i] : max_context;
+    const int64_t max_blocks = (max_context + block_size - 1) / block_size;
+    /* Whole requests per task stream their blocks best. With too few requests to keep every thread busy,
+     * each request's blocks are split into parts (all heads each, so each part reads whole tokens), whose
+     * unnormalized results merge exactly; the parts are small enough for dynamic scheduling to even out. */
+    int64_t splits = 1;
+    if (num_seqs < 2 * (int64_t)num_threads && max_blocks >= 2 * TS_MIN_BLOCKS_PER_PART) {
+        splits = (4 * (int64_t)num_threads + num_seqs - 1) / num_seqs;
+        const int64_t most = max_blocks / TS_MIN_BLOCKS_PER_PART;
+        splits = splits < most ? splits : most;
+    }
+    const int64_t tasks = num_seqs * splits;
+    const int64_t part_len = (max_blocks + splits - 1) / splits * block_size; /* keys one part may hold */
+    float *part_acc = (float *)malloc(sizeof(float) * tasks * num_heads * head_dim);
+    float *part_max = (float *)malloc(sizeof(float) * tasks * num_heads);
+    float *part_sum = (float *)malloc(sizeof(float) * tasks * num_heads);
     int failed = 0;
+    if (part_acc == NULL || part_max == NULL || part_sum == NULL) {
+        free(part_acc);
+        free(part_max);
+        free(part_sum);
+        return 1;
+    }
 
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scores = (float *)malloc(sizeof(float) * heads_per_chunk * group * max_context);
-        float *acc = (float *)malloc(sizeof(float) * heads_per_chunk * group * head_dim);
-        if (scores == NULL || acc == NULL) failed = 1;
-        /* Dynamic scheduling evens out unequal context lengths. */
+        float *scores = (float *)malloc(sizeof(float) * num_heads * (splits > 1 ? part_len : max_context));
+        if (scores == NULL) failed = 1;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < num_seqs * chunks; task++) {
-            if (scores == NULL || acc == NULL) continue;
-            const int64_t seq = task / chunks;
-            const int64_t kv_lo = (task % chunks) * heads_per_chunk;
-            if (context_lens[seq] <= 0) continue;
-            KV_NAME(attend_one)(q + seq * q_stride + kv_lo * group * head_dim, k_cache, v_cache,
-                       block_tables + seq * table_width, context_lens[seq], kv_lo, kv_lo + heads_per_chunk,
-                       group, head_dim, block_size, num_kv_heads, scale, scores, acc,
-                       out + seq * out_stride + kv_lo * group * head_dim, max_context);
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t seq = task / splits, part = task % splits;
+            const int64_t nb = (context_lens[seq] + block_size - 1) / block_size;
+            const int64_t per = (nb + splits - 1) / splits;
+            const int64_t lo = part * per < nb ? part * per : nb;
+            const int64_t hi = lo + per < nb ? lo + per : nb;
+            if (scores == NULL) continue;
+            KV_NAME(attend_part)(q + seq * q_stride, k_cache, v_cache, block_tables + seq * table_width,
+                       context_lens[seq], lo, hi, 0, num_kv_heads, group, head_dim, block_size, num_kv_heads, scale,
+                       scores, part_acc + task * num_heads * head_dim, part_max + task * num_heads,
+                       part_sum + task * num_heads, splits > 1 ? part_len : max_context);
         }
         free(scores);
-        free(acc);
+        /* Merge each request's parts: out = sum_p acc_p e^(max_p - M) / sum_p sum_p e^(max_p - M). */
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < num_seqs * num_heads; row++) {
+            const int64_t seq = row / num_heads, r = row % num_heads;
+            float *o = out + seq * out_stride + r * head_dim;
+            const int64_t base = seq * splits;
+            float m = -INFINITY;
+            for (int64_t p = 0; p < splits; p++) {
+                const int64_t i = (base + p) * num_heads + r;
+                if (part_sum[i] > 0.0f && part_max[i] > m) m = part_max[i];
+            }
+            float total = 0.0f;
+            memset(o, 0, sizeof(float) * head_dim);
+            for (int64_t p = 0; p < splits; p++) {
+                const int64_t i = (base + p) * num_heads + r;
+                if (part_sum[i] <= 0.0f) continue;
+                const float w = splits > 1 ? exp_nonpositive(part_max[i] - m) : 1.0f;
+                total += w * part_sum[i];
+                const float *a = part_acc + i * head_dim;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++) o[d] += w * a[d];
+            }
+            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) o[d] *= inv;
+        }
     }
+    free(part_acc);
+    free(part_max);
+    free(part_sum);
     return failed;
 }
