@@ -58,7 +58,10 @@ static void quantize_row_q8(const float *x, int64_t k, int8_t *q, float *scale, 
     for (int64_t b = 0; b < k / TS_QBLOCK; b++) {
         const float *xb = x + b * TS_QBLOCK;
         float amax = 0.0f;
-        for (int i = 0; i < TS_QBLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        for (int i = 0; i < TS_QBLOCK; i++) {
+            const float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax; /* not fmaxf: without -ffast-math that is a libm call per value */
+        }
         const float d = amax / 127.0f;
         const float inv = d > 0.0f ? 1.0f / d : 0.0f;
         int total = 0;
