@@ -125,3 +125,12 @@ def test_int4_reproduces_the_gguf_q4_1_weights(smollm2_gguf_path):
     weight = dequantize_tensor(tensor)
     back = BlockQuantWeight(weight, fmt="q4").dequantize()
     torch.testing.assert_close(back, weight, rtol=0, atol=1e-6 * float(weight.abs().max()))
+
+
+@pytest.mark.skipif(unavailable_reason("int4", torch.device("cpu")) is not None, reason="no native kernels")
+def test_int4_names_the_layer_it_cannot_block():
+    arch = ArchConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=48, intermediate_size=96,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                      max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.qkv_proj takes 48. Use --quantization int8"):
+        quantize_model(LlamaForCausalLM(arch), "int4", torch.device("cpu"))

@@ -214,6 +214,9 @@ def quantize_model(model: nn.Module, method: str, device: torch.device,
                 w_max = module.weight.detach().float().abs().amax(dim=0).clamp_min(1e-5)
                 smooth = (act_max[name].float().clamp_min(1e-5) ** alpha / w_max ** (1 - alpha)).clamp_min(1e-5)
             if method == "int4":
+                if module.in_features % BLOCK:
+                    raise ValueError(f"--quantization int4 needs every linear layer's input size to be divisible "
+                                     f"by {BLOCK}; {name} takes {module.in_features}. Use --quantization int8.")
                 module.qweight = BlockQuantWeight(module.weight, module.bias, "q4")
             else:
                 module.qweight = Int8Weight(module.weight, module.bias, smooth)
