@@ -40,7 +40,7 @@ def test_grouping_is_contiguous_complete_and_optimal(blocks, overhead):
     assert cost(blocks, groups, overhead) == brute_force(blocks, overhead)
 
 
-@pytest.mark.parametrize("decode_path", ["torch", "native"])
+@pytest.mark.parametrize("decode_path", ["torch", "native", "int4-one-call"])
 def test_batched_decodes_give_the_same_tokens_as_requests_alone(monkeypatch, decode_path):
     seen, calls = [], []
     original = model_runner.group_by_blocks
@@ -54,14 +54,22 @@ def test_batched_decodes_give_the_same_tokens_as_requests_alone(monkeypatch, dec
             pytest.skip("no C compiler to build the native kernel")
         kernel = native.paged_decode_attention
         monkeypatch.setattr(native, "paged_decode_attention", lambda *a: calls.append(kernel(*a)) or calls[-1])
-    llm = LLM(dtype="float32", max_model_len=1024, enable_prefix_caching=False)
+    quantization = "int4" if decode_path == "int4-one-call" else "none"
+    llm = LLM(dtype="float32", max_model_len=1024, enable_prefix_caching=False, quantization=quantization)
+    if quantization == "int4":  # every decode-only step runs the decoder layers in one native call
+        model = llm.engine.runner.model
+        one_call = model.native_decode
+        assert one_call is not None
+        model.native_decode = lambda *a: calls.append(one_call(*a)) or calls[-1]
     words = "tide moon harbour boat gull rope bread sand shell wave storm flag".split()
     prompts = [" ".join(words[: 2 + 3 * i] * (1 + 12 * (i % 3))) for i in range(8)]  # 3 to ~600 tokens
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     if decode_path == "torch":
         assert max(seen) > 1  # contexts this far apart were split into several groups
-    else:
+    elif decode_path == "native":
         assert not seen and calls and all(calls)  # every decode went through the kernel
+    else:
+        assert calls.count(True) >= 5  # the steps with only decodes (prefill steps return False)
     alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert batched == alone
