@@ -4,6 +4,8 @@ and bfloat16 caches; and the cases it must leave to the Python path."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -42,6 +44,12 @@ def test_native_decode_equals_the_python_layer_loop(bias, kv_dtype, mixed_batch)
     runs = [with_native, mixed_batch(qmodel.arch.vocab_size).ours(qmodel, dtype=kv_dtype, native=True)]
     for got, want in zip(*runs, strict=True):
         assert torch.equal(got, want)
+
+
+def test_a_copied_model_does_not_share_the_native_forward():
+    qmodel, _ = quantize_model(tiny(False), "int4", torch.device("cpu"))
+    assert qmodel.native_decode is not None
+    assert copy.deepcopy(qmodel).native_decode is None  # it would point at the original's weights
 
 
 def test_native_decode_is_only_built_for_block_quantized_float32_models():

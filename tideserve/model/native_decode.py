@@ -55,6 +55,10 @@ class NativeDecodeForward:
         self.layers_ptr = ctypes.cast(layers, ctypes.c_void_p)
         self._cache_arrays: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
 
+    def __deepcopy__(self, memo: dict) -> None:
+        """A copied model gets no native forward: this one points at the original's weights."""
+        return None
+
     @classmethod
     def build(cls, model: torch.nn.Module) -> NativeDecodeForward | None:
         """The native forward for ``model``, or None when its layers are not all block-quantized, float32
