@@ -38,7 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--allow-long-max-model-len", action="store_true")
     g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default 2048; without chunked prefill at least max_model_len)")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-adaptive-threads", dest="adaptive_threads", action="store_false",
@@ -59,13 +60,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     kv.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     kv.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swap preemption")
+    kv.add_argument("--kv-cache-shrink-delay", type=float, default=None, metavar="SECONDS",
+                    help="elastic pool: how long usage stays low before the pool gives memory back (default 5)")
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:
     keys = ["model", "dtype", "device", "max_model_len", "allow_long_max_model_len", "max_num_seqs",
             "max_num_batched_tokens", "enable_chunked_prefill", "block_size", "num_blocks",
             "kv_cache_memory", "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching", "preemption_mode",
-            "swap_space", "seed", "quantization", "adaptive_threads"]
+            "swap_space", "seed", "quantization", "adaptive_threads", "kv_cache_shrink_delay"]
     return {k: getattr(ns, k) for k in keys}
 
 

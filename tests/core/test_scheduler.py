@@ -44,10 +44,80 @@ def test_decodes_first_then_waiting_fcfs_under_budget():
     assert s.requests["c"].output_token_ids == [7]
 
 
-def test_chunked_prefill_off_waits_for_room():
+def test_chunked_prefill_off_runs_a_prompt_whole_in_a_later_step():
+    """Without chunking a prompt is never split: it waits while the step's budget is partly spent, and
+    runs whole in the next step (the engine refuses max_num_batched_tokens < max_model_len at start)."""
     s = make(budget=8, chunked=False)
-    s.add_request(req("a", 12))
-    assert s.schedule().num_scheduled_tokens == {}
+    s.add_request(req("a", 5))
+    s.add_request(req("b", 6))
+    assert step(s).num_scheduled_tokens == {"a": 5}  # b (6) does not fit the 3 tokens left
+    assert step(s).num_scheduled_tokens == {"a": 1, "b": 6}
+
+
+def swap_scheduler(num_blocks=4, num_swap=8):
+    kv = KVCacheManager(num_blocks, 4, enable_prefix_caching=False)
+    kv.enable_swap(num_swap)
+    return Scheduler(SchedulerConfig(8, 100, True, "swap"), kv, max_model_len=1000)
+
+
+def test_swap_preemption_resumes_by_copying_back_not_recomputing():
+    s = swap_scheduler()
+    s.add_request(req("a", 7))
+    s.add_request(req("b", 7))
+    step(s)
+    step(s)
+    out = step(s)  # a needs a third block: b (the newest) is swapped out
+    assert out.preempted_ids == ["b"] and len(out.swap_out) == 2
+    b = s.requests["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 8  # its KV is kept, on the host
+    swap_ids = list(s.kv.swapped["b"])
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    out = step(s)
+    # b resumes where it stopped: its 2 blocks are copied back and only its newest token is computed.
+    assert out.num_scheduled_tokens == {"b": 1}
+    assert [n.num_computed_tokens for n in out.new_requests] == [8]
+    assert out.swap_in == list(zip(swap_ids, s.kv.block_ids("b")[:2]))
+    assert "b" not in s.kv.swapped and s.kv.swap.num_free == 8
+    assert s.num_swap_ins == 1
+    s.kv.check_invariants()
+
+
+def test_swap_falls_back_to_recompute_when_the_swap_pool_is_full():
+    s = swap_scheduler(num_swap=1)
+    s.add_request(req("a", 7))
+    s.add_request(req("b", 7))
+    step(s)
+    step(s)
+    out = step(s)
+    assert out.preempted_ids == ["b"] and out.swap_out == []
+    assert s.requests["b"].num_computed_tokens == 0 and "b" not in s.kv.swapped
+
+
+def test_aborting_a_swapped_request_releases_its_swap_blocks():
+    s = swap_scheduler()
+    s.add_request(req("a", 7))
+    s.add_request(req("b", 7))
+    for _ in range(3):
+        step(s)
+    assert "b" in s.kv.swapped
+    s.finish_request("b", RequestStatus.FINISHED_ABORTED)
+    assert not s.kv.swapped and s.kv.swap.num_free == 8
+    s.kv.check_invariants()
+
+
+def test_out_of_blocks_asks_the_pool_for_exactly_what_is_missing():
+    s = make(num_blocks=2, block=4, budget=100)
+    asked = []
+
+    def grow(num_short):
+        asked.append(num_short)
+        s.kv.grow(num_short)
+        return True
+
+    s.on_out_of_blocks = grow
+    s.add_request(req("a", 30))  # 8 blocks: 6 missing
+    out = step(s)
+    assert asked == [6] and out.num_scheduled_tokens == {"a": 30}
 
 
 def test_max_num_seqs_caps_running():

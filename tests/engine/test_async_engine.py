@@ -15,6 +15,7 @@ from tideserve.engine.llm_engine import EngineArgs
 
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+MEDIUM = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 
 
 def run(coro, timeout: float = 60.0):
@@ -166,3 +167,34 @@ def test_shutdown_fails_pending_requests(make):
                 pass
 
     run(go())
+
+
+def test_idle_engine_thread_shrinks_the_pool_without_steps():
+    """The pool's upkeep runs on a timer in the engine thread: an idle engine gives memory back although
+    no step runs."""
+    args = EngineArgs(dtype="float32", max_model_len=256, kv_cache_shrink_delay=0.2, enable_prefix_caching=False)
+    engine = AsyncEngine.from_engine_args(args, log_stats_interval=None)
+    try:
+        inner = engine.engine
+        floor = inner.pool.policy.min_blocks
+
+        async def burst():
+            async def one(i):
+                return [o async for o in engine.generate(f"Tell me about ship number {i}", MEDIUM)][-1]
+            return await asyncio.gather(*(one(i) for i in range(12)))
+
+        outs = run(burst(), timeout=120)
+        assert all(len(o.outputs[0].token_ids) == 64 for o in outs)
+        grown = inner.kv_manager.num_blocks
+        assert grown > floor
+        steps = [0]
+        step = inner.step
+        inner.step = lambda: (steps.__setitem__(0, steps[0] + 1), step())[1]
+        deadline = time.monotonic() + 0.2 + 5
+        while inner.kv_manager.num_blocks > floor:
+            assert time.monotonic() < deadline, f"still {inner.kv_manager.num_blocks} blocks (floor {floor})"
+            time.sleep(0.05)
+        assert steps[0] == 0
+        assert engine.stats().kv_cache_pool_blocks == floor  # the snapshot follows too
+    finally:
+        engine.shutdown(5)

@@ -8,7 +8,6 @@ import pytest
 
 from tideserve import LLM, SamplingParams
 from tideserve.core.kv_cache.elastic import ElasticConfig
-from tideserve.worker.model_runner import ModelRunner
 
 GiB = 2**30
 SYSTEM = ("You are a meticulous assistant. Answer briefly, cite facts, and never invent sources. " * 6)
@@ -125,65 +124,81 @@ def test_shrink_with_compaction_mid_generation(reference):
     assert engine.pool.num_resizes >= 1
 
 
-@pytest.fixture
-def garbage_pool(monkeypatch):
-    """Every KV allocation starts as NaN, as ``torch.empty`` may hand it out (resize and relayout too)."""
-    original = ModelRunner.allocate_kv_caches
+@pytest.fixture(params=["reserved", "copy"])
+def garbage_pool(request, monkeypatch):
+    """Every block a store hands out fresh starts as NaN, as ``torch.empty`` may hand it out (the copying
+    store used on GPUs), and as nothing forbids for committed pages. Both stores, so the copying one
+    (the CUDA path) runs here too."""
+    import tideserve.engine.llm_engine as llm_engine
+    from tideserve.worker import kv_store
 
-    def poisoned(self, *args, **kwargs):
-        caches = original(self, *args, **kwargs)
-        self.kv_storage.fill_(float("nan"))
-        return caches
+    def poison_new_blocks(store, cls):
+        original = cls.resize
 
-    monkeypatch.setattr(ModelRunner, "allocate_kv_caches", poisoned)
+        def resize(num_blocks):
+            before = store.num_blocks
+            original(store, num_blocks)
+            for k, v in store.caches:
+                k[before:].fill_(float("nan"))
+                v[before:].fill_(float("nan"))
+
+        store.resize = resize
+
+    def create(layout, device, block_size, num_blocks, reserve_bytes, static):
+        if request.param == "copy":
+            store = kv_store.CopyKVStore(layout, device, block_size, num_blocks)
+            cls = kv_store.CopyKVStore
+        else:
+            store = kv_store.ReservedKVStore(layout, block_size, num_blocks, reserve_bytes)
+            cls = kv_store.ReservedKVStore
+        for k, v in store.caches:
+            k.fill_(float("nan"))
+            v.fill_(float("nan"))
+        poison_new_blocks(store, cls)
+        return store
+
+    monkeypatch.setattr(llm_engine, "create_kv_store", create)
+    return request.param
 
 
-@pytest.mark.parametrize("midway", ["none", "block_size_8", "block_size_64", "shrink"])
+@pytest.mark.parametrize("midway", ["none", "shrink", "grow"])
 def test_unwritten_kv_slots_never_reach_attention(reference, garbage_pool, midway):
     """Decode attention reads whole blocks; slots no token wrote must not turn outputs into NaN."""
     llm = LLM(dtype="float32", max_model_len=512, block_size=16, enable_prefix_caching=False)
     engine = llm.engine
-    assert engine.runner.kv_storage.isnan().all()
+    assert engine.runner.kv_caches[0][0].isnan().all()
 
     def action(engine):
-        if midway.startswith("block_size"):
-            engine.pool.change_block_size(int(midway.rsplit("_", 1)[1]), "test")
-        elif midway == "shrink":
+        if midway == "shrink":
             engine.pool.shrink(engine.pool.num_used_blocks() + 1, "test")
+        elif midway == "grow":
+            assert engine.pool._resize(engine.kv_manager.num_blocks + 40, "test")
 
     assert run_with_midway(llm, chats(llm), 4, action) == reference
 
 
-def test_block_size_change_right_after_a_request_finished(reference, garbage_pool):
-    """A request finished in the last step is still known to the runner, with old-layout block ids."""
+def test_block_size_changes_only_while_nothing_holds_kv(reference, garbage_pool, caplog):
+    """A block-size change re-chunks every token, so it waits for an idle moment; then it copies nothing
+    (the same pages are read in other chunks) and the answers stay those of a fixed block size."""
+    caplog.set_level(logging.INFO)
     llm = LLM(dtype="float32", max_model_len=512, block_size=16, enable_prefix_caching=False)
     engine = llm.engine
     prompts = chats(llm)
-    ids = [engine.add_request(p, GREEDY, prompt_token_ids=p) for p in prompts]
-    long_prompt = prompts[0] * 3
-    engine.add_request(long_prompt, SamplingParams(max_tokens=1), prompt_token_ids=long_prompt)
-    finished = {}
-    for out in engine.step():  # prefills everything; the one-token request ends here
-        if out.finished:
-            finished[out.request_id] = out
-    assert len(finished) == 1
-    engine.pool.change_block_size(64, "test")
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    assert [finished[i].outputs[0].token_ids for i in ids] == reference
-
-
-@pytest.mark.parametrize("new_block_size", [8, 64])
-def test_block_size_change_mid_generation(reference, new_block_size, caplog):
-    caplog.set_level(logging.INFO)
-    llm = LLM(dtype="float32", max_model_len=512, block_size=16)
-    outs = run_with_midway(llm, chats(llm), 4,
-                           lambda e: e.pool.change_block_size(new_block_size, "test"))
-    assert outs == reference
-    assert llm.engine.kv_manager.block_size == new_block_size
-    assert any(f"KV block size changed 16 -> {new_block_size}" in r.message for r in caplog.records)
+    ptr = engine.runner.kv_caches[0][0].data_ptr()
+    refused = {}
+    outs = run_with_midway(llm, prompts[:2], 3,
+                           lambda e: refused.setdefault("ok", e.pool.change_block_size(64, "test")))
+    assert refused["ok"] is False and engine.kv_manager.block_size == 16
+    assert outs == reference[:2]
+    for new_block_size in (64, 8):
+        assert engine.pool.change_block_size(new_block_size, "test")  # idle now: the request just finished
+        assert engine.kv_manager.block_size == engine.runner.block_size == new_block_size
+        assert engine.kv_manager.num_blocks == engine.runner.num_blocks
+        assert token_lists(llm.generate(prompts, GREEDY)) == reference
+    assert any("KV block size changed 16 -> 64 (no request held KV: nothing copied)" in r.message
+               for r in caplog.records)
+    if garbage_pool == "reserved":
+        assert engine.runner.kv_caches[0][0].data_ptr() == ptr  # the same memory, read in other chunks
 
 
 def test_elastic_pool_grows_under_load_and_shrinks_when_idle(reference):
@@ -199,12 +214,11 @@ def test_elastic_pool_grows_under_load_and_shrinks_when_idle(reference):
     assert engine.pool.num_resizes >= 1 and peak > start
     assert engine.scheduler.num_preemptions == 0  # grown, not preempted
     assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
-    # Idle: usage stays under the low watermark for shrink_delay_s, then the pool shrinks back.
+    # Idle: usage stays under the low watermark for shrink_delay_s, then the pool shrinks to its floor.
     for t in (1.0, 2.5, 4.0):
         clock[0] = t
-        engine.step()
-    assert engine.kv_manager.num_blocks < peak
-    assert engine.kv_manager.num_blocks >= engine.pool.policy.min_blocks
+        engine.maintain()
+    assert engine.kv_manager.num_blocks == engine.pool.policy.min_blocks < peak
 
 
 def test_memory_pressure_shrinks_the_pool_instead_of_crashing():
@@ -258,7 +272,7 @@ def test_bfloat16_kv_cache_halves_the_bytes_and_keeps_the_answers(reference, dec
         monkeypatch.setattr(model_runner, "decode_attention_supported", lambda *a: False)
     llm = LLM(dtype="float32", enable_prefix_caching=False, max_model_len=512, kv_cache_dtype="bfloat16")
     runner = llm.engine.runner
-    assert runner.kv_storage.dtype == torch.bfloat16 and runner.native_decode == (decode_path == "native")
+    assert runner.kv_caches[0][0].dtype == torch.bfloat16 and runner.native_decode == (decode_path == "native")
     arch = llm.engine.arch
     bf16_bytes = 2 * arch.num_hidden_layers * 16 * arch.num_key_value_heads * arch.head_dim * 2
     assert runner.kv_bytes_per_block(16) == bf16_bytes
@@ -266,3 +280,130 @@ def test_bfloat16_kv_cache_halves_the_bytes_and_keeps_the_answers(reference, dec
     for ours, want in zip(got, reference):
         assert ours[:8] == want[:8]
     assert sum(a == b for o, w in zip(got, reference) for a, b in zip(o, w)) >= 0.75 * sum(map(len, reference))
+
+
+def count_computed_tokens(engine) -> list[int]:
+    """Wrap the runner so every token a forward pass computes is counted."""
+    counted = [0]
+    execute = engine.runner.execute
+
+    def counting(out):
+        counted[0] += out.total_num_scheduled_tokens
+        return execute(out)
+
+    engine.runner.execute = counting
+    return counted
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_swap_resumes_without_recomputing(reference, mode):
+    """Swap mode copies a preempted request's KV back: the forward passes compute each token once. The
+    same run in recompute mode computes more, so this fails if resume falls back to recomputing."""
+    llm = LLM(dtype="float32", max_model_len=512, block_size=16, num_blocks=32, preemption_mode=mode,
+              swap_space=0.05, enable_prefix_caching=False)
+    engine = llm.engine
+    counted = count_computed_tokens(engine)
+    prompts = chats(llm)
+    assert token_lists(llm.generate(prompts, GREEDY)) == reference
+    once = sum(len(p) for p in prompts) + len(prompts) * (GREEDY.max_tokens - 1)
+    assert engine.scheduler.num_preemptions > 0
+    if mode == "swap":
+        assert engine.scheduler.num_swap_ins == engine.scheduler.num_preemptions
+        assert counted[0] == once
+        swap = engine.kv_manager.swap
+        assert swap.num_free == swap.num_blocks and not engine.kv_manager.swapped  # nothing leaked
+    else:
+        assert counted[0] > once
+
+
+def test_failed_growth_backs_off_and_the_engine_keeps_serving(reference, monkeypatch, caplog):
+    """Out of memory while growing (a GPU near full) is logged and the engine preempts instead of dying."""
+    from tideserve.worker.kv_store import KVStoreGrowError
+
+    caplog.set_level(logging.WARNING)
+    llm = LLM(dtype="float32", max_model_len=512, enable_prefix_caching=False)
+    engine = llm.engine
+    store = engine.runner.kv_store
+    floor = engine.kv_manager.num_blocks
+    real_resize = store.resize
+
+    def failing_resize(num_blocks):
+        if num_blocks > 3 * floor:
+            raise KVStoreGrowError("CUDA out of memory (simulated)")
+        real_resize(num_blocks)
+
+    monkeypatch.setattr(store, "resize", failing_resize)
+    prompts = chats(llm) * 4
+    outs = llm.generate(prompts, GREEDY)
+    assert token_lists(outs) == reference * 4
+    assert engine.pool.num_grow_failures >= 1
+    assert engine.kv_manager.num_blocks <= 3 * floor and engine.kv_manager.num_blocks == store.num_blocks
+    assert any("KV pool growth" in r.message and "failed" in r.message for r in caplog.records)
+    engine.kv_manager.check_invariants()
+
+
+def test_idle_pool_keeps_the_shared_prefix_and_little_else():
+    """After a burst whose requests share a system prompt, the idle pool holds the prefixes that were
+    hit plus the floor, and the next request still finds the system prompt cached."""
+    clock = [0.0]
+    config = ElasticConfig(shrink_delay_s=1.0, idle_unhit_cache_bytes=0)
+    llm = LLM(dtype="float32", max_model_len=512, block_size=16, elastic=config)
+    engine = llm.engine
+    engine.pool.clock = lambda: clock[0]
+    prompts = chats(llm) * 6
+    llm.generate(prompts, GREEDY)
+    peak = engine.kv_manager.num_blocks
+    for t in (1.0, 2.5, 4.0):
+        clock[0] = t
+        engine.maintain()
+    pool = engine.kv_manager.pool
+    hit_blocks = sum(1 for i in pool.cached_free_by_value() if pool.blocks[i].num_hits > 0)
+    system_blocks = len(llm.tokenizer.encode_chat([{"role": "system", "content": SYSTEM}])) // 16 - 1
+    assert hit_blocks >= system_blocks
+    # Unhit prefixes were given back, but for those the floor's reserve holds anyway (free blocks).
+    assert hit_blocks <= pool.num_cached_free() <= hit_blocks + engine.pool.policy.min_blocks
+    assert engine.kv_manager.num_blocks <= 1.1 * hit_blocks + engine.pool.policy.min_blocks < peak
+    out = llm.generate([chats(llm)[2]], GREEDY)[0]
+    assert out.num_cached_tokens >= system_blocks * 16
+
+
+def test_ceiling_follows_the_machine_at_runtime():
+    """The budget is re-read: memory a neighbour frees later is used, memory it takes is left alone."""
+    clock = [0.0]
+    probe = FakeProbe(available=2 * GiB)
+    llm = LLM(dtype="float32", max_model_len=512, memory_probe=probe)
+    engine = llm.engine
+    engine.pool.clock = lambda: clock[0]
+    start_budget = engine.pool.budget_bytes
+    probe.available = 6 * GiB  # the neighbour finished
+    clock[0] = 10.0
+    engine.maintain()
+    assert engine.pool.budget_bytes > start_budget + 3 * GiB
+    probe.available = engine.pool.account.margin_bytes + engine.pool.account.activation_bytes
+    clock[0] = 20.0
+    engine.maintain()
+    assert engine.pool.budget_bytes < engine.pool.pool_bytes + 2 * engine.pool.bytes_per_block
+    assert engine.pool.grow_for_allocation(1) is False  # nothing left to take
+
+
+def test_chunked_prefill_off_needs_a_step_that_holds_max_model_len():
+    with pytest.raises(ValueError) as err:
+        LLM(dtype="float32", max_model_len=512, enable_chunked_prefill=False, max_num_batched_tokens=256)
+    assert "max_num_batched_tokens (256) is smaller than max_model_len (512)" in str(err.value)
+    llm = LLM(dtype="float32", max_model_len=1024, enable_chunked_prefill=False)
+    assert llm.engine.scheduler_config.max_num_batched_tokens == 2048
+    long_prompt = chats(llm)[0] * 5  # about 600 tokens: one step, as a whole
+    out = llm.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("flag", [{"kv_cache_memory": "16GiB"}, {"num_blocks": 10**6},
+                                  {"gpu_memory_utilization": 1.0}])
+def test_static_sizes_beyond_the_machine_fail_with_the_numbers(flag):
+    probe = FakeProbe(available=3 * GiB, total=4 * GiB)
+    with pytest.raises(ValueError) as err:
+        LLM(dtype="float32", max_model_len=512, memory_probe=probe, **flag)
+    message = str(err.value)
+    name = next(iter(flag))
+    assert message.startswith(f"{name}=") and "GiB available after the weights" in message
+    assert "leave it unset for the elastic pool" in message

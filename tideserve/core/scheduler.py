@@ -3,8 +3,9 @@
 One rule covers every phase: a request's ``num_computed_tokens`` catches up with its token count under one
 per-step token budget. Running requests go first (decodes, and prefills still in progress), then waiting
 requests in arrival order; a prompt larger than what remains of the budget is prefilled in chunks. When no
-block is free, the newest running request is preempted: its blocks are freed and it goes back to the
-front of the waiting queue, to be recomputed later. Plain Python over integers: no torch here.
+block is free (and the elastic pool cannot grow), the newest running request is preempted: its blocks
+are freed and it goes back to the front of the waiting queue, to be recomputed later, or, in swap mode,
+its KV is copied to the host tier and copied back when it resumes. Plain Python over integers.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
+from typing import Any
 
 from tideserve.config import SchedulerConfig
 from tideserve.core.kv_cache.manager import KVCacheManager
@@ -33,7 +33,7 @@ class NewRequestData:
     token_ids: list[int]  # prompt + outputs so far
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    generator: torch.Generator | None
+    generator: Any  # the request's seeded random generator (a torch.Generator), or None
     eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int  # includes any prefix-cache hit
@@ -85,8 +85,10 @@ class Scheduler:
         self._finished_since_step: list[str] = []
         self._preempted_since_step: list[str] = []
         self.num_preemptions = 0
-        # Asked before preempting: may the pool grow? (the elastic pool answers; None = fixed pool)
-        self.on_out_of_blocks: Callable[[], bool] | None = None
+        # Asked before preempting, with the number of blocks missing: did the pool grow? (the elastic pool
+        # answers; None = a fixed pool)
+        self.on_out_of_blocks: Callable[[int], bool] | None = None
+        self.num_swap_ins = 0  # resumed by copying their KV back (no recompute)
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -142,7 +144,8 @@ class Scheduler:
                                                  request.num_computed_tokens, num_new)
                 if new_ids is not None:
                     break
-                if self.on_out_of_blocks is not None and self.on_out_of_blocks():
+                if self._grow(self.kv.num_blocks_short(request.request_id, request.num_computed_tokens,
+                                                       num_new)):
                     continue
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -165,9 +168,18 @@ class Scheduler:
             self.requests[request_id].num_computed_tokens += num
         return out
 
+    def _grow(self, num_short: int) -> bool:
+        return num_short > 0 and self.on_out_of_blocks is not None and self.on_out_of_blocks(num_short)
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.request_id in self.kv.swapped:
+                taken = self._swap_in(request, out, budget)
+                if taken is None:
+                    break
+                budget -= taken
+                continue
             token_ids = request.all_token_ids
             # Prompt logprobs need every prompt position computed, so such requests skip the cache.
             hit_blocks = ([] if request.sampling_params.prompt_logprobs is not None
@@ -176,10 +188,11 @@ class Scheduler:
             num_new = len(token_ids) - num_hit
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
-                    break
+                    break  # the whole prompt fits a later step (max_num_batched_tokens >= max_model_len)
                 num_new = budget
             new_ids = self.kv.allocate_slots(request.request_id, token_ids, 0, num_new, hit_blocks)
-            if new_ids is None and self.on_out_of_blocks is not None and self.on_out_of_blocks():
+            if new_ids is None and self._grow(self.kv.num_blocks_short(request.request_id, 0, num_new,
+                                                                        hit_blocks)):
                 new_ids = self.kv.allocate_slots(request.request_id, token_ids, 0, num_new, hit_blocks)
             if new_ids is None:
                 break
@@ -198,22 +211,34 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _swap_in(self, request: Request, token_ids: list[int], out: SchedulerOutput) -> bool:
+    def _swap_in(self, request: Request, out: SchedulerOutput, budget: int) -> int | None:
+        """Resume a swapped-out request by copying its KV back: it continues from the tokens it had
+        computed, with no recompute. Returns the tokens scheduled, or None when it must wait."""
+        token_ids = request.all_token_ids
         saved = request.num_computed_tokens
         num_new = len(token_ids) - saved
+        if num_new > budget:
+            if not self.config.enable_chunked_prefill:
+                return None
+            num_new = budget
         result = self.kv.swap_in(request.request_id, token_ids, saved, num_new)
+        if result is None and self._grow(self.kv.num_blocks_short(request.request_id, saved, num_new)):
+            result = self.kv.swap_in(request.request_id, token_ids, saved, num_new)
         if result is None:
-            return False
+            return None
         block_ids, pairs = result
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        self.num_swap_ins += 1
         out.swap_in.extend(pairs)
         out.new_requests.append(NewRequestData(
             request.request_id, token_ids, request.num_prompt_tokens, request.sampling_params,
             request.generator, request.eos_token_id, block_ids, saved))
         out.num_scheduled_tokens[request.request_id] = num_new
-        return True
+        logger.info("Request %s swapped in: %d blocks copied back, resuming at token %d (no recompute)",
+                    request.request_id, len(pairs), saved)
+        return num_new
 
     def _preempt(self, request: Request, out: SchedulerOutput | None, allow_swap: bool = True) -> None:
         mode = "recompute"

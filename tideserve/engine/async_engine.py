@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 # How often, at most, the engine thread refreshes its stats snapshot while busy (it always does when idle):
 # a snapshot probes memory (about 0.5 ms), too much to pay every step.
 _STATS_INTERVAL_S = 0.1
-# How long the idle engine thread sleeps between checks when no command arrives.
+# How long the idle engine thread sleeps between checks when no command arrives; each wake-up runs the
+# KV pool's upkeep, so an idle server gives memory back on time (the pool is touched by this thread only).
 _IDLE_WAIT_S = 1.0
 
 
@@ -296,6 +297,8 @@ class AsyncEngine:
                     outputs = self.engine.step()
                     for out in outputs:
                         out.metrics.setdefault("step_start_time", step_start)
+                else:
+                    self.engine.maintain()
                 self._set_num_waiting()
                 # Snapshot first: a client that scrapes /metrics right after its response sees its tokens.
                 self._snapshot(force=not self.engine.has_unfinished_requests())
@@ -307,9 +310,10 @@ class AsyncEngine:
             self._fail_all(EngineDeadError(f"The engine loop has died ({type(exc).__name__}: {exc})."))
 
     def _take_commands(self) -> list[_Add | _Abort] | None:
-        """Queued commands (waiting for one while idle); None when the loop should stop."""
+        """Queued commands (waiting up to _IDLE_WAIT_S for one while idle: the caller then runs the pool's
+        upkeep); None when the loop should stop."""
         with self._cond:
-            while not self._commands and not self._stopping and not self.engine.has_unfinished_requests():
+            if not self._commands and not self._stopping and not self.engine.has_unfinished_requests():
                 self._cond.wait(_IDLE_WAIT_S)
             if self._stopping:
                 return None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -35,6 +34,7 @@ from tideserve.outputs import RequestOutput
 from tideserve.request import Request, RequestStatus
 from tideserve.sampling_params import SamplingParams
 from tideserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
+from tideserve.worker.kv_store import create_kv_store
 from tideserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 GiB = 2**30
 # The "average request" a static pool must hold max_num_seqs of: a quarter of max_model_len, capped.
 AVERAGE_REQUEST_TOKENS = 512
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass
@@ -52,7 +53,8 @@ class EngineArgs:
     max_model_len: int | None = None
     allow_long_max_model_len: bool = False
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    # None: 2048 with chunked prefill; without it, at least max_model_len (a prompt runs in one step)
+    max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     block_size: int | str = "auto"
     num_blocks: int | None = None
@@ -67,6 +69,13 @@ class EngineArgs:
     adaptive_threads: bool = True  # CPU: follow the cores actually free (see engine/threads.py)
     memory_probe: MemoryProbe | None = None  # a test double answers for the machine
     elastic: ElasticConfig | None = None  # watermarks and delays of the elastic pool
+    kv_cache_shrink_delay: float | None = None  # seconds of low usage before the pool shrinks (elastic)
+
+    def elastic_config(self) -> ElasticConfig:
+        config = self.elastic or ElasticConfig()
+        if self.kv_cache_shrink_delay is not None:
+            config = replace(config, shrink_delay_s=self.kv_cache_shrink_delay)
+        return config
 
     def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         return (
@@ -75,8 +84,9 @@ class EngineArgs:
             CacheConfig(self.block_size, self.num_blocks, self.kv_cache_memory, self.gpu_memory_utilization,
                         kv_cache_dtype=self.kv_cache_dtype, enable_prefix_caching=self.enable_prefix_caching,
                         swap_space=self.swap_space),
-            SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill,
-                            self.preemption_mode),
+            SchedulerConfig(self.max_num_seqs, DEFAULT_MAX_NUM_BATCHED_TOKENS if self.max_num_batched_tokens is None
+                            else self.max_num_batched_tokens,
+                            self.enable_chunked_prefill, self.preemption_mode),
         )
 
 
@@ -116,17 +126,26 @@ class LLMEngine:
             model_config.allow_long_max_model_len)
         self.cache_config = cache_config
         self.scheduler_config = sched_config
+        self._check_batched_tokens(sched_config, args.max_num_batched_tokens)
         self.probe: MemoryProbe = args.memory_probe or SystemMemoryProbe(self.device)
+        describe = getattr(self.probe, "describe", None)
+        if describe is not None:
+            logger.info("memory probe: %s", describe())
 
         block_size = cache_config.initial_block_size
         self.kv_dtype = (self.dtype if cache_config.kv_cache_dtype == "auto"
                          else getattr(torch, cache_config.kv_cache_dtype))
-        self.runner = ModelRunner(self.model, 0, block_size, self.kv_dtype, self.device)
+        self.runner = ModelRunner(self.model, block_size, self.kv_dtype, self.device)
         logger.info("KV cache dtype %s (%d bytes per token); decode attention: %s",
                     str(self.kv_dtype).removeprefix("torch."), self.runner.kv_bytes_per_block(1),
                     "native kernel" if self.runner.native_decode else "torch")
-        num_blocks, account, policy = self._plan_pool(cache_config, sched_config, args.elastic)
-        self.runner.kv_caches = self.runner.allocate_kv_caches(num_blocks, zero=cache_config.is_static)
+        elastic = args.elastic_config()
+        num_blocks, account, policy = self._plan_pool(cache_config, sched_config, elastic)
+        reserve = num_blocks * self.runner.kv_bytes_per_block()
+        if policy is not None:  # the largest the pool could ever reach: the whole machine (virtual only)
+            reserve = max(reserve, account.budget_bytes, self.probe.total_bytes())
+        self.runner.attach_kv_store(create_kv_store(self.runner.layout, self.device, block_size, num_blocks,
+                                                    reserve, static=policy is None))
         self.kv_manager = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching,
                                          extra_key=self.model_name)
         swap_bytes = 0
@@ -147,9 +166,22 @@ class LLMEngine:
         self.pool.log_pool("elastic pool, start" if policy else "static pool")
 
     # ----------------------------------------------------------------- memory
+    def _check_batched_tokens(self, sched: SchedulerConfig, requested: int | None) -> None:
+        """Without chunked prefill a prompt runs in one step, so one step must hold the longest prompt."""
+        if sched.enable_chunked_prefill:
+            return
+        if requested is None:
+            sched.max_num_batched_tokens = max(self.max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        elif requested < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({requested}) is smaller than max_model_len ({self.max_model_len}). "
+                "With chunked prefill disabled a prompt must fit in one step, so longer prompts could never "
+                "run. Increase max_num_batched_tokens, decrease max_model_len, or enable chunked prefill.")
+
     def _plan_pool(self, cache: CacheConfig, sched: SchedulerConfig,
-                   elastic: ElasticConfig | None) -> tuple[int, MemoryAccount, ElasticPolicy | None]:
-        """Size the pool from measurement (elastic) or from the user's fixed size (static)."""
+                   elastic: ElasticConfig) -> tuple[int, MemoryAccount, ElasticPolicy | None]:
+        """Size the pool from measurement (elastic) or from the user's fixed size (static, checked
+        against the memory that exists)."""
         per_block = self.runner.kv_bytes_per_block()
         bs = self.runner.block_size
         blocks_one_request = -(-self.max_model_len // bs)
@@ -159,17 +191,22 @@ class LLMEngine:
             activation = self.runner.profile_activation_bytes(
                 min(sched.max_num_batched_tokens, self.max_model_len), sched.max_num_seqs)
         available = self.probe.available_bytes()
-        floor = (elastic or ElasticConfig()).margin_floor_bytes
-        account = MemoryAccount(available, weights, activation, safety_margin(weights, activation, floor))
+        account = MemoryAccount(available, weights, activation,
+                                safety_margin(weights, activation, elastic.margin_floor_bytes))
         logger.info("%s", account.describe())
 
         if cache.num_blocks is not None:
             budget = cache.num_blocks * per_block
+            self._check_static_size("num_blocks", f"{cache.num_blocks} blocks", budget, account)
         elif cache.kv_cache_memory is not None:
             budget = cache.kv_cache_memory
+            self._check_static_size("kv_cache_memory", f"{budget / GiB:.2f} GiB", budget, account)
         elif cache.gpu_memory_utilization is not None:
-            budget = int(self.probe.total_bytes() * cache.gpu_memory_utilization
-                         - self.probe.used_by_process_bytes() - activation)
+            total = self.probe.total_bytes()
+            budget = int(total * cache.gpu_memory_utilization - self.probe.used_by_process_bytes() - activation)
+            self._check_static_size("gpu_memory_utilization",
+                                    f"{cache.gpu_memory_utilization} of {total / GiB:.2f} GiB "
+                                    f"({max(0, budget) / GiB:.2f} GiB for the KV cache)", budget, account)
         else:
             budget = account.budget_bytes
         max_blocks = max(0, budget // per_block)
@@ -180,12 +217,24 @@ class LLMEngine:
                 f"only {max(0, budget)} bytes are available for the KV cache; the largest max_model_len "
                 f"that fits is {max_blocks * bs}. Lower max_model_len or give the KV cache more memory.")
         if not cache.is_static:
-            config = elastic or ElasticConfig()
-            min_blocks = min(max_blocks, math.ceil(blocks_one_request * 1.25) + 1)
-            return min_blocks, account, ElasticPolicy(config, min_blocks, max_blocks)
+            floor = min(max_blocks, max(1, -(-elastic.idle_reserve_bytes // per_block)))
+            return floor, account, ElasticPolicy(elastic, floor, max_blocks)
         if cache.num_blocks is None:
             self._fit_max_num_seqs(sched, max_blocks, bs)
         return max_blocks, account, None
+
+    @staticmethod
+    def _check_static_size(name: str, value: str, pool_bytes: int, account: MemoryAccount) -> None:
+        """A fixed pool must fit the memory that exists now, beside the activation peak and the margin."""
+        if pool_bytes > account.budget_bytes:
+            gib = 2**30
+            raise ValueError(
+                f"{name}={value} asks for a {pool_bytes / gib:.2f} GiB KV cache, but only "
+                f"{account.budget_bytes / gib:.2f} GiB can be given to it: {account.available_bytes / gib:.2f} "
+                f"GiB available after the weights, minus the activation peak "
+                f"{account.activation_bytes / gib:.2f} GiB and the safety margin "
+                f"{account.margin_bytes / gib:.2f} GiB. Use a smaller {name}, or leave it unset for the "
+                "elastic pool, which sizes itself.")
 
     def _fit_max_num_seqs(self, sched: SchedulerConfig, num_blocks: int, block_size: int) -> None:
         """Static pool: lower max_num_seqs when that many requests of average length cannot fit."""
@@ -284,6 +333,11 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self.output_processor.parents)
 
     # ----------------------------------------------------------------- the loop
+    def maintain(self) -> None:
+        """The KV pool's upkeep (grow, shrink, give memory back, block size); the server's engine thread
+        calls it on a timer while idle, so an idle server returns memory without a step."""
+        self.pool.maintain()
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the outputs of every parent request that changed."""
         self.pool.maintain()
@@ -346,6 +400,11 @@ class LLMEngine:
             kv_cache_pool_blocks=kv.num_blocks,
             kv_cache_block_size=kv.block_size,
             kv_cache_budget_bytes=self.pool.budget_bytes,
+            kv_cache_used_blocks=self.pool.num_used_blocks(),
+            kv_cache_cached_blocks=self.pool.num_cached_blocks(),
+            kv_cache_resizes=self.pool.num_resizes,
+            kv_cache_grow_failures=self.pool.num_grow_failures,
+            num_swap_ins=self.scheduler.num_swap_ins,
             swap_pool_usage=swap.usage() if swap else 0.0,
             memory_utilization=self.probe.used_by_process_bytes() / total if total else 0.0,
             prompt_tokens=self._num_prompt_tokens,

@@ -1,9 +1,10 @@
-"""Carries out the KV pool's decisions between engine steps: grow, shrink (evict, compact, release),
-back off under memory pressure, and change the block size at a safe point.
+"""Carries out the KV pool's decisions: grow, shrink (keep the valuable cached prefixes, compact, release
+the tail), back off under memory pressure, and change the block size while nothing holds KV.
 
-The cache manager moves block ids, the runner moves the KV data; this class keeps the two in step and
-logs every resize once, with numbers. It runs on the engine's step thread only, between steps, so no
-forward pass ever sees a half-moved pool.
+The cache manager moves block ids, the runner's KV store moves the data; this class keeps the two in
+step and logs every resize once, with numbers. It runs on the engine's thread only: between steps, from
+the scheduler when it runs out of blocks, and on a timer while the engine idles, so no forward pass ever
+sees a half-moved pool and no other thread touches the pool.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from tideserve.core.kv_cache.elastic import BlockSizeAdvisor, ElasticPolicy, Mem
 from tideserve.core.kv_cache.manager import KVCacheManager
 from tideserve.core.kv_cache.memory import MemoryProbe
 from tideserve.core.scheduler import Scheduler
+from tideserve.worker.kv_store import KVStoreGrowError, release_freed_memory
 from tideserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 GiB = 2**30
+MiB = 2**20
 ALLOC_LOG_INTERVAL_S = 5.0
+BLOCK_SIZE_ADVICE_INTERVAL_S = 5.0
 
 
 class PoolController:
@@ -41,10 +45,14 @@ class PoolController:
         self.clock = clock
         self.num_resizes = 0
         self.num_compactions = 0
+        self.num_grow_failures = 0
+        self.resize_seconds = 0.0  # time spent resizing (the store's commits and releases)
         self.block_size_changes: list[int] = [kv.block_size]
         self._last_pressure_check = -math.inf
         self._last_alloc_log = -math.inf
         self._last_advice = -math.inf
+        self._grow_blocked_until = -math.inf
+        self._swap_dirty = False
         if policy is not None:
             scheduler.on_out_of_blocks = self.grow_for_allocation
 
@@ -59,14 +67,19 @@ class PoolController:
 
     @property
     def budget_bytes(self) -> int:
-        return self.account.budget_bytes if self.policy is not None else self.pool_bytes
+        """What the pool may grow to now (static: its size). Follows the machine's free memory."""
+        return self.policy.max_blocks * self.bytes_per_block if self.policy is not None else self.pool_bytes
 
     def num_used_blocks(self) -> int:
         return self.kv.num_blocks - self.kv.num_free_blocks
 
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix."""
+        return self.kv.pool.num_cached_free()
+
     def fragmentation(self) -> tuple[float, float]:
-        """(internal, external): empty slots in allocated blocks / allocated slots, and free blocks
-        stranded below the highest live block / pool blocks."""
+        """(internal, external): empty slots in allocated blocks / allocated slots, and empty blocks
+        stranded below the highest held block / pool blocks."""
         bs = self.kv.block_size
         allocated = holding = 0
         for request in self.scheduler.running:
@@ -77,38 +90,94 @@ class PoolController:
         return internal, self.kv.external_fragmentation()
 
     def log_pool(self, reason: str) -> None:
-        logger.info("Available KV cache blocks: %d (%.2f GiB, block size %d) [%s]", self.kv.num_blocks,
-                    self.pool_bytes / GiB, self.kv.block_size, reason)
+        logger.info("Available KV cache blocks: %d (%.2f GiB, block size %d; %d used, %d cached) [%s]",
+                    self.kv.num_blocks, self.pool_bytes / GiB, self.kv.block_size, self.num_used_blocks(),
+                    self.num_cached_blocks(), reason)
 
-    # ----------------------------------------------------------------- growing
-    def _affordable_blocks(self) -> int:
-        """Blocks the machine can still give without eating into the safety margin."""
-        spare = self.probe.available_bytes() - self.account.margin_bytes
-        return max(0, spare // self.bytes_per_block)
+    # ----------------------------------------------------------------- the machine
+    def _reachable_blocks(self) -> int:
+        """The largest pool the machine allows now: its free memory, less the activation peak and the
+        safety margin, added to what the pool holds (read afresh: a neighbour may have moved)."""
+        headroom = self.probe.available_bytes() - self.account.activation_bytes - self.account.margin_bytes
+        return self.runner.kv_store.max_blocks_within(headroom)
 
-    def _resize(self, target: int, reason: str) -> None:
+    def _refresh_ceiling(self) -> None:
+        reachable = self._reachable_blocks()
+        if self.policy.max_blocks != reachable:
+            self.policy.max_blocks = max(1, reachable)
+
+    # ----------------------------------------------------------------- resizing
+    def _resize(self, target: int, reason: str) -> bool:
+        """Resize the cache manager's pool and the KV store together; False (nothing changed, growth
+        backs off for a while) when the store cannot get the memory."""
         before = self.kv.num_blocks
+        if target == before:
+            return False
+        start = time.perf_counter()
         if target > before:
+            try:
+                self.runner.resize(target)
+            except KVStoreGrowError as exc:
+                self.num_grow_failures += 1
+                backoff = self.policy.config.grow_backoff_s if self.policy else 0.0
+                self._grow_blocked_until = self.clock() + backoff
+                logger.warning("KV pool growth %d -> %d blocks failed (%s); staying at %d blocks, no growth "
+                               "for %.0f s (requests wait or are preempted instead)", before, target, exc,
+                               before, backoff)
+                return False
             self.kv.grow(target - before)
         else:
             self.kv.shrink_to(target)
-        self.runner.resize(target)
+            self.runner.resize(target)
+        elapsed = time.perf_counter() - start
+        self.resize_seconds += elapsed
         self.num_resizes += 1
-        self.log_pool(f"{reason}: {before} -> {target} blocks")
-
-    def grow_for_allocation(self) -> bool:
-        """The scheduler found no free block: grow if the budget and the machine allow (else it preempts)."""
-        if self.policy is None:
-            return False
-        target = self.policy.grow_target(self.kv.num_blocks, self.num_used_blocks(), 1,
-                                         self._affordable_blocks())
-        if target is None:
-            return False
-        self._resize(target, "grow on demand")
+        changed = abs(target - before) * self.bytes_per_block
+        self.log_pool(f"{reason}: {before} -> {target} blocks, {changed / MiB:.1f} MiB "
+                      f"{'committed' if target > before else 'released'} in {elapsed * 1e3:.1f} ms")
         return True
 
-    # ----------------------------------------------------------------- between steps
+    def grow_for_allocation(self, num_short: int = 1) -> bool:
+        """The scheduler lacks ``num_short`` free blocks: grow if the budget and the machine allow (else
+        it preempts or waits)."""
+        if self.policy is None or self.clock() < self._grow_blocked_until:
+            return False
+        target = self.policy.grow_target(self.kv.num_blocks, self.num_used_blocks(), max(1, num_short),
+                                         self._reachable_blocks)
+        if target is None:
+            return False
+        return self._resize(target, "grow on demand")
+
+    def shrink(self, target: int, reason: str) -> int:
+        """Keep the most valuable cached prefixes that fit below ``target`` beside the used blocks, move
+        every kept block above it down (the only KV copy), and release the tail."""
+        target = max(1, target)
+        self.kv.retain_cached(target - self.num_used_blocks())
+        moves = self.kv.compact(target)
+        self.runner.apply_moves(moves)
+        if moves:
+            logger.info("KV cache compacted: moved %d blocks below %d", len(moves), target)
+        new_size = max(target, self.kv.pool.highest_used_id() + 1)
+        if new_size < self.kv.num_blocks:
+            self._resize(new_size, f"shrink: {reason}")
+        return self.kv.num_blocks
+
+    def compact(self) -> int:
+        """Fill the holes below the highest held block with the blocks above (cache kept)."""
+        moves = self.kv.compact(self.kv.num_held_blocks())
+        self.runner.apply_moves(moves)
+        self.num_compactions += 1
+        if moves:
+            logger.info("KV cache compacted: moved %d blocks toward the start", len(moves))
+        return len(moves)
+
+    # ----------------------------------------------------------------- between steps, and on a timer
+    def is_idle(self) -> bool:
+        return not self.scheduler.running and not self.scheduler.waiting
+
     def maintain(self) -> None:
+        """One round of the pool's upkeep; the engine calls it before every step and, while idle, on a
+        timer (``LLMEngine.maintain``)."""
         now = self.clock()
         self._log_allocation(now)
         if self.policy is None:
@@ -117,40 +186,33 @@ class PoolController:
             self._last_pressure_check = now
             if self._relieve_pressure():
                 return
+            self._refresh_ceiling()
+        idle = self.is_idle()
         used = self.num_used_blocks()
-        grow = self.policy.grow_target(self.kv.num_blocks, used, 0, self._affordable_blocks)
-        if grow is not None:
-            self._resize(grow, f"usage {used}/{self.kv.num_blocks} above the high watermark")
-            return
-        shrink = self.policy.shrink_target(self.kv.num_blocks, used, now)
+        if not idle and now >= self._grow_blocked_until:
+            grow = self.policy.grow_target(self.kv.num_blocks, used, 0, self._reachable_blocks)
+            if grow is not None and self._resize(grow, f"usage {used}/{self.kv.num_blocks} above the high "
+                                                       "watermark"):
+                return
+        shrink = self.policy.shrink_target(self.kv.num_blocks, used, now, idle, self._cache_to_keep(idle))
         if shrink is not None:
-            self.shrink(shrink, f"usage {used}/{self.kv.num_blocks} stayed under the low watermark")
-            self._maybe_change_block_size(now, at_safe_point=True)
-            return
-        if self.policy.should_compact(sum(self.fragmentation()), now):
+            self.shrink(shrink, "idle" if idle else f"usage {used}/{self.kv.num_blocks} stayed under the "
+                                                    "low watermark")
+        elif self.policy.should_compact(self.fragmentation()[1], now):
             self.compact()
-            self._maybe_change_block_size(now, at_safe_point=True)
-            return
-        self._maybe_change_block_size(now, at_safe_point=not self.scheduler.running)
+        if idle:
+            self._release_idle_swap()
+        self._maybe_change_block_size(now)
 
-    def compact(self) -> int:
-        moves = self.kv.compact(self.num_used_blocks())
-        self.runner.apply_moves(moves)
-        self.num_compactions += 1
-        if moves:
-            logger.info("KV cache compacted: moved %d blocks toward the start", len(moves))
-        return len(moves)
-
-    def shrink(self, target: int, reason: str) -> int:
-        """Evict cached prefixes in the tail, compact live blocks below target, release the tail."""
-        target = max(1, target)
-        self.kv.pool.evict_cached(from_id=target)
-        self.runner.apply_moves(self.kv.compact(target))
-        top = self.kv.pool.highest_used_id()
-        new_size = max(target, top + 1)
-        if new_size < self.kv.num_blocks:
-            self._resize(new_size, f"shrink: {reason}")
-        return self.kv.num_blocks
+    def _cache_to_keep(self, idle: bool) -> int:
+        """Cached-prefix blocks an idle pool keeps: every one that was hit, and the newest unhit ones
+        up to ``idle_unhit_cache_bytes``."""
+        if not idle:
+            return 0
+        pool = self.kv.pool
+        hit = sum(1 for i in pool.cached_free_by_value() if pool.blocks[i].num_hits > 0)
+        unhit = pool.num_cached_free() - hit
+        return hit + min(unhit, self.policy.config.idle_unhit_cache_bytes // self.bytes_per_block)
 
     def _relieve_pressure(self) -> bool:
         """If something else took the machine's memory, give back enough of ours: cache, then requests."""
@@ -162,19 +224,32 @@ class PoolController:
         target = max(1, self.kv.num_blocks - release)
         logger.warning("Free memory %.2f GiB is below the safety margin %.2f GiB: shrinking the KV pool "
                        "by %d blocks", available / GiB, self.account.margin_bytes / GiB, release)
-        self.kv.reset_prefix_cache()
+        self.kv.retain_cached(target - self.num_used_blocks())
         while self.num_used_blocks() > target and len(self.scheduler.running) > 1:
             self.scheduler.preempt_newest()
         self.shrink(target, "memory pressure")
+        self.policy.max_blocks = max(1, min(self.policy.max_blocks, self.kv.num_blocks))
+        release_freed_memory(self.runner.device)
         return True
+
+    def _release_idle_swap(self) -> None:
+        swap = self.kv.swap
+        if swap is None:
+            return
+        if swap.num_free < swap.num_blocks:
+            self._swap_dirty = True
+        elif self._swap_dirty and not self.kv.swapped:
+            self.runner.release_idle_swap()
+            self._swap_dirty = False
 
     # ----------------------------------------------------------------- block size
     def observe_finished(self, num_tokens: int) -> None:
         if self.advisor is not None:
             self.advisor.observe(num_tokens)
 
-    def _maybe_change_block_size(self, now: float, at_safe_point: bool) -> None:
-        if self.advisor is None or not at_safe_point or now - self._last_advice < 5.0:
+    def _maybe_change_block_size(self, now: float) -> None:
+        if (self.advisor is None or not self.is_idle() or self.kv.swapped
+                or now - self._last_advice < BLOCK_SIZE_ADVICE_INTERVAL_S):
             return
         self._last_advice = now
         advice = self.advisor.best(self.kv.block_size)
@@ -182,26 +257,26 @@ class PoolController:
             self.change_block_size(*advice)
 
     def change_block_size(self, new_block_size: int, reason: str) -> bool:
-        """Re-lay every live request's KV out in blocks of another size; outputs stay identical."""
-        if self.kv.swapped or new_block_size == self.kv.block_size:
+        """Read the pool in blocks of another size. Only while no request holds KV: then nothing is
+        re-laid out or copied (the same pages are read in other chunks); the prefix cache starts over,
+        since its hashes cover whole blocks. Returns False (and changes nothing) otherwise."""
+        if new_block_size == self.kv.block_size or not self.is_idle() or self.kv.swapped:
             return False
         old = self.kv.block_size
-        pool_bytes = self.pool_bytes
-        live = {r.request_id: r.num_computed_tokens for r in self.scheduler.running}
-        needed = sum(-(-n // new_block_size) for n in live.values())
+        self.runner.forget_finished()
+        num_blocks = self.runner.change_block_size(new_block_size)
+        self.kv.relayout(new_block_size, num_blocks, {})
         new_per_block = self.runner.kv_bytes_per_block(new_block_size)
-        num_blocks = max(needed + 1, pool_bytes // new_per_block)
-        tables = self.kv.relayout(new_block_size, num_blocks, live)
-        self.runner.relayout(new_block_size, num_blocks, tables)
         if self.swap_bytes:
             self.kv.enable_swap(self.swap_bytes // new_per_block)
         if self.policy is not None:
-            scale = old / new_block_size
-            self.policy.min_blocks = max(1, math.ceil(self.policy.min_blocks * scale))
-            self.policy.max_blocks = max(self.policy.min_blocks, self.account.budget_bytes // new_per_block)
+            self.policy.min_blocks = max(1, math.ceil(self.policy.min_blocks * old / new_block_size))
+            self.policy.max_blocks = max(self.policy.min_blocks, self.policy.max_blocks * old // new_block_size)
+            if self.kv.num_blocks < self.policy.min_blocks:  # rounding down left it under the floor
+                self._resize(self.policy.min_blocks, "block size change")
         self.block_size_changes.append(new_block_size)
-        logger.info("KV block size changed %d -> %d (%d live requests re-laid out): %s", old,
-                    new_block_size, len(live), reason)
+        logger.info("KV block size changed %d -> %d (no request held KV: nothing copied): %s", old,
+                    new_block_size, reason)
         self.log_pool("block size change")
         return True
 

@@ -8,7 +8,6 @@ Single-token queries (decodes) go first in the flat batch so attention can batch
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from dataclasses import dataclass
 
@@ -22,19 +21,9 @@ from tideserve.model.layers.sampler import Sampler, SamplingMetadata, gather_log
 from tideserve.native import decode_attention_supported
 from tideserve.outputs import Logprob
 from tideserve.sampling_params import SamplingParams
+from tideserve.worker.kv_store import CopyKVStore, KVLayout, KVStore, copy_between, create_swap_store
 
 logger = logging.getLogger(__name__)
-
-
-def release_freed_memory(device: torch.device) -> None:
-    """Hand freed pool memory back: CUDA's caching allocator, or glibc's heap on CPU."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 # What one more decode group costs, in padded block-rows (each layer pays a gather and an attention
@@ -89,47 +78,41 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype, device: torch.device) -> None:
+    """Owns the KV store (``attach_kv_store``) and the per-request batch state; runs steps."""
+
+    def __init__(self, model: torch.nn.Module, block_size: int, kv_dtype: torch.dtype,
+                 device: torch.device) -> None:
         self.model = model
         self.device = device
-        self.block_size = block_size
         self.kv_dtype = kv_dtype
+        arch = model.arch
+        self.layout = KVLayout(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, kv_dtype)
+        self._block_size = block_size  # until a store exists; then the store's is the only one
         self.sampler = Sampler()
         # Decode attention straight from the paged cache (tideserve/native) where it can run.
         self.native_decode = decode_attention_supported(device, getattr(model, "dtype", None), kv_dtype)
         self.requests: dict[str, CachedRequestState] = {}
-        self.kv_caches = self.allocate_kv_caches(num_blocks)
-        self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_store: KVStore | None = None
+        self.swap_store: KVStore | None = None
 
     # ----------------------------------------------------------------- KV tensors
-    def kv_bytes_per_block(self, block_size: int | None = None) -> int:
-        arch = self.model.arch
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        bs = block_size or self.block_size
-        return 2 * arch.num_hidden_layers * bs * arch.num_key_value_heads * arch.head_dim * elem
+    def attach_kv_store(self, store: KVStore) -> None:
+        self.kv_store = store
 
-    def allocate_kv_caches(self, num_blocks: int, block_size: int | None = None,
-                           zero: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer K and V as [num_blocks, block_size, num_kv_heads, head_dim] views of ONE tensor.
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.kv_store.caches
 
-        One allocation, so that freeing it really returns the memory (a large allocation is its own
-        mapping on CPU). ``torch.empty``: pages are committed only when a block is first used. Decode
-        attention reads whole blocks (masked past each context), so a block's unwritten slots must hold
-        finite values: 0 x NaN is NaN even under a zero attention weight. ``_clear_unwritten`` zeroes
-        every slot a request owns beyond its computed tokens when the block is attached to it.
-        ``zero=True`` commits it all up front, as a statically reserved pool does.
-        """
-        arch = self.model.arch
-        bs = block_size or self.block_size
-        shape = (arch.num_hidden_layers, 2, num_blocks, bs, arch.num_key_value_heads, arch.head_dim)
-        alloc = torch.zeros if zero else torch.empty
-        self.kv_storage = alloc(shape, dtype=self.kv_dtype, device=self.device)
-        return [(self.kv_storage[i, 0], self.kv_storage[i, 1]) for i in range(arch.num_hidden_layers)]
+    @property
+    def block_size(self) -> int:
+        return self.kv_store.block_size if self.kv_store is not None else self._block_size
 
     @property
     def num_blocks(self) -> int:
-        return self.kv_caches[0][0].shape[0]
+        return self.kv_store.num_blocks
+
+    def kv_bytes_per_block(self, block_size: int | None = None) -> int:
+        return self.layout.block_bytes(block_size or self.block_size)
 
     # ----------------------------------------------------------------- profiling
     PROFILE_TOKENS = 256  # a profiling pass at this many tokens, scaled linearly to the real budget
@@ -151,9 +134,7 @@ class ModelRunner:
         logits = max_num_seqs * arch.vocab_size * 4 * 3  # logits, probabilities, sort buffers (fp32)
         estimate = num_tokens * per_token + logits
 
-        saved_storage = getattr(self, "kv_storage", None)
-        saved_caches = self.kv_caches
-        caches = self.allocate_kv_caches(-(-n // self.block_size))
+        scratch = CopyKVStore(self.layout, self.device, self.block_size, -(-n // self.block_size), zero=True)
         meta = AttentionMetadata(slot_mapping=torch.arange(n, device=self.device))
         meta.prefills.append(PrefillSpan(start=0, query_len=n, context_len=n))
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
@@ -162,19 +143,16 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             before = torch.cuda.memory_allocated(self.device)
-            self.model.compute_logits(self.model(ids, pos, caches, meta)[-1:])
+            self.model.compute_logits(self.model(ids, pos, scratch.caches, meta)[-1:])
             torch.cuda.synchronize(self.device)
             measured = torch.cuda.max_memory_allocated(self.device) - before
         else:
             before = process_rss_bytes()
             measured = 0
             if reset_peak_rss():
-                self.model.compute_logits(self.model(ids, pos, caches, meta)[-1:])
+                self.model.compute_logits(self.model(ids, pos, scratch.caches, meta)[-1:])
                 measured = max(0, peak_rss_bytes() - before)
-        self.kv_caches = saved_caches
-        if saved_storage is not None:
-            self.kv_storage = saved_storage
-        del caches
+        del scratch
         measured = int(measured * num_tokens / n) + logits
         logger.info("profiling run: %d tokens, activation peak %.1f MiB measured (scaled to %d tokens), "
                     "%.1f MiB estimated from shapes", n, measured / 2**20, num_tokens, estimate / 2**20)
@@ -182,82 +160,51 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- the elastic pool's moves
     def resize(self, num_blocks: int) -> None:
-        """Reallocate the pool at num_blocks, keeping blocks below min(old, new); the old storage is
-        dropped at once so its memory really returns (CPU: unmapped and trimmed; CUDA: cache emptied)."""
-        keep = min(num_blocks, self.num_blocks)
-        old = self.kv_storage
-        self.kv_caches = []
-        self.kv_caches = self.allocate_kv_caches(num_blocks)
-        self.kv_storage[:, :, :keep].copy_(old[:, :, :keep])
-        del old
-        release_freed_memory(self.device)
+        """Blocks below min(old, new) keep their KV; raises KVStoreGrowError (unchanged) when growth fails."""
+        self.kv_store.resize(num_blocks)
 
     def apply_moves(self, moves: list[tuple[int, int]]) -> None:
         """Copy moved blocks' KV (old id -> new id) and rewrite the block tables the runner keeps."""
         if not moves:
             return
-        src = torch.tensor([m[0] for m in moves], dtype=torch.long, device=self.device)
-        dst = torch.tensor([m[1] for m in moves], dtype=torch.long, device=self.device)
-        for k, v in self.kv_caches:
-            k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+        self.kv_store.copy_blocks(moves)
         remap = dict(moves)
         for state in self.requests.values():
             state.block_ids = [remap.get(b, b) for b in state.block_ids]
 
     def allocate_swap(self, num_swap_blocks: int) -> None:
         """Host-side second tier (pinned when the device is a GPU, so copies are asynchronous DMA)."""
-        self.swap_caches = []
-        if num_swap_blocks <= 0:
-            return
-        pin = self.device.type == "cuda"
-        for k, _ in self.kv_caches:
-            shape = (num_swap_blocks, *k.shape[1:])
-            self.swap_caches.append((torch.empty(shape, dtype=k.dtype, pin_memory=pin),
-                                     torch.empty(shape, dtype=k.dtype, pin_memory=pin)))
+        self.swap_store = (create_swap_store(self.layout, self.device, self.block_size, num_swap_blocks)
+                           if num_swap_blocks > 0 else None)
+
+    def release_idle_swap(self) -> None:
+        """No request is swapped out: hand the swap tier's pages back (it is committed where written)."""
+        release = getattr(self.swap_store, "release_all", None)
+        if release is not None:
+            release()
 
     def _swap(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
         if not pairs:
             return
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
-        for (k, v), (sk, sv) in zip(self.kv_caches, self.swap_caches):
-            if to_host:
-                sk.index_copy_(0, dst, k.index_select(0, src.to(k.device)).to("cpu"))
-                sv.index_copy_(0, dst, v.index_select(0, src.to(v.device)).to("cpu"))
-            else:
-                k.index_copy_(0, dst.to(k.device), sk.index_select(0, src).to(k.device))
-                v.index_copy_(0, dst.to(v.device), sv.index_select(0, src).to(v.device))
+        if to_host:
+            copy_between(self.kv_store, self.swap_store, pairs)
+        else:
+            copy_between(self.swap_store, self.kv_store, pairs)
 
-    def relayout(self, new_block_size: int, num_blocks: int, tables: dict[str, list[int]]) -> None:
-        """Move every live request's KV into a pool of another block size, token by token."""
-        old_bs, new_bs = self.block_size, new_block_size
-        old_slots, new_slots = [], []
-        for rid, new_ids in tables.items():
-            state = self.requests.get(rid)
-            if state is None:
-                continue
-            pos = np.arange(state.num_computed_tokens)
-            old_slots.append(np.asarray(state.block_ids)[pos // old_bs] * old_bs + pos % old_bs)
-            new_slots.append(np.asarray(new_ids, dtype=np.int64)[pos // new_bs] * new_bs + pos % new_bs)
-            state.block_ids = list(new_ids)
-        src = torch.from_numpy(np.concatenate(old_slots) if old_slots else np.zeros(0, np.int64)).to(self.device)
-        dst = torch.from_numpy(np.concatenate(new_slots) if new_slots else np.zeros(0, np.int64)).to(self.device)
-        old_caches = self.kv_caches
-        self.kv_caches = self.allocate_kv_caches(num_blocks, new_bs)
-        for (k, v), (nk, nv) in zip(old_caches, self.kv_caches):
-            kvh, hd = k.shape[2], k.shape[3]
-            nk.view(-1, kvh, hd).index_copy_(0, dst, k.reshape(-1, kvh, hd).index_select(0, src))
-            nv.view(-1, kvh, hd).index_copy_(0, dst, v.reshape(-1, kvh, hd).index_select(0, src))
-        del old_caches, k, v
-        self.block_size = new_bs
-        # Only the requests moved into the new layout: a request that finished in the last step is
-        # still here (until the next step drops it) with block ids of the old layout.
-        self._clear_unwritten([(self.requests[rid].block_ids, self.requests[rid].num_computed_tokens)
-                               for rid in tables if rid in self.requests])
-        if self.swap_caches:
-            self.allocate_swap(self.swap_caches[0][0].shape[0] * old_bs // new_bs)
-        release_freed_memory(self.device)
+    def forget_finished(self) -> None:
+        """Drop the state of requests that finished after the last step (normally dropped by the next
+        step): a pool reshaped while idle leaves none of them with block ids of the old layout."""
+        self.requests.clear()
+
+    def change_block_size(self, new_block_size: int) -> int:
+        """Read the pool with another block size; only when no request holds KV (nothing to re-lay out,
+        so nothing is copied). Returns the new block count; the swap tier follows at the same bytes."""
+        assert not self.requests, "block size changes only while no request holds KV"
+        old = self.block_size
+        num_blocks = self.kv_store.reshape_blocks(new_block_size)
+        if self.swap_store is not None:
+            self.allocate_swap(self.swap_store.num_blocks * old // new_block_size)
+        return num_blocks
 
     # ----------------------------------------------------------------- state from the scheduler
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -299,8 +246,7 @@ class ModelRunner:
                 flat.append(np.asarray(block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
         if not flat:
             return
-        storage = self.kv_storage.view(*self.kv_storage.shape[:2], -1, *self.kv_storage.shape[4:])
-        storage.index_fill_(2, torch.from_numpy(np.concatenate(flat)).to(self.device), 0)
+        self.kv_store.fill_slots(torch.from_numpy(np.concatenate(flat)).to(self.device))
 
     # ----------------------------------------------------------------- one step
     @torch.inference_mode()

@@ -113,14 +113,53 @@ def test_compact_moves_live_blocks_into_lowest_holes_and_shrink_releases_tail():
     kv.check_invariants()
 
 
-def test_compact_evicts_cached_prefixes_in_the_tail_only():
+def test_compact_keeps_cached_prefixes_and_moves_them_into_holes():
     kv = KVCacheManager(6, block_size=2, enable_prefix_caching=True)
     kv.allocate_slots("a", [1, 2, 3, 4, 5], 0, 5)  # blocks 0, 1 full and cached; 2 partial
     kv.allocate_slots("b", [9, 9, 9, 9, 9], 0, 5)  # blocks 3, 4 cached; 5 partial
     kv.free("a")
     kv.free("b")
-    kv.compact(3)
+    assert kv.external_fragmentation() == 1 / 6  # empty block 2 sits below cached block 4
+    moves = kv.compact(kv.num_held_blocks())  # 4 held blocks: everything above id 3 moves down
+    assert moves == [(4, 2)]
+    assert sorted(b.block_id for b in kv.pool.cached.values()) == [0, 1, 2, 3]
+    assert kv.external_fragmentation() == 0.0
+    assert [b.block_id for b in kv.get_computed_blocks("c", [9, 9, 9, 9, 7])] == [3, 2]  # still found
+    kv.check_invariants()
+
+
+def test_retain_cached_keeps_hit_prefixes_before_recent_ones():
+    kv = KVCacheManager(8, block_size=2, enable_prefix_caching=True)
+    system = [7, 7, 7, 7]
+    kv.allocate_slots("a", system + [1], 0, 5)  # blocks 0, 1 cached (the shared "system prompt")
+    kv.free("a")
+    hit = kv.get_computed_blocks("b", system + [2])
+    assert [b.block_id for b in hit] == [0, 1]
+    kv.allocate_slots("b", system + [2], 0, 1, hit)  # hits blocks 0 and 1
+    kv.free("b")
+    kv.allocate_slots("c", [5, 5, 5, 5, 5], 0, 5)  # blocks cached later, never hit
+    kv.free("c")
+    ranked = kv.pool.cached_free_by_value()
+    assert ranked[:2] == [0, 1] or ranked[:2] == [1, 0]
+    assert kv.retain_cached(2) == 2
     assert sorted(b.block_id for b in kv.pool.cached.values()) == [0, 1]
+    kv.check_invariants()
+
+
+def test_compact_then_shrink_keeps_the_retained_cache_in_a_small_pool():
+    kv = KVCacheManager(10, block_size=2, enable_prefix_caching=True)
+    kv.allocate_slots("filler", [0] * 12, 0, 12)  # blocks 0-5
+    kv.allocate_slots("a", [3, 3, 3, 3, 1], 0, 5)  # blocks 6, 7 cached; 8 partial
+    kv.free("filler")
+    kv.reset_prefix_cache()  # the filler's blocks are empty now
+    kv.free("a")
+    kv.retain_cached(2)
+    moves = kv.compact(3)
+    assert sorted(moves) == [(6, 0), (7, 1)] or sorted(n for _, n in moves) == [0, 1]
+    kv.shrink_to(3)
+    assert len(kv.pool.cached) == 2 and kv.num_blocks == 3
+    assert len(kv.get_computed_blocks("b", [3, 3, 3, 3, 9])) == 2
+    kv.check_invariants()
 
 
 def test_swap_out_and_in_plans_and_fallback():

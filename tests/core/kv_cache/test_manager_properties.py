@@ -101,18 +101,35 @@ class ManagerMachine(RuleBasedStateMachine):
         self.kv.grow(n)
         assert self.kv.num_blocks == before + n
 
-    @rule(extra=st.integers(0, 4))
-    def shrink(self, extra):
+    @rule(extra=st.integers(0, 4), keep=st.integers(0, 6))
+    def shrink(self, extra, keep):
+        """The pool controller's shrink: keep the most valuable cached prefixes that fit, compact every
+        held block below the target, drop the tail."""
         used = self.kv.num_blocks - self.kv.num_free_blocks
-        target = max(1, used + extra)
+        keep = min(keep, self.kv.pool.num_cached_free())
+        target = max(1, used + keep + extra)
+        ranked = self.kv.pool.cached_free_by_value()
+        kept_hashes = {self.kv.pool.blocks[i].block_hash for i in ranked[:keep]}
+        evicted = self.kv.retain_cached(keep)
+        assert evicted == len(ranked) - keep
         tables = {rid: self.kv.block_ids(rid) for rid in self.tokens}
         moves = dict(self.kv.compact(target))
         for rid, ids in tables.items():  # tables follow the moves
             assert self.kv.block_ids(rid) == [moves.get(b, b) for b in ids]
-        assert self.kv.pool.highest_used_id() < target
+        assert self.kv.pool.highest_held_id() < target
         if target < self.kv.num_blocks:
             self.kv.shrink_to(target)
+        # The kept prefixes are exactly the most valuable ones, still findable by their hashes.
+        assert {b.block_hash for b in self.kv.pool.blocks if b.ref_cnt == 0 and b.block_hash is not None} \
+            == kept_hashes
         assert self.kv.external_fragmentation() == 0.0 or extra > 0
+
+    @rule()
+    def compact_keeping_cache(self):
+        cached = set(self.kv.pool.cached)
+        self.kv.compact(self.kv.num_held_blocks())
+        assert set(self.kv.pool.cached) == cached
+        assert self.kv.external_fragmentation() == 0.0
 
     @precondition(lambda self: not self.swapped)
     @rule(new_bs=st.sampled_from([2, 4, 8]))
@@ -134,6 +151,8 @@ class ManagerMachine(RuleBasedStateMachine):
         used = sum(1 for b in self.kv.pool.blocks if b.ref_cnt > 0)
         assert used + self.kv.num_free_blocks == self.kv.num_blocks
         assert set(self.kv.req_blocks) == set(self.tokens)
+        assert not set(self.kv.swapped) & set(self.kv.req_blocks), "a request is swapped and holds blocks"
+        assert set(self.kv.swapped) == set(self.swapped)
 
     def teardown(self):
         for rid in list(self.tokens):

@@ -21,6 +21,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    num_hits: int = 0  # prefix-cache hits on the prefix it holds: what an idle pool keeps first
 
 
 class BlockPool:
@@ -94,6 +95,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._take_free(block.block_id)
             block.ref_cnt += 1
+            if block.block_hash is not None:
+                block.num_hits += 1
 
     def release(self, blocks_tail_first: list[KVBlock]) -> None:
         """Drop one reference on each, in the given order; blocks reaching 0 become free (a cached one
@@ -122,18 +125,58 @@ class BlockPool:
                 return block.block_id
         return -1
 
-    def move(self, old_id: int, new_id: int) -> None:
-        """Give the used block ``old_id`` the identity of the free block ``new_id`` (and vice versa).
+    def highest_held_id(self) -> int:
+        """Id of the highest block that is used or holds a cached prefix, or -1 when none does."""
+        for block in reversed(self.blocks):
+            if block.ref_cnt > 0 or block.block_hash is not None:
+                return block.block_id
+        return -1
 
-        Block tables hold block objects, so they follow the move; the caller copies the KV data.
-        """
-        used, free = self.blocks[old_id], self.blocks[new_id]
-        assert used.ref_cnt > 0 and free.ref_cnt == 0, (used, free)
-        self._take_free(new_id)
-        self._evict_hash(free)
-        used.block_id, free.block_id = new_id, old_id
-        self.blocks[new_id], self.blocks[old_id] = used, free
-        self._push_empty(old_id)
+    def empty_block_ids(self) -> list[int]:
+        """Free blocks holding nothing, lowest id first."""
+        return sorted(self._empty)
+
+    def num_cached_free(self) -> int:
+        return len(self._cached_free)
+
+    def cached_free_by_value(self) -> list[int]:
+        """Free blocks holding a cached prefix, the one to keep longest first: prefixes that were hit
+        (shared system prompts, earlier turns of a conversation) before ones never reused, each group
+        most recently freed first."""
+        recent_first = list(reversed(self._cached_free))
+        return ([i for i in recent_first if self.blocks[i].num_hits > 0]
+                + [i for i in recent_first if self.blocks[i].num_hits == 0])
+
+    def evict_cached_ids(self, block_ids: list[int]) -> None:
+        """Forget the cached prefixes of these free blocks (they become empty)."""
+        for block_id in block_ids:
+            del self._cached_free[block_id]
+            self._evict_hash(self.blocks[block_id])
+            self._push_empty(block_id)
+
+    def move(self, old_id: int, new_id: int) -> None:
+        self.move_blocks([(old_id, new_id)])
+
+    def move_blocks(self, moves: list[tuple[int, int]]) -> None:
+        """Give each held block ``old`` (used, or free with a cached prefix) the id of the empty block
+        ``new`` and vice versa. Block tables and the hash index hold block objects, so they follow; a
+        cached block keeps its place in the eviction order. The caller copies the KV data."""
+        if not moves:
+            return
+        order = list(self._cached_free)
+        remap = {}
+        for old_id, new_id in moves:
+            held, empty = self.blocks[old_id], self.blocks[new_id]
+            assert held.ref_cnt > 0 or held.block_hash is not None, held
+            assert empty.ref_cnt == 0 and empty.block_hash is None and new_id in self._empty, empty
+            self._empty.remove(new_id)  # its heap entry turns stale
+            held.block_id, empty.block_id = new_id, old_id
+            self.blocks[new_id], self.blocks[old_id] = held, empty
+            self._push_empty(old_id)
+            if old_id in self._cached_free:
+                remap[old_id] = new_id
+        if remap:
+            self._cached_free = {remap.get(i, i): None for i in order}
 
     def shrink_to(self, num_blocks: int) -> None:
         """Drop blocks num_blocks.. (all must be free); their cached prefixes are forgotten."""
@@ -172,6 +215,7 @@ class BlockPool:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
             block.block_hash = None
+        block.num_hits = 0
 
     def check_invariants(self) -> None:
         assert not self._empty & set(self._cached_free)

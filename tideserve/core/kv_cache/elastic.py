@@ -9,6 +9,9 @@ The account, from measurement:
     margin = max(MARGIN_FLOOR, 5% of the weights + 50% of the activation peak)
 ``available`` is read after the weights are loaded, so it already excludes them. The margin scales with
 what can fluctuate: the activation peak varies with the batch, allocator slack scales with the weights.
+The budget is not frozen: ``available`` is read again while the engine runs (the process's own cgroup,
+or the device), so an engine that shares a memory limit grows into what a neighbour gave back and stops
+short of what a neighbour took.
 """
 
 from __future__ import annotations
@@ -59,6 +62,12 @@ class ElasticConfig:
     compaction_delay_s: float = 2.0  # ... for this long
     pressure_check_interval_s: float = 1.0  # how often the machine's free memory is read
     margin_floor_bytes: int = MARGIN_FLOOR  # the safety margin is never smaller than this
+    idle_reserve_bytes: int = 16 * 2**20  # the pool's floor: what an idle engine keeps beyond its cache
+    # An idle pool keeps every cached prefix that was hit, and at most this many bytes of the most recent
+    # ones not hit yet (the last turns of conversations that may continue) beyond what fills its reserve
+    # (free blocks hold cached prefixes until reused); the rest is given back.
+    idle_unhit_cache_bytes: int = 64 * 2**20
+    grow_backoff_s: float = 5.0  # after a failed growth (out of memory), wait this long before retrying
 
     def __post_init__(self) -> None:
         if not 0 < self.low_watermark < self.high_watermark <= 1:
@@ -67,13 +76,15 @@ class ElasticConfig:
                 f"{self.low_watermark} and {self.high_watermark}.")
         if self.grow_factor <= 1:
             raise ValueError(f"grow_factor must be > 1, got {self.grow_factor}.")
+        if self.shrink_delay_s < 0:
+            raise ValueError(f"shrink_delay_s must be >= 0 seconds, got {self.shrink_delay_s}.")
 
 
 @dataclass
 class ElasticPolicy:
     config: ElasticConfig
-    min_blocks: int  # never shrink below: one max_model_len request plus headroom
-    max_blocks: int  # the budget, in blocks
+    min_blocks: int  # the floor: a small reserve, kept even when idle
+    max_blocks: int  # the budget, in blocks: re-read from the machine while the engine runs
     _low_since: float | None = None
     _fragmented_since: float | None = None
 
@@ -93,18 +104,25 @@ class ElasticPolicy:
         target = min(target, self.max_blocks, num_blocks + max(0, affordable))
         return target if target > num_blocks else None
 
-    def shrink_target(self, num_blocks: int, num_used: int, now: float) -> int | None:
-        """New (smaller) pool size once usage has stayed under the low watermark for a while."""
+    def shrink_target(self, num_blocks: int, num_used: int, now: float, idle: bool = False,
+                      num_cache_kept: int = 0) -> int | None:
+        """New (smaller) pool size once usage has stayed under the low watermark for shrink_delay_s.
+
+        Busy: the live blocks end up filling ``shrink_target_usage`` of the pool. Idle (nothing running
+        or waiting): the floor plus the ``num_cache_kept`` cached-prefix blocks worth keeping.
+        """
         if num_used >= num_blocks * self.config.low_watermark:
             self._low_since = None
             return None
         if self._low_since is None:
             self._low_since = now
-            return None
         if now - self._low_since < self.config.shrink_delay_s:
             return None
-        target = max(self.min_blocks, math.ceil(num_used / self.config.shrink_target_usage))
-        if target >= num_blocks * 0.9:  # not worth the copy
+        if idle:
+            target = self.min_blocks + num_used + num_cache_kept
+        else:
+            target = max(self.min_blocks, math.ceil(num_used / self.config.shrink_target_usage))
+        if target >= num_blocks:
             return None
         self._low_since = None
         return target

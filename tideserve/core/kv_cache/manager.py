@@ -77,6 +77,7 @@ class KVCacheManager:
         table = self.req_blocks.get(request_id, [])
         if self.swap is None or not table or len(table) > self.swap.num_free:
             return None
+        assert request_id not in self.swapped, f"request {request_id} is already swapped out"
         swap_ids = self.swap.allocate(len(table))
         pairs = [(b.block_id, s) for b, s in zip(table, swap_ids)]
         self.swapped[request_id] = swap_ids
@@ -85,7 +86,8 @@ class KVCacheManager:
 
     def swap_in(self, request_id: str, token_ids: Sequence[int], num_saved_tokens: int,
                 num_new_tokens: int) -> tuple[list[int], list[tuple[int, int]]] | None:
-        """Device blocks for a swapped request and the copy plan (swap block, device block), or None."""
+        """Device blocks for a swapped request and the copy plan (swap block, device block), or None
+        (changing nothing) when the pool has too few free blocks."""
         swap_ids = self.swapped[request_id]
         num_blocks = self.blocks_needed(num_saved_tokens + num_new_tokens)
         if num_blocks > self.pool.num_free_blocks:
@@ -178,6 +180,15 @@ class KVCacheManager:
             self._publish_full_blocks(request_id, token_ids, min(total, len(token_ids)))
         return [b.block_id for b in new_computed_blocks] + [b.block_id for b in new_blocks]
 
+    def num_blocks_short(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
+                         new_computed_blocks: Sequence[KVBlock] = ()) -> int:
+        """How many more free blocks ``allocate_slots`` with these arguments would need (0: it fits)."""
+        table = self.req_blocks.get(request_id, ())
+        total = num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
+        need = max(0, self.blocks_needed(total) - len(table) - len(new_computed_blocks))
+        need += sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        return max(0, need - self.pool.num_free_blocks)
+
     def _publish_full_blocks(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
         hashes = self._full_block_hashes(request_id, token_ids, num_tokens)
         table = self.req_blocks[request_id]
@@ -200,36 +211,43 @@ class KVCacheManager:
     def grow(self, num_new_blocks: int) -> None:
         self.pool.grow(num_new_blocks)
 
-    def compact(self, target_blocks: int) -> list[tuple[int, int]]:
-        """Move live blocks with id >= target_blocks into free ids below it; returns (old, new) moves.
+    def num_held_blocks(self) -> int:
+        """Blocks that are used or hold a cached prefix: what a pool keeping its cache cannot drop."""
+        return self.pool.num_blocks - len(self.pool.empty_block_ids())
 
-        Cached prefixes in the tail region are evicted first. Moves as many blocks as there is room for
-        below the target; the caller checks ``pool.highest_used_id()`` to see if the tail is now free.
+    def retain_cached(self, num_keep: int) -> int:
+        """Keep the ``num_keep`` most valuable cached prefixes (see ``BlockPool.cached_free_by_value``)
+        and forget the rest; returns how many were forgotten."""
+        ranked = self.pool.cached_free_by_value()
+        self.pool.evict_cached_ids(ranked[max(0, num_keep):])
+        return max(0, len(ranked) - max(0, num_keep))
+
+    def compact(self, target_blocks: int) -> list[tuple[int, int]]:
+        """Move held blocks (used ones first, then cached prefixes, most valuable first) with id >=
+        target_blocks into empty ids below it; returns the (old, new) moves, for the KV copy.
+
+        Nothing is evicted here: as many blocks move as there are empty ids below the target, and the
+        caller checks ``pool.highest_used_id()`` to see how far the pool can shrink.
         """
-        self.pool.evict_cached(from_id=target_blocks)
-        holes = [i for i in self.pool.free_block_ids() if i < target_blocks]
-        holes.sort()
-        moves: list[tuple[int, int]] = []
-        for block in list(self.pool.blocks[target_blocks:]):
-            if block.ref_cnt == 0:
-                continue
-            if not holes:
-                break
-            new_id = holes.pop(0)
-            old_id = block.block_id
-            self.pool.move(old_id, new_id)
-            moves.append((old_id, new_id))
+        holes = [i for i in self.pool.empty_block_ids() if i < target_blocks]
+        tail = self.pool.blocks[target_blocks:]
+        used = [b.block_id for b in tail if b.ref_cnt > 0]
+        rank = {block_id: r for r, block_id in enumerate(self.pool.cached_free_by_value())}
+        cached = sorted((b.block_id for b in tail if b.ref_cnt == 0 and b.block_hash is not None),
+                        key=rank.__getitem__)
+        moves = list(zip(used + cached, holes))
+        self.pool.move_blocks(moves)
         return moves
 
     def shrink_to(self, num_blocks: int) -> None:
         self.pool.shrink_to(num_blocks)
 
     def external_fragmentation(self) -> float:
-        """Free blocks below the highest live block (holes that stop the pool from shrinking) / pool."""
-        top = self.pool.highest_used_id()
+        """Empty blocks below the highest held block (holes that stop the pool from shrinking) / pool."""
+        top = self.pool.highest_held_id()
         if top < 0:
             return 0.0
-        holes = sum(1 for b in self.pool.blocks[:top] if b.ref_cnt == 0)
+        holes = sum(1 for b in self.pool.blocks[:top] if b.ref_cnt == 0 and b.block_hash is None)
         return holes / self.pool.num_blocks
 
     def relayout(self, new_block_size: int, num_blocks: int,

@@ -1,0 +1,172 @@
+"""The KV stores: a reserved range whose resizes commit and release pages (never copy, never allocate
+twice), and the copying store (the GPU path) with its out-of-memory behaviour.
+
+Residency is read from the kernel (``mincore`` over the reserved range), so these tests fail if a resize
+copies the pool into a new allocation or keeps released pages resident.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from tideserve.worker.kv_store import (
+    PAGE,
+    CopyKVStore,
+    KVLayout,
+    KVStoreGrowError,
+    ReservedKVStore,
+    copy_between,
+    create_swap_store,
+)
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=64, dtype=torch.float32)  # 512 B/token/layer/K
+BS = 16
+BLOCK = LAYOUT.block_bytes(BS)  # 48 KiB across every layer's K and V
+MiB = 2**20
+
+
+def mapping_rss(store: ReservedKVStore) -> int:
+    """Resident bytes of the store's reserved range, page by page, from the kernel (mincore)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    length = len(store._map)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(store._map))
+    vec = (ctypes.c_ubyte * (length // PAGE))()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) * PAGE
+
+
+def fill_pattern(store, blocks: range) -> None:
+    for layer, (k, v) in enumerate(store.caches):
+        for b in blocks:
+            k[b].fill_(layer * 1000 + b)
+            v[b].fill_(-(layer * 1000 + b))
+
+
+def assert_pattern(store, blocks: range) -> None:
+    for layer, (k, v) in enumerate(store.caches):
+        for b in blocks:
+            assert torch.all(k[b] == layer * 1000 + b) and torch.all(v[b] == -(layer * 1000 + b)), (layer, b)
+
+
+def test_layout_arithmetic():
+    assert LAYOUT.token_bytes == 2 * 64 * 4
+    assert BLOCK == 2 * 3 * 16 * 512
+
+
+def test_reserved_store_grows_and_shrinks_in_place_and_keeps_the_blocks():
+    store = ReservedKVStore(LAYOUT, BS, num_blocks=10, reserve_bytes=256 * MiB)
+    ptrs = [(k.data_ptr(), v.data_ptr()) for k, v in store.caches]
+    fill_pattern(store, range(10))
+    store.resize(400)
+    assert store.num_blocks == 400 and store.caches[0][0].shape == (400, BS, 2, 64)
+    assert [(k.data_ptr(), v.data_ptr()) for k, v in store.caches] == ptrs  # the same memory: no copy
+    assert_pattern(store, range(10))
+    assert torch.count_nonzero(store.caches[2][1][10:]) == 0  # new blocks read as zeros
+    store.resize(6)
+    assert [(k.data_ptr(), v.data_ptr()) for k, v in store.caches] == ptrs
+    assert_pattern(store, range(6))
+    for k, v in store.caches:
+        assert k.is_contiguous() and v.is_contiguous()
+
+
+def test_reserved_store_residency_follows_the_pool():
+    """Growth commits the new blocks' pages, shrinking returns them: the resident set follows the pool."""
+    store = ReservedKVStore(LAYOUT, BS, num_blocks=1, reserve_bytes=512 * MiB)
+    small = mapping_rss(store)
+    assert small <= 2 * LAYOUT.num_layers * 2 * PAGE + BLOCK
+    store.resize(2000)  # 2000 * 48 KiB = 93.75 MiB
+    grown = mapping_rss(store)
+    assert 2000 * BLOCK <= grown <= 2000 * BLOCK + 2 * LAYOUT.num_layers * PAGE
+    store.resize(2001)  # one more block commits about one block, not the pool again
+    assert mapping_rss(store) - grown <= BLOCK + 2 * LAYOUT.num_layers * PAGE
+    store.resize(100)
+    shrunk = mapping_rss(store)
+    assert shrunk <= 100 * BLOCK + 2 * LAYOUT.num_layers * PAGE
+    store.resize(0)
+    assert mapping_rss(store) == 0
+
+
+def test_reserved_store_lazy_commit_and_release_all():
+    """The swap tier's store commits pages only where written and gives them all back when empty."""
+    store = ReservedKVStore(LAYOUT, BS, num_blocks=1000, reserve_bytes=1000 * BLOCK, populate=False)
+    assert mapping_rss(store) == 0
+    fill_pattern(store, range(3))
+    assert 0 < mapping_rss(store) <= 3 * BLOCK + 2 * LAYOUT.num_layers * PAGE
+    store.release_all()
+    assert mapping_rss(store) == 0 and store.num_blocks == 1000
+
+
+def test_reserved_store_refuses_growth_beyond_its_reservation():
+    store = ReservedKVStore(LAYOUT, BS, num_blocks=4, reserve_bytes=8 * MiB)
+    with pytest.raises(KVStoreGrowError):
+        store.resize(store.capacity_blocks + 1)
+    assert store.num_blocks == 4
+    assert store.max_blocks_within(10**12) == store.capacity_blocks
+    assert store.max_blocks_within(3 * BLOCK) == 7
+    assert store.max_blocks_within(-BLOCK) == 4
+
+
+def test_reserved_store_reshape_reads_the_same_pages_in_other_chunks():
+    store = ReservedKVStore(LAYOUT, BS, num_blocks=8, reserve_bytes=64 * MiB)
+    ptr = store.caches[0][0].data_ptr()
+    assert store.reshape_blocks(64) == 2
+    assert store.block_size == 64 and store.caches[0][0].shape == (2, 64, 2, 64)
+    assert store.caches[0][0].data_ptr() == ptr
+    assert store.reshape_blocks(8) == 16
+
+
+def test_fill_slots_touches_exactly_the_given_slots_of_every_layer():
+    for store in (ReservedKVStore(LAYOUT, BS, 4, 8 * MiB), CopyKVStore(LAYOUT, torch.device("cpu"), BS, 4)):
+        for k, v in store.caches:
+            k.fill_(1.0)
+            v.fill_(1.0)
+        slots = torch.tensor([0, 17, 63])
+        store.fill_slots(slots)
+        for k, v in store.caches:
+            for t in (k, v):
+                flat = t.reshape(-1, 2, 64)
+                assert torch.all(flat[slots] == 0) and flat.sum() == (64 - 3) * 128
+
+
+def test_copy_store_resize_keeps_blocks_and_out_of_memory_changes_nothing(monkeypatch):
+    store = CopyKVStore(LAYOUT, torch.device("cpu"), BS, 8)
+    fill_pattern(store, range(8))
+    store.resize(20)
+    assert_pattern(store, range(8))
+    store.resize(5)
+    assert_pattern(store, range(5))
+    assert store.max_blocks_within(12 * BLOCK) == 12  # the new tensor must fit beside the old one
+
+    oom = getattr(torch, "OutOfMemoryError", MemoryError)
+
+    def no_memory(*args, **kwargs):
+        raise oom("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(torch, "empty", no_memory)
+    with pytest.raises(KVStoreGrowError, match="out of memory"):
+        store.resize(50)
+    assert store.num_blocks == 5 and store.caches[0][0].shape[0] == 5
+    assert_pattern(store, range(5))
+
+
+def test_copy_store_reshape_without_a_second_allocation():
+    store = CopyKVStore(LAYOUT, torch.device("cpu"), BS, 8)
+    ptr = store.storage.data_ptr()
+    assert store.reshape_blocks(32) == 4 and store.storage.data_ptr() == ptr
+    assert store.caches[1][0].shape == (4, 32, 2, 64) and store.caches[1][0].is_contiguous()
+
+
+def test_swap_copies_round_trip_between_stores():
+    device_store = ReservedKVStore(LAYOUT, BS, 6, 8 * MiB)
+    swap = create_swap_store(LAYOUT, torch.device("cpu"), BS, 4)
+    fill_pattern(device_store, range(6))
+    copy_between(device_store, swap, [(4, 0), (5, 3)])
+    for k, _ in device_store.caches:
+        k.zero_()
+    copy_between(swap, device_store, [(0, 1), (3, 2)])
+    for layer, (k, v) in enumerate(device_store.caches):
+        assert torch.all(k[1] == layer * 1000 + 4) and torch.all(k[2] == layer * 1000 + 5)
+        assert torch.all(v[1] == -(layer * 1000 + 4))

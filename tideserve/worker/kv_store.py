@@ -1,0 +1,370 @@
+"""The KV tensors of every layer, addressed by block id, and their elastic moves.
+
+Why a store of its own: the elastic pool grows and shrinks many times a day, and a resize that copies the
+whole pool (or needs old + new storage at once) costs seconds and, on a GPU, fails exactly when memory is
+tight. Two ways to hold the tensors:
+
+- ``ReservedKVStore`` (CPU): one virtual address range reserved for the largest pool the machine could
+  ever give, with no memory behind it. Each layer's K and V own a fixed, 2 MiB-aligned region of it, so
+  a layer's cache is always one contiguous tensor starting at the same address. Growing commits the pages
+  of the new blocks (``MADV_POPULATE_WRITE``, or writing zeros); shrinking hands the tail's pages back to
+  the kernel (``MADV_DONTNEED``). Nothing is copied, nothing is allocated twice, and the cost is
+  proportional to the bytes that change. Live blocks above a new end are moved by the caller first
+  (compaction), one block at a time.
+- ``CopyKVStore`` (CUDA, and any device without the above): one tensor per pool size. A resize copies
+  the blocks that stay into a new tensor, so growth is capped to what fits beside the existing storage;
+  an allocation failure raises ``KVStoreGrowError`` and leaves the store as it was.
+
+A block-size change re-chunks every token, so it is done only when no request holds KV (then the same
+bytes are simply read with another block size; no copy either way). The host swap tier is a store too.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+# Regions start on 2 MiB boundaries. Transparent huge pages are not requested: they would commit memory in
+# 2 MiB steps per layer region (120 MiB for a 30-layer model's smallest pool) and blur the footprint that
+# co-tenants read; 4 KiB pages commit at about 0.25 s per GiB here, well within a growth step.
+HUGE_PAGE = 2 * 2**20
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux value; the reservation costs no commit charge
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+
+
+class KVStoreGrowError(RuntimeError):
+    """Growing the pool failed (out of memory, or beyond the reservation); the store is unchanged."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of one token's KV: what every store, the runner and the pool's arithmetic share."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token in one layer's K (or V)."""
+        return self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of one block across every layer's K and V."""
+        return 2 * self.num_layers * block_size * self.token_bytes
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _round_down(n: int, to: int) -> int:
+    return n // to * to
+
+
+class KVStore(ABC):
+    """Per-layer K and V, each ``[num_blocks, block_size, num_kv_heads, head_dim]`` and contiguous."""
+
+    def __init__(self, layout: KVLayout, device: torch.device, block_size: int) -> None:
+        self.layout = layout
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = 0
+        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def bytes_per_block(self, block_size: int | None = None) -> int:
+        return self.layout.block_bytes(block_size or self.block_size)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block()
+
+    @abstractmethod
+    def resize(self, num_blocks: int) -> None:
+        """Make blocks 0..num_blocks-1 addressable; blocks below min(old, new) keep their KV."""
+
+    @abstractmethod
+    def reshape_blocks(self, new_block_size: int) -> int:
+        """Read the pool with another block size; only while no block holds live KV. Returns the new
+        block count (the same bytes, or fewer)."""
+
+    @abstractmethod
+    def max_blocks_within(self, spare_bytes: int) -> int:
+        """The largest pool size a resize can reach when ``spare_bytes`` more memory may be taken."""
+
+    def copy_blocks(self, moves: list[tuple[int, int]]) -> None:
+        """Copy the KV of block ``src`` to block ``dst`` for each (src, dst): compaction's only copy."""
+        if not moves:
+            return
+        src = torch.tensor([m[0] for m in moves], dtype=torch.long, device=self.device)
+        dst = torch.tensor([m[1] for m in moves], dtype=torch.long, device=self.device)
+        for k, v in self.caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
+    def fill_slots(self, slots: torch.Tensor, value: float = 0.0) -> None:
+        """Set the token slots ``block_id * block_size + offset`` of every layer's K and V to ``value``."""
+        hd = (self.layout.num_kv_heads, self.layout.head_dim)
+        for k, v in self.caches:
+            k.view(-1, *hd).index_fill_(0, slots, value)
+            v.view(-1, *hd).index_fill_(0, slots, value)
+
+
+def copy_between(src: KVStore, dst: KVStore, pairs: list[tuple[int, int]]) -> None:
+    """Copy blocks ``(src block, dst block)`` from one store to another (the swap tier's moves)."""
+    if not pairs:
+        return
+    s = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+    d = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+    s_src, d_dst = s.to(src.device), d.to(dst.device)
+    for (k, v), (dk, dv) in zip(src.caches, dst.caches, strict=True):
+        dk.index_copy_(0, d_dst, k.index_select(0, s_src).to(dst.device, non_blocking=True))
+        dv.index_copy_(0, d_dst, v.index_select(0, s_src).to(dst.device, non_blocking=True))
+
+
+class ReservedKVStore(KVStore):
+    """CPU pool over one reserved address range: resizes commit or release pages, never copy."""
+
+    def __init__(self, layout: KVLayout, block_size: int, num_blocks: int, reserve_bytes: int,
+                 populate: bool = True) -> None:
+        """``reserve_bytes``: the largest pool ever (virtual only); ``populate``: commit the pages of new
+        blocks at once (an honest footprint for neighbours reading the cgroup) instead of on first write."""
+        super().__init__(layout, torch.device("cpu"), block_size)
+        regions = 2 * layout.num_layers
+        self.region_bytes = _round_up(max(1, math.ceil(reserve_bytes / regions)), HUGE_PAGE)
+        self.populate = populate
+        self._map = mmap.mmap(-1, regions * self.region_bytes,
+                              flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+        self._can_populate = True
+        raw = torch.frombuffer(self._map, dtype=torch.uint8).view(regions, self.region_bytes)
+        elem = raw.new_empty((), dtype=layout.dtype).element_size()
+        self._regions = raw[:, :_round_down(self.region_bytes, elem)].view(layout.dtype)
+        self.capacity_tokens = self.region_bytes // layout.token_bytes
+        self.resize(num_blocks)
+
+    @classmethod
+    def try_create(cls, layout: KVLayout, block_size: int, num_blocks: int, reserve_bytes: int,
+                   populate: bool = True) -> ReservedKVStore | None:
+        """A reservation of ``reserve_bytes``, halved until the kernel grants one that still holds
+        ``num_blocks`` (strict overcommit or an address-space limit may refuse a large one)."""
+        need = num_blocks * layout.block_bytes(block_size)
+        size = max(reserve_bytes, need)
+        while True:
+            try:
+                return cls(layout, block_size, num_blocks, size, populate)
+            except (OSError, ValueError, OverflowError) as exc:
+                if size // 2 < need or size // 2 < HUGE_PAGE:
+                    logger.warning("could not reserve %.2f GiB of address space for the KV cache (%s); "
+                                   "resizes will copy", size / 2**30, exc)
+                    return None
+                size //= 2
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.capacity_tokens // self.block_size
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes of the pool's pages that are (or may be) resident: every region up to the pool's end."""
+        return 2 * self.layout.num_layers * _round_up(self._end_bytes(self.num_blocks), PAGE)
+
+    def _end_bytes(self, num_blocks: int) -> int:
+        return num_blocks * self.block_size * self.layout.token_bytes
+
+    def _build_views(self) -> None:
+        n, bs, L = self.num_blocks, self.block_size, self.layout
+        tokens = n * bs
+        shape = (n, bs, L.num_kv_heads, L.head_dim)
+        elems = tokens * L.num_kv_heads * L.head_dim
+        r = self._regions
+        self.caches = [(r[2 * i, :elems].view(shape), r[2 * i + 1, :elems].view(shape))
+                       for i in range(L.num_layers)]
+
+    def _commit(self, lo: int, hi: int) -> None:
+        """Make bytes [lo, hi) of every region resident (zero pages)."""
+        start, end = _round_down(lo, PAGE), _round_up(hi, PAGE)
+        if end <= start:
+            return
+        for i in range(2 * self.layout.num_layers):
+            base = i * self.region_bytes
+            if self._can_populate:
+                try:
+                    self._map.madvise(MADV_POPULATE_WRITE, base + start, end - start)
+                    continue
+                except OSError as exc:
+                    if exc.errno == 12:  # ENOMEM
+                        raise KVStoreGrowError(f"out of memory committing KV pages: {exc}") from exc
+                    self._can_populate = False  # kernel without MADV_POPULATE_WRITE: write zeros instead
+            # Fresh or released pages read as zeros already; writing them commits them.
+            elem = self._regions.element_size()
+            self._regions[i, lo // elem:hi // elem].zero_()
+
+    def _release(self, lo: int, hi: int) -> None:
+        """Give the pages wholly inside bytes [lo, hi) of every region back to the kernel."""
+        start, end = _round_up(lo, PAGE), _round_up(hi, PAGE)
+        if end <= start:
+            return
+        for i in range(2 * self.layout.num_layers):
+            self._map.madvise(mmap.MADV_DONTNEED, i * self.region_bytes + start, end - start)
+
+    def resize(self, num_blocks: int) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}.")
+        if num_blocks > self.capacity_blocks:
+            raise KVStoreGrowError(f"{num_blocks} blocks exceed the reservation of {self.capacity_blocks}")
+        old_end, new_end = self._end_bytes(self.num_blocks), self._end_bytes(num_blocks)
+        if new_end > old_end and self.populate:
+            self._commit(old_end, new_end)
+        elif new_end < old_end:
+            self._release(new_end, old_end)
+        self.num_blocks = num_blocks
+        self._build_views()
+
+    def release_all(self) -> None:
+        """Hand every page back while keeping the size (a swap tier nobody uses)."""
+        self._release(0, self._end_bytes(self.num_blocks))
+
+    def reshape_blocks(self, new_block_size: int) -> int:
+        tokens = self.num_blocks * self.block_size
+        new_num = max(1, tokens // new_block_size)
+        if new_num * new_block_size > self.capacity_tokens:
+            raise KVStoreGrowError(f"block size {new_block_size} does not fit the reservation")
+        old_end = self._end_bytes(self.num_blocks)
+        self.block_size = new_block_size
+        new_end = self._end_bytes(new_num)
+        if new_end < old_end:
+            self._release(new_end, old_end)
+        elif new_end > old_end and self.populate:
+            self._commit(old_end, new_end)
+        self.num_blocks = new_num
+        self._build_views()
+        return new_num
+
+    def max_blocks_within(self, spare_bytes: int) -> int:
+        return min(self.capacity_blocks, self.num_blocks + max(0, spare_bytes) // self.bytes_per_block())
+
+    def fill_slots(self, slots: torch.Tensor, value: float = 0.0) -> None:
+        """One call for every layer: the regions read as [2 * layers, tokens, heads * dim]."""
+        L = self.layout
+        width = L.num_kv_heads * L.head_dim
+        tokens = self.num_blocks * self.block_size
+        self._regions[:, :tokens * width].view(2 * L.num_layers, tokens, width).index_fill_(1, slots, value)
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    return (oom is not None and isinstance(exc, oom)) or isinstance(exc, MemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
+
+
+def release_freed_memory(device: torch.device) -> None:
+    """Hand freed memory back: CUDA's caching allocator, or glibc's heap on CPU."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class CopyKVStore(KVStore):
+    """One tensor per pool size: resizes copy the kept blocks into a new tensor (see the module doc)."""
+
+    def __init__(self, layout: KVLayout, device: torch.device, block_size: int, num_blocks: int,
+                 zero: bool = False, pin_memory: bool = False) -> None:
+        super().__init__(layout, device, block_size)
+        self.zero = zero
+        self.pin_memory = pin_memory
+        self.storage: torch.Tensor | None = None
+        self.storage = self._allocate(num_blocks, block_size)
+        self.num_blocks = num_blocks
+        self._build_views()
+
+    def _allocate(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        L = self.layout
+        shape = (L.num_layers, 2, num_blocks, block_size, L.num_kv_heads, L.head_dim)
+        try:
+            if self.pin_memory:
+                return torch.zeros(shape, dtype=L.dtype, pin_memory=True)
+            alloc = torch.zeros if self.zero else torch.empty
+            return alloc(shape, dtype=L.dtype, device=self.device)
+        except Exception as exc:
+            if _is_out_of_memory(exc):
+                raise KVStoreGrowError(f"out of memory allocating {num_blocks} KV blocks: {exc}") from exc
+            raise
+
+    def _build_views(self) -> None:
+        s = self.storage
+        self.caches = [(s[i, 0], s[i, 1]) for i in range(self.layout.num_layers)]
+
+    def resize(self, num_blocks: int) -> None:
+        if num_blocks == self.num_blocks:
+            return
+        new = self._allocate(num_blocks, self.block_size)  # raises KVStoreGrowError, store unchanged
+        keep = min(num_blocks, self.num_blocks)
+        new[:, :, :keep].copy_(self.storage[:, :, :keep])
+        self.caches = []
+        self.storage = new
+        self.num_blocks = num_blocks
+        self._build_views()
+        release_freed_memory(self.device)
+
+    def reshape_blocks(self, new_block_size: int) -> int:
+        tokens = self.num_blocks * self.block_size
+        new_num = max(1, tokens // new_block_size)
+        L = self.layout
+        if new_num * new_block_size == tokens:  # same bytes, read in other chunks
+            self.storage = self.storage.view(L.num_layers, 2, new_num, new_block_size, L.num_kv_heads,
+                                             L.head_dim)
+        else:  # nothing live: free first, then allocate (never old + new at once)
+            self.caches, self.storage = [], None
+            release_freed_memory(self.device)
+            self.storage = self._allocate(new_num, new_block_size)
+        self.block_size = new_block_size
+        self.num_blocks = new_num
+        self._build_views()
+        return new_num
+
+    def max_blocks_within(self, spare_bytes: int) -> int:
+        # The new tensor is allocated while the old one still exists: it must fit beside it.
+        return max(self.num_blocks, max(0, spare_bytes) // self.bytes_per_block())
+
+    def fill_slots(self, slots: torch.Tensor, value: float = 0.0) -> None:
+        s = self.storage
+        s.view(*s.shape[:2], -1, *s.shape[4:]).index_fill_(2, slots, value)
+
+
+def create_kv_store(layout: KVLayout, device: torch.device, block_size: int, num_blocks: int,
+                    reserve_bytes: int, static: bool) -> KVStore:
+    """The device's pool: a reserved range on CPU (zero-copy resizes), a copying tensor elsewhere.
+
+    ``reserve_bytes`` is the largest the pool may ever grow to; ``static`` pools commit everything now.
+    """
+    if device.type == "cpu":
+        store = ReservedKVStore.try_create(layout, block_size, num_blocks, reserve_bytes)
+        if store is not None:
+            return store
+    return CopyKVStore(layout, device, block_size, num_blocks, zero=static)
+
+
+def create_swap_store(layout: KVLayout, device: torch.device, block_size: int, num_blocks: int) -> KVStore:
+    """The host-side tier for swap preemption: committed only where written, handed back when empty
+    (CPU); pinned host memory for asynchronous copies when the pool is on a GPU."""
+    if device.type == "cpu":
+        store = ReservedKVStore.try_create(layout, block_size, num_blocks,
+                                           num_blocks * layout.block_bytes(block_size), populate=False)
+        if store is not None:
+            return store
+    return CopyKVStore(layout, torch.device("cpu"), block_size, num_blocks, pin_memory=device.type == "cuda")
