@@ -30,7 +30,8 @@ def test_engine_snapshot_is_exported_under_vllm_names():
                         prefix_cache_queries=100, prefix_cache_hits=40, fragmentation_ratio=0.07,
                         kv_cache_pool_bytes=2048, kv_cache_pool_blocks=8, kv_cache_block_size=16,
                         kv_cache_budget_bytes=4096, memory_utilization=0.25, prompt_tokens=70,
-                        generation_tokens=30)
+                        generation_tokens=30, kv_cache_used_blocks=4, kv_cache_cached_blocks=3,
+                        kv_cache_resizes=6, kv_cache_grow_failures=1, num_swap_ins=2)
     m = ServerMetrics()
     m.attach_engine("tiny", lambda: stats, {"block_size": "16"})
     v = samples(m)
@@ -39,18 +40,24 @@ def test_engine_snapshot_is_exported_under_vllm_names():
                 "vllm:prefix_cache_hits_total": 40, "vllm:fragmentation_ratio": 0.07,
                 "vllm:kv_cache_pool_bytes": 2048, "vllm:kv_cache_budget_bytes": 4096,
                 "vllm:memory_utilization": 0.25, "vllm:prompt_tokens_total": 70,
-                "vllm:generation_tokens_total": 30, "vllm:kv_cache_block_size_count": 1,
-                "vllm:kv_cache_block_size_sum": 16, "vllm:cache_config_info": 1}
+                "vllm:generation_tokens_total": 30, "vllm:kv_cache_block_size": 16,
+                "vllm:kv_cache_block_size_choices_count": 1, "vllm:kv_cache_block_size_choices_sum": 16,
+                "vllm:kv_cache_used_blocks": 4, "vllm:kv_cache_cached_blocks": 3,
+                "vllm:kv_cache_resizes_total": 6, "vllm:kv_cache_grow_failures_total": 1,
+                "vllm:num_swap_ins_total": 2, "vllm:cache_config_info": 1}
     for name, want in expected.items():
         assert value(v, name, model_name="tiny") == want, name
     for reason in ("stop", "length", "abort"):  # present from the start, so rate() has a baseline
         assert (("vllm:request_success_total", (("finished_reason", reason), ("model_name", "tiny")))) in v
-    # A new block size is one more observation; the same size again is not.
+    # A new block size is one more observation; the same size again is not. The gauge shows the current one.
     stats.kv_cache_block_size = 32
     m.on_engine_stats(stats)
     m.on_engine_stats(stats)
     v = samples(m)
-    assert value(v, "vllm:kv_cache_block_size_count") == 2 and value(v, "vllm:kv_cache_block_size_sum") == 48
+    assert value(v, "vllm:kv_cache_block_size_choices_count") == 2
+    assert value(v, "vllm:kv_cache_block_size_choices_sum") == 48
+    assert value(v, "vllm:kv_cache_block_size", model_name="tiny") == 32
+    assert value(v, "process_resident_memory_bytes") > 0
 
 
 def test_each_app_has_its_own_registry():

@@ -319,7 +319,7 @@ def test_metrics_parse_and_move(client, http, model):
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
                  "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
                  "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
-                 "vllm:fragmentation_ratio", "vllm:kv_cache_block_size_count", "vllm:kv_cache_pool_bytes",
+                 "vllm:fragmentation_ratio", "vllm:kv_cache_block_size", "vllm:kv_cache_pool_bytes",
                  "vllm:kv_cache_budget_bytes", "vllm:memory_utilization", "http_requests_total"):
         assert name in names, name
     assert all(dict(labels).get("model_name") == model for n, labels in after if n.startswith("vllm:"))

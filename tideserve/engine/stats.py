@@ -22,6 +22,11 @@ class EngineStats:
     kv_cache_pool_blocks: int = 0
     kv_cache_block_size: int = 0
     kv_cache_budget_bytes: int = 0
+    kv_cache_used_blocks: int = 0  # blocks held by requests
+    kv_cache_cached_blocks: int = 0  # free blocks still holding a cached prefix
+    kv_cache_resizes: int = 0  # counter: pool grows and shrinks
+    kv_cache_grow_failures: int = 0  # counter: growths refused by the device (out of memory)
+    num_swap_ins: int = 0  # counter: preempted requests resumed by copying their KV back
     swap_pool_usage: float = 0.0  # 0..1
     memory_utilization: float = 0.0  # process (CPU) or device (CUDA) memory in use / available, 0..1
     prompt_tokens: int = 0  # counter: prompt tokens of admitted requests

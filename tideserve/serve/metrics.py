@@ -13,7 +13,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -39,7 +46,12 @@ _GAUGES = (
      "fragmentation_ratio", 1),
     ("vllm:kv_cache_pool_bytes", "Bytes of the KV cache pool now.", "kv_cache_pool_bytes", 1),
     ("vllm:kv_cache_pool_blocks", "Blocks in the KV cache pool now.", "kv_cache_pool_blocks", 1),
-    ("vllm:kv_cache_budget_bytes", "Bytes the KV cache pool may grow to.", "kv_cache_budget_bytes", 1),
+    ("vllm:kv_cache_budget_bytes", "Bytes the KV cache pool may grow to now (re-read from the machine).",
+     "kv_cache_budget_bytes", 1),
+    ("vllm:kv_cache_block_size", "KV cache block size now, in tokens.", "kv_cache_block_size", 1),
+    ("vllm:kv_cache_used_blocks", "KV cache blocks held by requests.", "kv_cache_used_blocks", 1),
+    ("vllm:kv_cache_cached_blocks", "Free KV cache blocks still holding a cached prefix.",
+     "kv_cache_cached_blocks", 1),
     ("vllm:kv_cache_swap_usage_perc", "Usage of the host swap tier (1 means 100 percent).",
      "swap_pool_usage", 1),
     ("vllm:memory_utilization", "Device (CUDA) or process (CPU) memory in use over memory available.",
@@ -48,6 +60,11 @@ _GAUGES = (
 # (name without _total, help, EngineStats field) of the counters read from the snapshot.
 _COUNTERS = (
     ("vllm:num_preemptions", "Cumulative number of preemptions.", "num_preemptions"),
+    ("vllm:num_swap_ins", "Preempted requests resumed by copying their KV back from the host tier.",
+     "num_swap_ins"),
+    ("vllm:kv_cache_resizes", "Elastic pool grows and shrinks.", "kv_cache_resizes"),
+    ("vllm:kv_cache_grow_failures", "Pool growths the device refused (out of memory); the pool backed off.",
+     "kv_cache_grow_failures"),
     ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
     ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
     ("vllm:prompt_tokens", "Number of prefill tokens processed (prompt tokens of admitted requests).",
@@ -104,9 +121,11 @@ class ServerMetrics:
                                     labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                        ["model_name", "finished_reason"], registry=r)
-        self.block_size = Histogram("vllm:kv_cache_block_size",
-                                    "KV cache block sizes chosen (one observation per choice).",
+        self.block_size = Histogram("vllm:kv_cache_block_size_choices",
+                                    "KV cache block sizes chosen (one observation per choice); the current "
+                                    "size is the gauge vllm:kv_cache_block_size.",
                                     labels, buckets=_BLOCK_SIZE_BUCKETS, registry=r)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes: the footprint the pool's moves show in
         self._last_block_size = 0
 
     def attach_engine(self, model_name: str, stats: Callable[[], EngineStats],
