@@ -342,6 +342,25 @@ def test_failed_growth_backs_off_and_the_engine_keeps_serving(reference, monkeyp
     engine.kv_manager.check_invariants()
 
 
+def test_failed_shrink_changes_nothing(reference, monkeypatch):
+    """The copying store needs a new (smaller) tensor to shrink; if even that fails the pool stays whole."""
+    from tideserve.worker.kv_store import KVStoreGrowError
+
+    llm = LLM(dtype="float32", max_model_len=512, enable_prefix_caching=False)
+    engine = llm.engine
+    assert engine.pool._resize(200, "test")
+
+    def failing_resize(num_blocks):
+        raise KVStoreGrowError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(engine.runner.kv_store, "resize", failing_resize)
+    engine.pool.shrink(50, "test")
+    assert engine.kv_manager.num_blocks == engine.runner.num_blocks == 200
+    engine.kv_manager.check_invariants()
+    monkeypatch.undo()
+    assert token_lists(llm.generate(chats(llm), GREEDY)) == reference
+
+
 def test_idle_pool_keeps_the_shared_prefix_and_little_else():
     """After a burst whose requests share a system prompt, the idle pool holds the prefixes that were
     hit plus the floor, and the next request still finds the system prompt cached."""

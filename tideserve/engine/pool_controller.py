@@ -114,21 +114,24 @@ class PoolController:
         if target == before:
             return False
         start = time.perf_counter()
-        if target > before:
-            try:
-                self.runner.resize(target)
-            except KVStoreGrowError as exc:
-                self.num_grow_failures += 1
-                backoff = self.policy.config.grow_backoff_s if self.policy else 0.0
-                self._grow_blocked_until = self.clock() + backoff
-                logger.warning("KV pool growth %d -> %d blocks failed (%s); staying at %d blocks, no growth "
-                               "for %.0f s (requests wait or are preempted instead)", before, target, exc,
-                               before, backoff)
+        try:  # the store first: when it cannot get the memory, nothing has changed yet
+            self.runner.resize(target)
+        except KVStoreGrowError as exc:
+            if target < before:  # the copying store needs a (smaller) new tensor to shrink
+                logger.warning("KV pool shrink %d -> %d blocks failed (%s); staying at %d blocks", before,
+                               target, exc, before)
                 return False
+            self.num_grow_failures += 1
+            backoff = self.policy.config.grow_backoff_s if self.policy else 0.0
+            self._grow_blocked_until = self.clock() + backoff
+            logger.warning("KV pool growth %d -> %d blocks failed (%s); staying at %d blocks, no growth "
+                           "for %.0f s (requests wait or are preempted instead)", before, target, exc,
+                           before, backoff)
+            return False
+        if target > before:
             self.kv.grow(target - before)
         else:
             self.kv.shrink_to(target)
-            self.runner.resize(target)
         elapsed = time.perf_counter() - start
         self.resize_seconds += elapsed
         self.num_resizes += 1
