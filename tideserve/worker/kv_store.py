@@ -126,9 +126,12 @@ def copy_between(src: KVStore, dst: KVStore, pairs: list[tuple[int, int]]) -> No
     s = torch.tensor([p[0] for p in pairs], dtype=torch.long)
     d = torch.tensor([p[1] for p in pairs], dtype=torch.long)
     s_src, d_dst = s.to(src.device), d.to(dst.device)
+    # Host to GPU may overlap (the device consumes the copy in stream order); to the host it must not,
+    # since the host reads the result at once.
+    overlap = dst.device.type == "cuda"
     for (k, v), (dk, dv) in zip(src.caches, dst.caches, strict=True):
-        dk.index_copy_(0, d_dst, k.index_select(0, s_src).to(dst.device, non_blocking=True))
-        dv.index_copy_(0, d_dst, v.index_select(0, s_src).to(dst.device, non_blocking=True))
+        dk.index_copy_(0, d_dst, k.index_select(0, s_src).to(dst.device, non_blocking=overlap))
+        dv.index_copy_(0, d_dst, v.index_select(0, s_src).to(dst.device, non_blocking=overlap))
 
 
 class ReservedKVStore(KVStore):
@@ -296,9 +299,9 @@ class CopyKVStore(KVStore):
         L = self.layout
         shape = (L.num_layers, 2, num_blocks, block_size, L.num_kv_heads, L.head_dim)
         try:
-            if self.pin_memory:
-                return torch.zeros(shape, dtype=L.dtype, pin_memory=True)
             alloc = torch.zeros if self.zero else torch.empty
+            if self.pin_memory:
+                return alloc(shape, dtype=L.dtype, pin_memory=True)
             return alloc(shape, dtype=L.dtype, device=self.device)
         except Exception as exc:
             if _is_out_of_memory(exc):
