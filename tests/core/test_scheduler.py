@@ -164,3 +164,18 @@ def test_abort_waiting_and_running():
     assert [r.request_id for r in s.running] == ["b"]
     assert not s.waiting
     assert s.schedule().finished_ids == ["a", "c"]
+
+
+def test_a_preempted_request_resumes_only_with_room_for_the_running_ones():
+    """Resumed into a pool with no free block left, it would be preempted again at the next block the
+    running requests need: it waits for one free block per running request."""
+    s = make(num_blocks=4, block=4, budget=100)
+    s.add_request(req("a", 5))
+    step(s)  # a holds 2 blocks (room for 8 tokens), 2 are free
+    fresh, resumed = req("fresh", 7), req("resumed", 7)
+    resumed.num_preemptions = 1
+    s.add_request(resumed)
+    assert "resumed" not in step(s).num_scheduled_tokens  # 2 blocks would fit, but leave none for a
+    s.waiting.clear()
+    s.add_request(fresh)
+    assert step(s).num_scheduled_tokens == {"a": 1, "fresh": 7}  # a new request is admitted as before

@@ -10,6 +10,7 @@ its KV is copied to the host tier and copied back when it resumes. Plain Python 
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
@@ -80,7 +81,11 @@ class Scheduler:
         self.kv = kv_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
+        # Kept in arrival order, so the newest arrival is preempted first: a request resumed after a
+        # preemption (older than the ones that arrived while it waited) is not the next victim again.
         self.running: list[Request] = []
+        self._arrival: dict[str, int] = {}
+        self._next_arrival = 0
         self.requests: dict[str, Request] = {}
         self._finished_since_step: list[str] = []
         self._preempted_since_step: list[str] = []
@@ -95,6 +100,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use.")
         self.requests[request.request_id] = request
+        self._arrival[request.request_id] = self._next_arrival
+        self._next_arrival += 1
         self.waiting.append(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
@@ -102,6 +109,7 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self._arrival.pop(request_id, None)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -168,6 +176,19 @@ class Scheduler:
             self.requests[request_id].num_computed_tokens += num
         return out
 
+    def _add_running(self, request: Request) -> None:
+        bisect.insort(self.running, request, key=lambda r: self._arrival[r.request_id])
+
+    def _room_to_resume(self, request: Request, num_computed: int, num_new: int, hit_blocks=()) -> bool:
+        """A preempted request resumes only when one free block per running request remains after it
+        (growing the pool for that if it can): resumed into a pool with no room, it would be the newest
+        request again when the running ones need their next blocks, and be preempted at once."""
+        if request.num_preemptions == 0 or not self.running:
+            return True
+        short = self.kv.num_blocks_short(request.request_id, num_computed, num_new, hit_blocks,
+                                         reserve=len(self.running))
+        return short == 0 or self._grow(short)
+
     def _grow(self, num_short: int) -> bool:
         return num_short > 0 and self.on_out_of_blocks is not None and self.on_out_of_blocks(num_short)
 
@@ -190,6 +211,8 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break  # the whole prompt fits a later step (max_num_batched_tokens >= max_model_len)
                 num_new = budget
+            if not self._room_to_resume(request, 0, num_new, hit_blocks):
+                break
             new_ids = self.kv.allocate_slots(request.request_id, token_ids, 0, num_new, hit_blocks)
             if new_ids is None and self._grow(self.kv.num_blocks_short(request.request_id, 0, num_new,
                                                                         hit_blocks)):
@@ -203,7 +226,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit
-            self.running.append(request)
+            self._add_running(request)
             out.new_requests.append(NewRequestData(
                 request.request_id, token_ids, request.num_prompt_tokens, request.sampling_params,
                 request.generator, request.eos_token_id, new_ids, num_hit))
@@ -221,6 +244,8 @@ class Scheduler:
             if not self.config.enable_chunked_prefill:
                 return None
             num_new = budget
+        if not self._room_to_resume(request, saved, num_new):
+            return None
         result = self.kv.swap_in(request.request_id, token_ids, saved, num_new)
         if result is None and self._grow(self.kv.num_blocks_short(request.request_id, saved, num_new)):
             result = self.kv.swap_in(request.request_id, token_ids, saved, num_new)
@@ -229,7 +254,7 @@ class Scheduler:
         block_ids, pairs = result
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        self._add_running(request)
         self.num_swap_ins += 1
         out.swap_in.extend(pairs)
         out.new_requests.append(NewRequestData(
@@ -290,6 +315,7 @@ class Scheduler:
             if request.is_finished or request.check_stop_token():
                 self.running.remove(request)
                 del self.requests[request_id]
+                self._arrival.pop(request_id, None)
                 self._release(request)
             updated.append(request)
         return updated

@@ -209,7 +209,7 @@ class PoolController:
 
     def _cache_to_keep(self, idle: bool) -> int:
         """Cached-prefix blocks an idle pool keeps: every one that was hit, and the newest unhit ones
-        up to ``idle_unhit_cache_bytes``."""
+        up to ``idle_unhit_cache_bytes`` (the reserve's free blocks hold more of them)."""
         if not idle:
             return 0
         pool = self.kv.pool

@@ -27,10 +27,11 @@ def test_account_budget():
 
 def test_grow_bounded_by_budget_and_machine():
     policy = ElasticPolicy(ElasticConfig(), min_blocks=10, max_blocks=30)
-    assert policy.grow_target(20, 10, 0, affordable=100) is None  # under the high watermark
-    assert policy.grow_target(20, 18, 0, affordable=100) == 30  # 1.5x, capped by the budget
-    assert policy.grow_target(20, 20, 1, affordable=3) == 23  # the machine affords 3 more
-    assert policy.grow_target(30, 30, 1, affordable=100) is None  # at the budget: preempt instead
+    assert policy.grow_target(20, 10, 0, reachable=100) is None  # under the high watermark
+    assert policy.grow_target(20, 18, 0, reachable=100) == 30  # 1.5x, capped by the budget
+    assert policy.grow_target(20, 20, 1, reachable=23) == 23  # the machine allows 3 more
+    assert policy.grow_target(30, 30, 1, reachable=100) is None  # at the budget: preempt instead
+    assert policy.grow_target(20, 20, 1, reachable=lambda: 18) is None  # a neighbour took the rest
 
 
 def test_shrink_only_after_staying_low():
@@ -40,6 +41,24 @@ def test_shrink_only_after_staying_low():
     assert policy.shrink_target(100, 50, now=4.5) is None  # usage rose: timer reset
     assert policy.shrink_target(100, 5, now=5.0) is None
     assert policy.shrink_target(100, 5, now=10.5) == 10  # floor: min_blocks
+
+
+def test_idle_pool_shrinks_to_its_reserve_or_its_kept_cache():
+    policy = ElasticPolicy(ElasticConfig(shrink_delay_s=1), min_blocks=10, max_blocks=1000)
+    assert policy.shrink_target(100, 0, now=0.0, idle=True, num_cache_kept=4) is None
+    assert policy.shrink_target(100, 0, now=1.5, idle=True, num_cache_kept=4) == 10  # cache fits the reserve
+    assert policy.shrink_target(100, 0, now=0.0, idle=True, num_cache_kept=30) is None
+    assert policy.shrink_target(100, 0, now=1.5, idle=True, num_cache_kept=30) == 30
+
+
+def test_a_burst_after_a_long_idle_period_is_not_shrunk_at_once():
+    """Idle at its floor for a minute, then a burst: the idle minute must not count as low usage."""
+    policy = ElasticPolicy(ElasticConfig(shrink_delay_s=5), min_blocks=10, max_blocks=1000)
+    for t in range(0, 60):
+        assert policy.shrink_target(10, 0, now=float(t), idle=True) is None  # already at the floor
+    assert policy.shrink_target(120, 2, now=60.5) is None  # the burst grew the pool; usage still low
+    assert policy.shrink_target(120, 2, now=64.0) is None
+    assert policy.shrink_target(120, 2, now=66.0) == 10  # low for 5 s of its own
 
 
 def test_compaction_after_fragmentation_persists():

@@ -63,10 +63,10 @@ class ElasticConfig:
     pressure_check_interval_s: float = 1.0  # how often the machine's free memory is read
     margin_floor_bytes: int = MARGIN_FLOOR  # the safety margin is never smaller than this
     idle_reserve_bytes: int = 16 * 2**20  # the pool's floor: what an idle engine keeps beyond its cache
-    # An idle pool keeps every cached prefix that was hit, and at most this many bytes of the most recent
-    # ones not hit yet (the last turns of conversations that may continue) beyond what fills its reserve
-    # (free blocks hold cached prefixes until reused); the rest is given back.
-    idle_unhit_cache_bytes: int = 64 * 2**20
+    # An idle pool keeps every cached prefix that was hit. Its reserve's free blocks hold the most recent
+    # ones not hit yet (the last turns of conversations that may continue), and this many bytes more may
+    # be kept for them; the rest is given back.
+    idle_unhit_cache_bytes: int = 0
     grow_backoff_s: float = 5.0  # after a failed growth (out of memory), wait this long before retrying
 
     def __post_init__(self) -> None:
@@ -86,22 +86,24 @@ class ElasticPolicy:
     min_blocks: int  # the floor: a small reserve, kept even when idle
     max_blocks: int  # the budget, in blocks: re-read from the machine while the engine runs
     _low_since: float | None = None
+    _low_idle: bool = False  # whether _low_since counts an idle period
     _fragmented_since: float | None = None
 
     def grow_target(self, num_blocks: int, num_used: int, extra_needed: int,
-                    affordable: int | Callable[[], int]) -> int | None:
+                    reachable: int | Callable[[], int]) -> int | None:
         """New pool size when usage crosses the high watermark, or when an allocation needs
-        ``extra_needed`` more blocks; bounded by the budget and by what the machine affords now.
-        ``affordable`` may be a function, called only when growing is on the table: asking the machine
-        reads files under /proc, which costs more than a whole decode step's bookkeeping."""
+        ``extra_needed`` more blocks; bounded by the budget and by ``reachable``, the largest pool the
+        machine allows now (a pool size, not an increment). ``reachable`` may be a function, called only
+        when growing is on the table: asking the machine reads files, which costs more than a whole
+        decode step's bookkeeping."""
         want = num_used + extra_needed
         if extra_needed == 0 and want <= num_blocks * self.config.high_watermark:
             return None
         target = max(math.ceil(num_blocks * self.config.grow_factor),
                      math.ceil(want / self.config.high_watermark))
-        if callable(affordable):
-            affordable = affordable()
-        target = min(target, self.max_blocks, num_blocks + max(0, affordable))
+        if callable(reachable):
+            reachable = reachable()
+        target = min(target, self.max_blocks, reachable)
         return target if target > num_blocks else None
 
     def shrink_target(self, num_blocks: int, num_used: int, now: float, idle: bool = False,
@@ -109,23 +111,27 @@ class ElasticPolicy:
         """New (smaller) pool size once usage has stayed under the low watermark for shrink_delay_s.
 
         Busy: the live blocks end up filling ``shrink_target_usage`` of the pool. Idle (nothing running
-        or waiting): the floor plus the ``num_cache_kept`` cached-prefix blocks worth keeping.
+        or waiting): the floor's reserve, which free blocks holding cached prefixes may fill, or the
+        ``num_cache_kept`` cached-prefix blocks worth keeping when they are more.
+        The clock restarts when the engine turns from idle to busy or back, and whenever the pool is
+        already as small as it should be, so a burst that follows an idle period is not shrunk at once
+        for the idle period's low usage.
         """
-        if num_used >= num_blocks * self.config.low_watermark:
+        if num_used >= num_blocks * self.config.low_watermark or idle != self._low_idle:
             self._low_since = None
-            return None
+            self._low_idle = idle
+            if num_used >= num_blocks * self.config.low_watermark:
+                return None
         if self._low_since is None:
             self._low_since = now
         if now - self._low_since < self.config.shrink_delay_s:
             return None
         if idle:
-            target = self.min_blocks + num_used + num_cache_kept
+            target = num_used + max(self.min_blocks, num_cache_kept)
         else:
             target = max(self.min_blocks, math.ceil(num_used / self.config.shrink_target_usage))
-        if target >= num_blocks:
-            return None
-        self._low_since = None
-        return target
+        self._low_since = now if target >= num_blocks else None
+        return target if target < num_blocks else None
 
     def should_compact(self, fragmentation: float, now: float) -> bool:
         if fragmentation <= self.config.fragmentation_threshold:

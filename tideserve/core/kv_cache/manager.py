@@ -181,13 +181,14 @@ class KVCacheManager:
         return [b.block_id for b in new_computed_blocks] + [b.block_id for b in new_blocks]
 
     def num_blocks_short(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
-                         new_computed_blocks: Sequence[KVBlock] = ()) -> int:
-        """How many more free blocks ``allocate_slots`` with these arguments would need (0: it fits)."""
+                         new_computed_blocks: Sequence[KVBlock] = (), reserve: int = 0) -> int:
+        """How many more free blocks ``allocate_slots`` with these arguments would need to leave
+        ``reserve`` blocks free afterwards (0: it fits)."""
         table = self.req_blocks.get(request_id, ())
         total = num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
         need = max(0, self.blocks_needed(total) - len(table) - len(new_computed_blocks))
         need += sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        return max(0, need - self.pool.num_free_blocks)
+        return max(0, need + reserve - self.pool.num_free_blocks)
 
     def _publish_full_blocks(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
         hashes = self._full_block_hashes(request_id, token_ids, num_tokens)
