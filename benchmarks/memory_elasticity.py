@@ -1,15 +1,14 @@
-"""Memory elasticity: the elastic KV pool against a static pool sized for the burst peak.
+"""Memory elasticity of one engine, measured where users meet it.
 
-Scenario 1 (one engine): idle, then a burst of concurrent requests of mixed lengths (a quarter share a
-long system prompt), then idle again. Recorded over time: pool bytes, used blocks, process RSS,
-fragmentation, preemptions. Reported: idle footprint (elastic / static), burst throughput, requests
-lost, steady-state fragmentation, prefix-cache hit rate and the prefill time it saved.
+Scenario "served": a real ``tideserve serve`` process gets a burst of chat requests (prompts of about
+``--prompt-len`` tokens, half of them sharing a long system prompt), then nothing. /metrics is sampled
+every 0.25 s: pool bytes, used and cached blocks, block size, process RSS. Reported: how long after the
+last request the pool was back at its floor (the floor plus the cached prefixes it keeps), the idle
+pool against the blocks its cached prefixes need, and how far RSS fell.
 
-Scenario 2 (two engines, two processes, one simulated device): the engines burst in turn. With elastic
-pools each grows into the memory the other gave back; static pools must split the device in advance.
-Reported: the peak concurrent requests each burst ran without preemption, elastic against a static
-half-and-half split. The device is simulated (a memory probe over a shared counter of both pools'
-bytes) so that memory, not this machine's 24 GiB, is the binding constraint.
+Scenario "throughput": the same burst offline, elastic pool against a static pool of the elastic run's
+peak size (what a user who knew the peak would reserve), interleaved and repeated. Reported: output
+tok/s of each and their ratio, preemptions.
 
     .venv/bin/python benchmarks/memory_elasticity.py --out docs/memory-elasticity
 """
@@ -17,268 +16,168 @@ bytes) so that memory, not this machine's 24 GiB, is the binding constraint.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-import multiprocessing as mp
-import random
+import os
+import statistics
+import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import httpx
 
 MiB = 2**20
 SYSTEM = ("You are the support assistant of a large online bookshop. Be polite, answer in at most three "
           "sentences, never invent order numbers, and escalate refunds above fifty euros. ") * 4
+WORDS = "the of and to in a is that for it as with was on be by this are from at or an tide ferry".split()
 
 
-@dataclass
-class Sample:
-    t: float
-    phase: str
-    pool_bytes: int
-    used_blocks: int
-    pool_blocks: int
-    rss_bytes: int
-    fragmentation: float
-    running: int
-    preemptions: int
+def user_text(i: int, tokens: int) -> str:
+    return f"Customer {i} writes: " + " ".join(WORDS[(i * 5 + j * 3) % len(WORDS)] for j in range(tokens))
 
 
-def build_workload(tokenizer, num_requests: int, seed: int, min_prompt: int, max_prompt: int,
-                   min_out: int, max_out: int) -> list[tuple[list[int], int]]:
-    """(prompt token ids, output length): mixed lengths; every fourth request shares a system prompt."""
-    rng = random.Random(seed)
-    words = "the of and to in a is that for it as with was on be by this are from at or an".split()
-    out = []
-    for i in range(num_requests):
-        n = rng.randint(min_prompt, max_prompt)
-        text = " ".join(rng.choice(words) for _ in range(n))
-        if i % 4 == 0:
-            ids = tokenizer.encode_chat([{"role": "system", "content": SYSTEM},
-                                         {"role": "user", "content": text[: n * 2]}])
-        else:
-            ids = tokenizer.encode(text)[:n]
-        out.append((ids, rng.randint(min_out, max_out)))
-    return out
+def chat_messages(i: int, prompt_len: int, system_tokens: int) -> list[dict]:
+    """Every other request shares the system prompt; all end up near prompt_len tokens."""
+    if i % 2 == 0:
+        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user_text(i, prompt_len -
+                                                                                            system_tokens)}]
+    return [{"role": "user", "content": user_text(i, prompt_len)}]
 
 
-class Recorder:
-    def __init__(self, engine, t0: float) -> None:
-        self.engine = engine
-        self.t0 = t0
-        self.samples: list[Sample] = []
-        self.peak_running = 0
-        self.peak_running_without_preemption = 0
-
-    def sample(self, phase: str) -> None:
-        from tideserve.core.kv_cache.memory import process_rss_bytes
-
-        e = self.engine
-        stats = e.stats()
-        running = stats.num_requests_running
-        self.peak_running = max(self.peak_running, running)
-        if stats.num_preemptions == 0:
-            self.peak_running_without_preemption = max(self.peak_running_without_preemption, running)
-        self.samples.append(Sample(time.perf_counter() - self.t0, phase, stats.kv_cache_pool_bytes,
-                                   e.pool.num_used_blocks(), stats.kv_cache_pool_blocks, process_rss_bytes(),
-                                   stats.fragmentation_ratio, running, stats.num_preemptions))
+def scrape(url: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10, trust_env=False).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, number = line.rpartition(" ")
+            values[name.split("{", 1)[0]] = float(number)
+    return values
 
 
-def idle(engine, rec: Recorder, seconds: float, publish=None) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        engine.step()
-        if publish:
-            publish()
-        rec.sample("idle")
-        time.sleep(0.05)
+async def served_burst(url: str, model: str, n: int, prompt_len: int, output_len: int, system_tokens: int) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=900, trust_env=False) as client:
+        async def one(i: int) -> int:
+            r = await client.post("/v1/chat/completions", json={
+                "model": model, "messages": chat_messages(i, prompt_len, system_tokens), "max_tokens": output_len,
+                "temperature": 0, "ignore_eos": True})
+            r.raise_for_status()
+            return r.json()["usage"]["completion_tokens"]
+        start = time.perf_counter()
+        tokens = await asyncio.gather(*(one(i) for i in range(n)))
+        return {"seconds": time.perf_counter() - start, "output_tokens": sum(tokens)}
 
 
-def burst(engine, rec: Recorder, workload, publish=None) -> dict:
-    from tideserve import SamplingParams
+def scenario_served(args) -> dict:
+    from tideserve.bench.launch import ServerProcess, free_port
 
-    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
-                              prompt_token_ids=p) for p, n in workload]
-    done: dict[str, int] = {}
-    t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = len(out.outputs[0].token_ids)
-        if publish:
-            publish()
-        rec.sample("burst")
-    elapsed = time.perf_counter() - t0
-    generated = sum(done.values())
-    return {"requests": len(ids), "completed": len(done), "lost": len(ids) - len(done),
-            "seconds": elapsed, "output_tok_s": generated / elapsed}
+    port = free_port()
+    cmd = [sys.executable, "-m", "tideserve.cli", "serve", "--port", str(port), "--dtype", args.dtype,
+           "--max-model-len", str(args.max_model_len), "--kv-cache-shrink-delay", str(args.shrink_delay)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    samples: list[dict] = []
+    with ServerProcess(cmd, port, env=env, ready_timeout_s=300, name="tideserve-elastic") as srv:
+        url = srv.base_url
+        model = httpx.get(url + "/v1/models", trust_env=False).json()["data"][0]["id"]
+        t0 = time.perf_counter()
 
+        def sample(phase: str) -> dict:
+            m = scrape(url)
+            row = {"t": time.perf_counter() - t0, "phase": phase, "pool_bytes": m["vllm:kv_cache_pool_bytes"],
+                   "pool_blocks": m["vllm:kv_cache_pool_blocks"], "used_blocks": m["vllm:kv_cache_used_blocks"],
+                   "cached_blocks": m["vllm:kv_cache_cached_blocks"], "block_size": m["vllm:kv_cache_block_size"],
+                   "rss_bytes": m["process_resident_memory_bytes"],
+                   "fragmentation": m["vllm:fragmentation_ratio"], "preemptions": m["vllm:num_preemptions_total"]}
+            samples.append(row)
+            return row
 
-def make_llm(args, static_bytes: int | None, probe=None, max_model_len: int | None = None,
-             max_num_seqs: int | None = None):
-    from tideserve import LLM
-    from tideserve.core.kv_cache.elastic import ElasticConfig
+        before = sample("idle")
+        time.sleep(1.0)
+        stop = False
 
-    kwargs = dict(dtype=args.dtype, max_model_len=max_model_len or args.max_model_len,
-                  max_num_seqs=max_num_seqs or args.num_requests, block_size=args.block_size,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
-    if probe is not None:
-        kwargs["memory_probe"] = probe
-    if static_bytes is not None:
-        kwargs["kv_cache_memory"] = static_bytes
-    else:
-        kwargs["elastic"] = ElasticConfig(shrink_delay_s=args.shrink_delay, compaction_delay_s=1.0,
-                                          margin_floor_bytes=args.margin_floor_mib * MiB)
-    return LLM(**kwargs)
+        async def sampler() -> None:
+            while not stop:
+                await asyncio.to_thread(sample, "burst")
+                await asyncio.sleep(0.25)
 
+        async def run() -> dict:
+            nonlocal stop
+            task = asyncio.create_task(sampler())
+            result = await served_burst(url, model, args.num_requests, args.prompt_len, args.output_len,
+                                        args.system_tokens)
+            stop = True
+            await task
+            return result
 
-# ----------------------------------------------------------------------------- scenario 1
-def scenario_single(args) -> dict:
-    results = {}
-    workload = None
-    peak_bytes = None
-    for mode in ("elastic", "static"):
-        llm = make_llm(args, None if mode == "elastic" else peak_bytes)
-        engine = llm.engine
-        if workload is None:
-            workload = build_workload(llm.tokenizer, args.num_requests, args.seed, 20, args.max_prompt,
-                                      min(16, args.max_output), args.max_output)
-        rec = Recorder(engine, time.perf_counter())
-        idle(engine, rec, args.idle_seconds)
-        idle_before = rec.samples[-1]
-        stats0 = engine.stats()
-        b = burst(engine, rec, workload)
-        stats1 = engine.stats()
-        idle(engine, rec, args.idle_seconds + args.shrink_delay + 1)
-        idle_after = rec.samples[-1]
-        steady = [s.fragmentation for s in rec.samples if s.phase == "burst"]
-        hits = stats1.prefix_cache_hits - stats0.prefix_cache_hits
-        queries = stats1.prefix_cache_queries - stats0.prefix_cache_queries
-        prefill_tok_s = sum(len(p) for p, _ in workload) / max(1e-9, b["seconds"])  # rough: whole burst
-        results[mode] = {
-            "burst": b,
-            "idle_pool_bytes_before": idle_before.pool_bytes, "idle_pool_bytes_after": idle_after.pool_bytes,
-            "idle_rss_after": idle_after.rss_bytes,
-            "peak_pool_bytes": max(s.pool_bytes for s in rec.samples),
-            "peak_used_bytes": max(s.used_blocks for s in rec.samples) * engine.pool.bytes_per_block,
-            "preemptions": stats1.num_preemptions,
-            "fragmentation_median_burst": sorted(steady)[len(steady) // 2] if steady else 0.0,
-            "prefix_hit_rate": hits / queries if queries else 0.0, "prefix_hit_tokens": hits,
-            "prefill_seconds_saved_estimate": hits / prefill_tok_s if prefill_tok_s else 0.0,
-            "samples": [asdict(s) for s in rec.samples],
-        }
-        if mode == "elastic":
-            # The static baseline is sized for the burst's peak, as a user who knew it would size it.
-            # (and never below one max_model_len request, which any pool must hold).
-            one_request = -(-args.max_model_len // engine.kv_manager.block_size) * engine.pool.bytes_per_block
-            peak_bytes = max(int(results["elastic"]["peak_used_bytes"] * 1.05), one_request)
-        del llm, engine
-    e, s = results["elastic"], results["static"]
-    results["summary"] = {
-        "idle_footprint_ratio": e["idle_pool_bytes_after"] / s["idle_pool_bytes_after"],
-        "burst_throughput_ratio": e["burst"]["output_tok_s"] / s["burst"]["output_tok_s"],
-        "lost": e["burst"]["lost"] + s["burst"]["lost"],
+        burst = asyncio.run(run())
+        ended = time.perf_counter() - t0
+        back_at = None
+        while time.perf_counter() - t0 < ended + args.idle_seconds:
+            row = sample("idle")
+            per_block = row["pool_bytes"] / max(1, row["pool_blocks"])
+            # The floor: the reserve (rounded up to whole blocks of the current size) or the kept cache.
+            floor = max(before["pool_bytes"], row["cached_blocks"] * per_block) + per_block
+            if back_at is None and row["pool_bytes"] <= floor:
+                back_at = row["t"]
+            time.sleep(0.25)
+        last = samples[-1]
+    peak = max(samples, key=lambda r: r["pool_bytes"])
+    return {
+        "burst": burst, "burst_output_tok_s": burst["output_tokens"] / burst["seconds"],
+        "floor_bytes": before["pool_bytes"], "peak_pool_bytes": peak["pool_bytes"],
+        "seconds_to_floor_after_last_request": None if back_at is None else back_at - ended,
+        "idle_pool_blocks": last["pool_blocks"], "idle_cached_blocks": last["cached_blocks"],
+        "floor_blocks": before["pool_blocks"],
+        "idle_pool_over_cache": last["pool_blocks"] / max(1.0, last["cached_blocks"]),
+        "rss_before": before["rss_bytes"], "rss_peak": max(r["rss_bytes"] for r in samples),
+        "rss_idle_after": last["rss_bytes"], "preemptions": last["preemptions"], "samples": samples,
+        "command": " ".join(cmd[1:]),
     }
-    return results
 
 
-# ----------------------------------------------------------------------------- scenario 2
-class SharedDeviceProbe:
-    """A simulated device of ``total`` bytes shared by several engines' KV pools (a shared array)."""
+def scenario_throughput(args) -> dict:
+    from tideserve import LLM, SamplingParams
 
-    def __init__(self, total: int, pools, index: int) -> None:
-        self.total, self.pools, self.index = total, pools, index
-
-    def available_bytes(self) -> int:
-        return max(0, self.total - sum(self.pools))
-
-    def total_bytes(self) -> int:
-        return self.total
-
-    def used_by_process_bytes(self) -> int:
-        return self.pools[self.index]
-
-
-def _engine_proc(args, index: int, mode: str, pools, turns, queue) -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    probe = SharedDeviceProbe(args.device_mib * MiB, pools, index)
-    static = args.device_mib * MiB // 2 if mode == "static" else None
-    llm = make_llm(args, static, probe, args.max_model_len2, args.num_requests2)
-    engine = llm.engine
-
-    def publish() -> None:
-        pools[index] = engine.pool.pool_bytes
-
-    publish()
-    workload = build_workload(llm.tokenizer, args.num_requests2, args.seed + index, args.min_prompt2,
-                              args.max_prompt2, args.min_output2, args.max_output2)
-    rec = Recorder(engine, time.perf_counter())
-    turns[index].wait(timeout=3600)  # wait for my turn
-    b = burst(engine, rec, workload, publish)
-    stats = engine.stats()
-    turns[1 - index].set()  # hand the device over, and give memory back while idle
-    idle(engine, rec, args.shrink_delay + 3, publish)
-    queue.put({"index": index, "mode": mode, "burst": b, "preemptions": stats.num_preemptions,
-               "peak_running": rec.peak_running,
-               "peak_running_without_preemption": rec.peak_running_without_preemption,
-               "peak_pool_bytes": max(s.pool_bytes for s in rec.samples),
-               "samples": [asdict(s) for s in rec.samples]})
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    runs: dict[str, list[dict]] = {"elastic": [], "static": []}
+    peak_bytes = None
+    for _ in range(args.repeats):
+        for mode in ("elastic", "static"):
+            kwargs = dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.num_requests,
+                          block_size=16)
+            if mode == "static":
+                kwargs["kv_cache_memory"] = peak_bytes
+            llm = LLM(**kwargs)
+            tok = llm.tokenizer
+            system_tokens = len(tok.encode_chat([{"role": "system", "content": SYSTEM}]))
+            prompts = [tok.encode_chat(chat_messages(i, args.prompt_len, system_tokens))
+                       for i in range(args.num_requests)]
+            start = time.perf_counter()
+            llm.generate(prompts, params)
+            seconds = time.perf_counter() - start
+            engine = llm.engine
+            if mode == "elastic" and peak_bytes is None:
+                peak_bytes = engine.pool.pool_bytes  # the pool is at its peak right after the burst
+            runs[mode].append({"seconds": seconds, "tok_s": args.num_requests * args.output_len / seconds,
+                               "preemptions": engine.scheduler.num_preemptions, "resizes": engine.pool.num_resizes,
+                               "resize_seconds": engine.pool.resize_seconds, "pool_bytes": engine.pool.pool_bytes})
+            del llm, engine
+    med = {m: statistics.median(r["tok_s"] for r in rs) for m, rs in runs.items()}
+    return {"runs": runs, "static_pool_bytes": peak_bytes, "median_tok_s": med,
+            "elastic_over_static": med["elastic"] / med["static"]}
 
 
-def scenario_two_engines(args) -> dict:
-    ctx = mp.get_context("spawn")
-    results = {}
-    for mode in ("elastic", "static"):
-        pools = ctx.Array("q", [0, 0], lock=False)
-        turns = [ctx.Event(), ctx.Event()]
-        queue = ctx.Queue()
-        procs = [ctx.Process(target=_engine_proc, args=(args, i, mode, pools, turns, queue)) for i in (0, 1)]
-        for p in procs:
-            p.start()
-            time.sleep(1.0)
-        turns[0].set()
-        got = [queue.get(timeout=3600) for _ in procs]
-        for p in procs:
-            p.join(timeout=60)
-        results[mode] = sorted(got, key=lambda r: r["index"])
-    el = [r["peak_running_without_preemption"] for r in results["elastic"]]
-    st = [r["peak_running_without_preemption"] for r in results["static"]]
-    results["summary"] = {"elastic_peak_concurrent": el, "static_half_split_peak_concurrent": st,
-                          "ratio": [a / b if b else float("inf") for a, b in zip(el, st)]}
-    return results
-
-
-# ----------------------------------------------------------------------------- report
-def plot(results: dict, path: Path) -> None:
-    """One row per scenario that ran: pool and RSS over time (and fragmentation) for one engine; both
-    engines' pools over time, elastic beside static, for two."""
+def plot(served: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [k for k in ("single", "two") if k in results]
-    fig, axes = plt.subplots(len(rows), 2, figsize=(12, 3.5 * len(rows)), squeeze=False)
-    for row, kind in zip(axes, rows):
-        if kind == "single":
-            for mode, color in (("elastic", "tab:blue"), ("static", "tab:orange")):
-                samples = results["single"][mode]["samples"]
-                t = [x["t"] for x in samples]
-                row[0].plot(t, [x["pool_bytes"] / MiB for x in samples], color=color, label=f"{mode} pool")
-                row[0].plot(t, [x["rss_bytes"] / MiB for x in samples], color=color, linestyle=":",
-                            label=f"{mode} process RSS")
-                row[1].plot(t, [x["fragmentation"] for x in samples], color=color, label=mode)
-            row[0].set(title="One engine: idle, burst, idle", xlabel="s", ylabel="MiB")
-            row[1].set(title="Fragmentation ratio", xlabel="s")
-        else:
-            for ax, mode in zip(row, ("elastic", "static")):
-                for r, color in zip(results["two"][mode], ("tab:green", "tab:red")):
-                    samples = r["samples"]
-                    ax.plot([x["t"] for x in samples], [x["pool_bytes"] / MiB for x in samples], color=color,
-                            label=f"engine {r['index']} pool")
-                ax.set(title=f"Two engines, {mode} pools", xlabel="s", ylabel="MiB")
-        for ax in row:
-            ax.legend()
+    s = served["samples"]
+    t = [x["t"] for x in s]
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    ax.plot(t, [x["pool_bytes"] / MiB for x in s], label="KV pool")
+    ax.plot(t, [x["rss_bytes"] / MiB for x in s], linestyle=":", label="process RSS")
+    ax.set(title="tideserve serve: burst, then idle", xlabel="s", ylabel="MiB")
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
@@ -286,56 +185,50 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--max-prompt", type=int, default=400)
-    ap.add_argument("--max-output", type=int, default=48)
-    ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    ap.add_argument("--max-model-len2", type=int, default=512, help="scenario 2: max_model_len")
-    ap.add_argument("--block-size", default="16")
-    ap.add_argument("--idle-seconds", type=float, default=3.0)
-    ap.add_argument("--shrink-delay", type=float, default=2.0)
-    ap.add_argument("--margin-floor-mib", type=int, default=32)
-    ap.add_argument("--device-mib", type=int, default=600, help="scenario 2: the simulated device")
-    ap.add_argument("--num-requests2", type=int, default=128, help="scenario 2: requests per burst")
-    ap.add_argument("--min-output2", type=int, default=48, help="scenario 2: outputs long enough that a "
-                    "burst's requests overlap (memory, not the prefill rate, limits concurrency)")
-    ap.add_argument("--max-output2", type=int, default=64)
-    ap.add_argument("--min-prompt2", type=int, default=60)
-    ap.add_argument("--max-prompt2", type=int, default=120)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--skip-two", action="store_true")
-    ap.add_argument("--skip-single", action="store_true")
+    ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--prompt-len", type=int, default=384)
+    ap.add_argument("--system-tokens", type=int, default=0, help="0: measure with the model's tokenizer")
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--shrink-delay", type=float, default=5.0)
+    ap.add_argument("--idle-seconds", type=float, default=20.0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--skip-served", action="store_true")
+    ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--out", default="memory-elasticity")
     args = ap.parse_args()
-    args.block_size = "auto" if args.block_size == "auto" else int(args.block_size)
+    if not args.system_tokens:
+        from tideserve.model.loader import default_model_path
+        from tideserve.tokenizer.tokenizer import load_tokenizer
 
-    results = {"args": vars(args)}
-    if not args.skip_single:
-        results["single"] = scenario_single(args)
-        report_single(results["single"])
-    if not args.skip_two:
-        results["two"] = scenario_two_engines(args)
-        t = results["two"]["summary"]
-        print(f"two engines: peak concurrent without preemption elastic {t['elastic_peak_concurrent']} vs "
-              f"static half split {t['static_half_split_peak_concurrent']} (ratio {t['ratio']})")
+        tok = load_tokenizer(default_model_path())
+        args.system_tokens = len(tok.encode_chat([{"role": "system", "content": SYSTEM}]))
+    results: dict = {"args": vars(args)}
+    if not args.skip_served:
+        s = results["served"] = scenario_served(args)
+        print(f"served: burst of {args.num_requests} chats ({args.prompt_len}-token prompts, half sharing a "
+              f"{args.system_tokens}-token system prompt, {args.output_len} output tokens) in "
+              f"{s['burst']['seconds']:.1f} s; pool {s['floor_bytes'] / MiB:.1f} -> {s['peak_pool_bytes'] / MiB:.1f}"
+              f" MiB; back at the floor {s['seconds_to_floor_after_last_request']} s after the last request "
+              f"(shrink delay {args.shrink_delay} s); idle pool {s['idle_pool_blocks']:.0f} blocks for "
+              f"{s['idle_cached_blocks']:.0f} cached-prefix blocks + a floor of {s['floor_blocks']:.0f}; RSS "
+              f"{s['rss_before'] / MiB:.0f} -> {s['rss_peak'] / MiB:.0f} -> {s['rss_idle_after'] / MiB:.0f} MiB; "
+              f"preemptions {s['preemptions']:.0f}")
+    if not args.skip_throughput:
+        t = results["throughput"] = scenario_throughput(args)
+        print(f"throughput: elastic {t['median_tok_s']['elastic']:.1f} tok/s, static pool of the elastic peak "
+              f"({t['static_pool_bytes'] / MiB:.0f} MiB) {t['median_tok_s']['static']:.1f} tok/s: ratio "
+              f"{t['elastic_over_static']:.3f} (medians of {args.repeats} interleaved runs)")
+        for mode, rs in t["runs"].items():
+            print(f"  {mode}: " + ", ".join(f"{r['tok_s']:.1f} tok/s ({r['resizes']} resizes, "
+                                            f"{r['resize_seconds'] * 1e3:.0f} ms resizing)" for r in rs))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    plot(results, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
-
-
-def report_single(s: dict) -> None:
-    print(f"single engine: idle footprint elastic/static = {s['summary']['idle_footprint_ratio']:.3f}, "
-          f"burst throughput ratio = {s['summary']['burst_throughput_ratio']:.3f}, lost = {s['summary']['lost']}")
-    for mode in ("elastic", "static"):
-        r = s[mode]
-        print(f"  {mode:8s} idle pool {r['idle_pool_bytes_after'] / MiB:8.1f} MiB, peak pool "
-              f"{r['peak_pool_bytes'] / MiB:8.1f} MiB, burst {r['burst']['output_tok_s']:.1f} tok/s "
-              f"in {r['burst']['seconds']:.1f}s, preemptions {r['preemptions']}, fragmentation (median "
-              f"in burst) {r['fragmentation_median_burst']:.3f}, prefix hit rate {r['prefix_hit_rate']:.3f}"
-              f", prefill saved ~{r['prefill_seconds_saved_estimate']:.2f}s")
+    if "served" in results:
+        plot(results["served"], out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')}")
 
 
 if __name__ == "__main__":

@@ -386,6 +386,26 @@ def test_idle_pool_keeps_the_shared_prefix_and_little_else():
     assert out.num_cached_tokens >= system_blocks * 16
 
 
+def test_block_size_stays_while_hit_prefixes_are_cached():
+    """A block-size change empties the prefix cache; a shared prefix that was hit outweighs the gain."""
+    clock = [0.0]
+    llm = LLM(dtype="float32", max_model_len=512, elastic=ElasticConfig(shrink_delay_s=1.0))
+    engine = llm.engine
+    engine.pool.clock = lambda: clock[0]
+    llm.generate(chats(llm) * 2, GREEDY)  # the system prompt's blocks are hit
+    for _ in range(64):
+        engine.pool.advisor.observe(1000)  # the advisor now wants large blocks
+    assert engine.pool.advisor.best(16) is not None
+    for t in (10.0, 20.0, 30.0):
+        clock[0] = t
+        engine.maintain()
+    assert engine.kv_manager.block_size == 16 and engine.pool._num_hit_cached_blocks() > 0
+    engine.kv_manager.reset_prefix_cache()
+    clock[0] = 40.0
+    engine.maintain()
+    assert engine.kv_manager.block_size > 16
+
+
 def test_ceiling_follows_the_machine_at_runtime():
     """The budget is re-read: memory a neighbour frees later is used, memory it takes is left alone."""
     clock = [0.0]

@@ -187,12 +187,14 @@ class LLMEngine:
         blocks_one_request = -(-self.max_model_len // bs)
         weights = model_weight_bytes(self.model)
         activation = 0
+        baseline = self.probe.used_by_process_bytes()
         if cache.num_blocks is None:
             activation = self.runner.profile_activation_bytes(
                 min(sched.max_num_batched_tokens, self.max_model_len), sched.max_num_seqs)
         available = self.probe.available_bytes()
         account = MemoryAccount(available, weights, activation,
-                                safety_margin(weights, activation, elastic.margin_floor_bytes))
+                                safety_margin(weights, activation, elastic.margin_floor_bytes),
+                                baseline_bytes=baseline, resident_bytes=self.probe.used_by_process_bytes())
         logger.info("%s", account.describe())
 
         if cache.num_blocks is not None:

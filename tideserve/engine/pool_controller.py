@@ -96,10 +96,19 @@ class PoolController:
 
     # ----------------------------------------------------------------- the machine
     def _reachable_blocks(self) -> int:
-        """The largest pool the machine allows now: its free memory, less the activation peak and the
-        safety margin, added to what the pool holds (read afresh: a neighbour may have moved)."""
-        headroom = self.probe.available_bytes() - self.account.activation_bytes - self.account.margin_bytes
+        """The largest pool the machine allows now: what the pool holds plus the free memory, less the
+        part of the activation peak not resident yet and the safety margin (read afresh: a neighbour may
+        have moved)."""
+        available = self.probe.available_bytes()
+        non_kv = self.probe.used_by_process_bytes() - self.pool_bytes - self.swap_resident_bytes()
+        headroom = self.account.headroom_bytes(available, non_kv)
         return self.runner.kv_store.max_blocks_within(headroom)
+
+    def swap_resident_bytes(self) -> int:
+        """Host memory the swap tier may hold now (the most blocks swapped out at once since it was last
+        handed back): it is the process's memory, not an activation's."""
+        swap = self.kv.swap
+        return swap.high_water * self.bytes_per_block if swap is not None and self.runner.device.type == "cpu" else 0
 
     def _refresh_ceiling(self) -> None:
         reachable = self._reachable_blocks()
@@ -212,10 +221,13 @@ class PoolController:
         up to ``idle_unhit_cache_bytes`` (the reserve's free blocks hold more of them)."""
         if not idle:
             return 0
-        pool = self.kv.pool
-        hit = sum(1 for i in pool.cached_free_by_value() if pool.blocks[i].num_hits > 0)
-        unhit = pool.num_cached_free() - hit
+        hit = self._num_hit_cached_blocks()
+        unhit = self.kv.pool.num_cached_free() - hit
         return hit + min(unhit, self.policy.config.idle_unhit_cache_bytes // self.bytes_per_block)
+
+    def _num_hit_cached_blocks(self) -> int:
+        pool = self.kv.pool
+        return sum(1 for i in pool.cached_free_by_value() if pool.blocks[i].num_hits > 0)
 
     def _relieve_pressure(self) -> bool:
         """If something else took the machine's memory, give back enough of ours: cache, then requests."""
@@ -243,6 +255,7 @@ class PoolController:
             self._swap_dirty = True
         elif self._swap_dirty and not self.kv.swapped:
             self.runner.release_idle_swap()
+            swap.high_water = 0
             self._swap_dirty = False
 
     # ----------------------------------------------------------------- block size
@@ -251,8 +264,10 @@ class PoolController:
             self.advisor.observe(num_tokens)
 
     def _maybe_change_block_size(self, now: float) -> None:
+        """Follow the advisor while idle, unless that would discard cached prefixes that were hit: a
+        shared system prompt recomputed by every request costs more than a block size saves."""
         if (self.advisor is None or not self.is_idle() or self.kv.swapped
-                or now - self._last_advice < BLOCK_SIZE_ADVICE_INTERVAL_S):
+                or now - self._last_advice < BLOCK_SIZE_ADVICE_INTERVAL_S or self._num_hit_cached_blocks()):
             return
         self._last_advice = now
         advice = self.advisor.best(self.kv.block_size)

@@ -25,8 +25,22 @@ def test_account_budget():
     assert "KV budget 8.50 GiB" in account.describe()
 
 
+def test_resident_activation_memory_is_not_reserved_twice():
+    """Freed activation buffers an allocator keeps are already missing from the free memory."""
+    gib = 2**30
+    account = MemoryAccount(available_bytes=10 * gib, weights_bytes=gib, activation_bytes=gib,
+                            margin_bytes=gib // 2, baseline_bytes=2 * gib, resident_bytes=2 * gib)
+    assert account.budget_bytes == 10 * gib - gib - gib // 2  # nothing resident: reserve the whole peak
+    assert account.activation_to_reserve(2 * gib + gib // 4) == 3 * gib // 4  # a quarter kept by the heap
+    assert account.activation_to_reserve(4 * gib) == 0  # the whole peak is resident already
+    assert account.headroom_bytes(gib, 4 * gib) == gib // 2
+    kept = MemoryAccount(10 * gib, gib, gib, gib // 2, baseline_bytes=2 * gib, resident_bytes=3 * gib)
+    assert kept.budget_bytes == 10 * gib - gib // 2
+    assert "0.00 GiB not resident yet" in kept.describe()
+
+
 def test_grow_bounded_by_budget_and_machine():
-    policy = ElasticPolicy(ElasticConfig(), min_blocks=10, max_blocks=30)
+    policy = ElasticPolicy(ElasticConfig(grow_factor=1.5), min_blocks=10, max_blocks=30)
     assert policy.grow_target(20, 10, 0, reachable=100) is None  # under the high watermark
     assert policy.grow_target(20, 18, 0, reachable=100) == 30  # 1.5x, capped by the budget
     assert policy.grow_target(20, 20, 1, reachable=23) == 23  # the machine allows 3 more

@@ -34,21 +34,45 @@ def safety_margin(weights_bytes: int, activation_bytes: int, floor: int = MARGIN
 
 @dataclass
 class MemoryAccount:
+    """What the pool may take: free memory, less the part of the activation peak that is not resident
+    yet, less the safety margin.
+
+    Activation memory that is already resident (an allocator keeps freed buffers: glibc's heap on CPU,
+    torch's caching allocator on CUDA) is already missing from the free memory, so it is not reserved a
+    second time; ``baseline_bytes`` (the process with its weights, before any forward pass) tells how much
+    of the peak is resident: the process's memory beyond the baseline and the KV cache.
+    """
+
     available_bytes: int
     weights_bytes: int
     activation_bytes: int
     margin_bytes: int
+    baseline_bytes: int = 0  # the process's memory before the profiling pass (0: unknown)
+    resident_bytes: int = 0  # the process's memory (no KV cache yet) when available_bytes was read
+
+    def activation_to_reserve(self, non_kv_bytes: int) -> int:
+        """The part of the activation peak not yet resident in a process holding ``non_kv_bytes``
+        beside its KV cache."""
+        if not self.baseline_bytes:
+            return self.activation_bytes
+        resident = non_kv_bytes - self.baseline_bytes
+        return max(0, self.activation_bytes - max(0, resident))
+
+    def headroom_bytes(self, available_bytes: int, non_kv_bytes: int) -> int:
+        """Bytes the KV cache may still take now (negative: it should give some back)."""
+        return available_bytes - self.activation_to_reserve(non_kv_bytes) - self.margin_bytes
 
     @property
     def budget_bytes(self) -> int:
-        return max(0, self.available_bytes - self.activation_bytes - self.margin_bytes)
+        return max(0, self.headroom_bytes(self.available_bytes, self.resident_bytes or self.baseline_bytes))
 
     def describe(self) -> str:
         gib = 2**30
+        reserve = self.activation_to_reserve(self.resident_bytes or self.baseline_bytes)
         return (f"memory account: available {self.available_bytes / gib:.2f} GiB (after weights), "
                 f"weights {self.weights_bytes / gib:.2f} GiB, activation peak "
-                f"{self.activation_bytes / gib:.2f} GiB, safety margin {self.margin_bytes / gib:.2f} GiB, "
-                f"KV budget {self.budget_bytes / gib:.2f} GiB")
+                f"{self.activation_bytes / gib:.2f} GiB ({reserve / gib:.2f} GiB not resident yet), safety "
+                f"margin {self.margin_bytes / gib:.2f} GiB, KV budget {self.budget_bytes / gib:.2f} GiB")
 
 
 @dataclass
@@ -56,7 +80,9 @@ class ElasticConfig:
     high_watermark: float = 0.85  # grow when usage crosses this
     low_watermark: float = 0.30  # shrink when usage stays under this ...
     shrink_delay_s: float = 5.0  # ... for this long
-    grow_factor: float = 1.5  # each growth step multiplies the pool by this (at least)
+    # Each growth step multiplies the pool by this (at least). Growth copies nothing, so small steps are
+    # cheap, and they keep a bursting pool close to what it needs (what a neighbour cannot take).
+    grow_factor: float = 1.25
     shrink_target_usage: float = 0.5  # after a shrink the live blocks fill about this share
     fragmentation_threshold: float = 0.05  # compaction runs when fragmentation stays above this ...
     compaction_delay_s: float = 2.0  # ... for this long

@@ -25,6 +25,7 @@ class SwapSpace:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
+        self.high_water = 0  # most blocks in use at once since the tier's memory was last handed back
 
     @property
     def num_free(self) -> int:
@@ -35,7 +36,9 @@ class SwapSpace:
 
     def allocate(self, n: int) -> list[int]:
         assert n <= len(self._free)
-        return [self._free.pop() for _ in range(n)]
+        ids = [self._free.pop() for _ in range(n)]
+        self.high_water = max(self.high_water, self.num_blocks - len(self._free))
+        return ids
 
     def release(self, ids: list[int]) -> None:
         self._free.extend(reversed(ids))
