@@ -7,8 +7,9 @@ last request the pool was back at its floor (the floor plus the cached prefixes 
 pool against the blocks its cached prefixes need, and how far RSS fell.
 
 Scenario "throughput": the same burst offline, elastic pool against a static pool of the elastic run's
-peak size (what a user who knew the peak would reserve), interleaved and repeated. Reported: output
-tok/s of each and their ratio, preemptions.
+peak size (what a user who knew the peak would reserve; given as a block count, so the static engine keeps
+the same max_num_seqs), interleaved and repeated. Reported: output tok/s of each and their ratio,
+preemptions, and the time the elastic pool spent resizing.
 
     .venv/bin/python benchmarks/memory_elasticity.py --out docs/memory-elasticity
 """
@@ -138,13 +139,13 @@ def scenario_throughput(args) -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     runs: dict[str, list[dict]] = {"elastic": [], "static": []}
-    peak_bytes = None
+    peak_bytes = peak_blocks = None
     for _ in range(args.repeats):
         for mode in ("elastic", "static"):
             kwargs = dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.num_requests,
                           block_size=16)
-            if mode == "static":
-                kwargs["kv_cache_memory"] = peak_bytes
+            if mode == "static":  # the same number of blocks (num_blocks keeps max_num_seqs as it is)
+                kwargs["num_blocks"] = peak_blocks
             llm = LLM(**kwargs)
             tok = llm.tokenizer
             system_tokens = len(tok.encode_chat([{"role": "system", "content": SYSTEM}]))
@@ -156,6 +157,7 @@ def scenario_throughput(args) -> dict:
             engine = llm.engine
             if mode == "elastic" and peak_bytes is None:
                 peak_bytes = engine.pool.pool_bytes  # the pool is at its peak right after the burst
+                peak_blocks = engine.kv_manager.num_blocks
             runs[mode].append({"seconds": seconds, "tok_s": args.num_requests * args.output_len / seconds,
                                "preemptions": engine.scheduler.num_preemptions, "resizes": engine.pool.num_resizes,
                                "resize_seconds": engine.pool.resize_seconds, "pool_bytes": engine.pool.pool_bytes})

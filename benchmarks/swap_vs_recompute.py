@@ -8,7 +8,7 @@ wall time, output tok/s, preemptions, swap-ins, tokens the forward passes comput
 swaps moved. Swap costs two copies of the request's KV (host memory bandwidth); recompute costs a
 prefill of its context (compute), so swap wins as contexts grow and as compute gets scarcer.
 
-    .venv/bin/python benchmarks/swap_vs_recompute.py --prompt-lens 256,1024,2048 --repeats 2
+    .venv/bin/python benchmarks/swap_vs_recompute.py --prompt-lens 512,2048 --output-len 256 --num-requests 6 --repeats 2
 """
 
 from __future__ import annotations
@@ -32,9 +32,11 @@ def prompts_of(tokenizer, n: int, length: int) -> list[list[int]]:
 
 
 def run_once(args, mode: str, prefix: bool, prompt_len: int) -> dict:
-    per_request_blocks = -(-(prompt_len + args.output_len) // 16)
+    # Room for --admit prompts and half their outputs: they are all admitted, and preemptions start once
+    # their decodes pass half way.
+    pool_tokens = args.admit * (prompt_len + args.output_len // 2)
     llm = LLM(dtype=args.dtype, max_model_len=prompt_len + args.output_len + 16, block_size=16,
-              num_blocks=int(per_request_blocks * args.pool_requests), preemption_mode=mode,
+              num_blocks=-(-pool_tokens // 16), preemption_mode=mode,
               swap_space=args.swap_gib, enable_prefix_caching=prefix, max_num_seqs=args.num_requests)
     engine = llm.engine
     computed, copied_blocks = [0], [0]
@@ -63,15 +65,15 @@ def main() -> None:
     ap.add_argument("--prompt-lens", default="256,1024,2048")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--num-requests", type=int, default=8)
-    ap.add_argument("--pool-requests", type=float, default=4.5,
-                    help="the fixed pool holds this many whole requests (fewer than --num-requests)")
+    ap.add_argument("--admit", type=int, default=3,
+                    help="the fixed pool holds this many prompts and half their outputs")
     ap.add_argument("--swap-gib", type=float, default=4.0)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     logging.getLogger("tideserve").setLevel(logging.ERROR)  # one preemption warning per request otherwise
-    print(f"{args.num_requests} requests x {args.output_len} output tokens, pool of {args.pool_requests} whole "
-          f"requests, {args.dtype}; medians of {args.repeats} interleaved runs")
+    print(f"{args.num_requests} requests x {args.output_len} output tokens, a pool for {args.admit} prompts and "
+          f"half their outputs, {args.dtype}; medians of {args.repeats} interleaved runs")
     print("| prompt | prefix cache | mode | seconds | output tok/s | preemptions | swap-ins | tokens computed |"
           " KV moved by swaps |")
     print("|---:|---|---|---:|---:|---:|---:|---:|---:|")
