@@ -13,6 +13,7 @@ _EXPORTS = {
     "LLMEngine": "tideserve.engine.llm_engine",
     "EngineArgs": "tideserve.engine.llm_engine",
     "AsyncEngine": "tideserve.engine.async_engine",
+    "AsyncLLMEngine": "tideserve.engine.async_engine",
     "SamplingParams": "tideserve.sampling_params",
     "RequestOutput": "tideserve.outputs",
     "CompletionOutput": "tideserve.outputs",

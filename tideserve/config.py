@@ -6,30 +6,60 @@ in ``EngineConfig.finalize``. User mistakes raise ``ValueError`` naming the para
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 VALID_BLOCK_SIZES = (8, 16, 32, 64, 128)
 
 
-def parse_size(value: int | float | str | None, name: str) -> int | None:
-    """Bytes from 4GiB, 512MiB, 2GB, 1.5e9 or a plain number (None stays None)."""
-    if value is None:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return int(value)
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
-             "gb": 10**9, "tb": 10**12, "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
-    text = str(value).strip().lower()
-    for unit, mult in units.items():
+_SIZE_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+               "tb": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "k": 2**10, "m": 2**20,
+               "g": 2**30, "t": 2**40, "b": 1}
+
+
+def _split_size(value: str, name: str) -> tuple[float, int | None]:
+    """(number, unit multiplier or None when no unit was written) of a size such as '16G' or '1.5e9'."""
+    text = value.strip().lower()
+    factor = None
+    for unit, mult in _SIZE_UNITS.items():
         if text.endswith(unit):
             text, factor = text[: -len(unit)].strip(), mult
             break
-    else:
-        factor = 1
     try:
-        return int(float(text) * factor)
+        number = float(text)
     except ValueError:
-        raise ValueError(f"{name} must be a size such as 4GiB, 512MiB or a byte count, got {value!r}.") from None
+        number = math.nan
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"{name} must be a size such as 4GiB, 512MiB, 16G or a byte count, got {value!r}.")
+    return number, factor
+
+
+def parse_size(value: int | float | str | None, name: str) -> int | None:
+    """Bytes from 4GiB, 512MiB, 16G, 2GB, 1.5e9 or a plain number of bytes (None stays None).
+
+    K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024 (as in vLLM and Kubernetes' Ki/Mi/Gi); KB/MB/GB/TB
+    are powers of 1000."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite size in bytes, got {value!r}.")
+        return int(value)
+    number, factor = _split_size(str(value), name)
+    return int(number * (factor or 1))
+
+
+def parse_gib(value: int | float | str, name: str) -> float:
+    """GiB from '16G', '4GiB', '512M' or a bare number, which means GiB (vLLM's ``--swap-space 4``)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number, factor = float(value), None
+        if not math.isfinite(number) or number < 0:
+            raise ValueError(f"{name} must be >= 0 GiB, got {value!r}.")
+    elif isinstance(value, str):
+        number, factor = _split_size(value, name)
+    else:
+        raise ValueError(f"{name} must be a size such as 16G, 4GiB, 512M or a number of GiB, got {value!r}.")
+    return number if factor is None else number * factor / 2**30
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -46,7 +76,7 @@ class CacheConfig:
     gpu_memory_utilization: float | None = None  # fixed pool: this share of the device (or host) memory
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), float32, bfloat16 or float16
     enable_prefix_caching: bool = True
-    swap_space: float = 4.0  # GiB of host memory for preemption_mode="swap"
+    swap_space: float | str = 4.0  # GiB of host memory for preemption_mode="swap"; "16G", "512MiB" too
 
     def __post_init__(self) -> None:
         if self.block_size != "auto" and self.block_size not in VALID_BLOCK_SIZES:
@@ -63,8 +93,7 @@ class CacheConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}.")
-        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}.")
+        self.swap_space = parse_gib(self.swap_space, "swap_space")
 
     @property
     def auto_block_size(self) -> bool:
@@ -98,27 +127,78 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}.")
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+QUANTIZATIONS = ("none", "int8", "int4")
+# vLLM's names for checkpoint formats tideserve cannot read (its GGUF and float loaders cover the rest).
+VLLM_CHECKPOINT_QUANTIZATIONS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "marlin", "fp8", "fbgemm_fp8",
+                                 "bitsandbytes", "squeezellm", "compressed-tensors", "aqlm", "hqq", "modelopt",
+                                 "deepspeedfp", "experts_int8", "mxfp4", "nvfp4", "torchao")
+
+
 @dataclass
 class ModelConfig:
     model: str | None = None  # local GGUF file, local HF directory or hub id; None = embedded default
-    dtype: str = "auto"
+    dtype: str = "auto"  # also vLLM's aliases: half (float16), float (float32)
     device: str = "auto"
     max_model_len: int | None = None  # None = the model's trained context
     allow_long_max_model_len: bool = False  # accept max_model_len beyond the trained context
     seed: int = 0
-    quantization: str = "none"  # "int8" or "int4": quantized linear layers (see model/layers/quantization)
+    quantization: str | None = "none"  # "int8" or "int4": quantized linear layers (model/layers/quantization)
+    # Accepted for vLLM's scripts. There are no CUDA graphs yet, so every step already runs eagerly; once
+    # graph capture exists on CUDA, this turns it off (as vLLM's --enforce-eager does).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}."
-            )
-        if self.quantization not in ("none", "int8", "int4"):
-            raise ValueError(f"quantization must be one of none, int8, int4, got {self.quantization!r}.")
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or half, float), got {self.dtype!r}.")
+        self.quantization = _check_quantization(self.quantization)
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int) or self.max_model_len < 1
         ):
             raise ValueError(f"max_model_len must be an integer >= 1, got {self.max_model_len!r}.")
+
+
+def _check_quantization(method: str | None) -> str:
+    """The quantization to run: None and vLLM's "gguf" mean the weights as the file stores them."""
+    if method is None or method == "gguf":  # GGUF files are read natively whatever this says
+        return "none"
+    if method in QUANTIZATIONS:
+        return method
+    if method in VLLM_CHECKPOINT_QUANTIZATIONS:
+        raise ValueError(
+            f"quantization={method!r} is not supported: tideserve cannot read {method} checkpoints. It reads GGUF "
+            "files (Q4_0/Q4_1/Q4_K/Q5_0/Q5_K/Q6_K/Q8_0/F16/BF16/F32) and float safetensors, and quantizes float "
+            "weights itself at load: use a GGUF export of the model, or its float weights with "
+            "quantization='int8' or 'int4' (--quantization int8|int4).")
+    raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}.")
+
+
+@dataclass
+class ParallelConfig:
+    """How many devices one engine spans. tideserve runs one engine on one device today; the fields exist
+    so vLLM's scripts get an explanation instead of an unknown-argument error."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name, flag, what in (
+                ("tensor_parallel_size", "--tensor-parallel-size/-tp", "Tensor parallelism"),
+                ("pipeline_parallel_size", "--pipeline-parallel-size/-pp", "Pipeline parallelism"),
+                ("data_parallel_size", "--data-parallel-size/-dp", "Data parallelism inside one server")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+            if value > 1:
+                raise ValueError(
+                    f"{name}={value} ({flag} {value}): {what} is not implemented in tideserve yet; one engine "
+                    f"runs on one device, so use {name}=1. For more throughput run one tideserve server per "
+                    "device (e.g. CUDA_VISIBLE_DEVICES=N tideserve serve ... --port 800N) behind a load "
+                    "balancer; for a model too large for one device, use a quantized GGUF file of it "
+                    "(e.g. Q4_K) or --quantization int4.")
 
 
 def resolve_max_model_len(requested: int | None, trained: int, allow_long: bool) -> int:

@@ -149,6 +149,7 @@ class AsyncEngine:
         self._stats: EngineStats = engine.stats()
         self._num_waiting = len(engine.scheduler.waiting)
         self._stats_time = 0.0
+        self._busy_since: float | None = None  # monotonic start of the step (or pool upkeep) now running
         self._stats_listeners = list(stats_listeners)
         self._stat_logger = StatLogger(log_stats_interval) if log_stats_interval else None
         self._thread = threading.Thread(target=self._run, name="tideserve-engine", daemon=True)
@@ -156,10 +157,11 @@ class AsyncEngine:
 
     @classmethod
     def from_engine_args(cls, args, **kwargs) -> AsyncEngine:
-        """Load the model (slow: seconds) and start the loop."""
+        """Load the model (slow: seconds) and start the loop; ``args`` is an EngineArgs or a dict of its
+        fields, as vLLM's ``AsyncLLMEngine.from_engine_args`` takes."""
         from tideserve.engine.llm_engine import LLMEngine
 
-        return cls(LLMEngine(args), **kwargs)
+        return cls(LLMEngine.from_engine_args(args), **kwargs)
 
     # ---------------------------------------------------------------- read-only views
     @property
@@ -185,6 +187,13 @@ class AsyncEngine:
     @property
     def dead_error(self) -> BaseException | None:
         return self._dead
+
+    def step_running_for(self) -> float:
+        """Seconds the engine thread has spent in the step (or pool upkeep) it is running now; 0 between
+        steps. A step that never returns (a hung device, a deadlock) shows here long before any request
+        times out, so the server's /health can report it (``--engine-stall-timeout``)."""
+        since = self._busy_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
 
     def stats(self) -> EngineStats:
         """The latest snapshot, taken by the engine thread (never older than one step when busy)."""
@@ -292,13 +301,16 @@ class AsyncEngine:
                     self._apply(command)
                 self._count_applied(sum(isinstance(c, _Add) for c in commands))
                 outputs: list[RequestOutput] = []
-                if self.engine.has_unfinished_requests():
-                    step_start = time.monotonic()
-                    outputs = self.engine.step()
-                    for out in outputs:
-                        out.metrics.setdefault("step_start_time", step_start)
-                else:
-                    self.engine.maintain()
+                self._busy_since = step_start = time.monotonic()
+                try:
+                    if self.engine.has_unfinished_requests():
+                        outputs = self.engine.step()
+                        for out in outputs:
+                            out.metrics.setdefault("step_start_time", step_start)
+                    else:
+                        self.engine.maintain()
+                finally:
+                    self._busy_since = None
                 self._set_num_waiting()
                 # Snapshot first: a client that scrapes /metrics right after its response sees its tokens.
                 self._snapshot(force=not self.engine.has_unfinished_requests())
@@ -413,3 +425,8 @@ def _dispatch(items: list) -> None:
             stream._fail(item)
         else:
             stream._abort()
+
+
+class AsyncLLMEngine(AsyncEngine):
+    """vLLM's name for the asyncio-facing engine, so ``AsyncLLMEngine.from_engine_args({...})`` and
+    ``async for out in engine.generate(prompt, params, request_id)`` run unchanged."""

@@ -9,12 +9,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 
-from tideserve.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_max_model_len
+from tideserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, resolve_max_model_len
 from tideserve.core.kv_cache.elastic import ElasticConfig, ElasticPolicy, MemoryAccount, safety_margin
 from tideserve.core.kv_cache.manager import KVCacheManager
 from tideserve.core.kv_cache.memory import MemoryProbe, SystemMemoryProbe
@@ -63,13 +64,34 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16 halves the KV bytes of float32
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
-    swap_space: float = 4.0
+    swap_space: float | str = 4.0  # GiB; "16G", "512MiB" too
     seed: int = 0
-    quantization: str = "none"
+    quantization: str | None = "none"
+    enforce_eager: bool = False  # no CUDA graphs exist yet, so steps already run eagerly (see ModelConfig)
+    tensor_parallel_size: int = 1  # only 1 today: ParallelConfig explains what to do instead
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     adaptive_threads: bool = True  # CPU: follow the cores actually free (see engine/threads.py)
     memory_probe: MemoryProbe | None = None  # a test double answers for the machine
     elastic: ElasticConfig | None = None  # watermarks and delays of the elastic pool
     kv_cache_shrink_delay: float | None = None  # seconds of low usage before the pool shrinks (elastic)
+
+    @classmethod
+    def coerce(cls, args: EngineArgs | Mapping[str, Any]) -> EngineArgs:
+        """``args`` itself, or EngineArgs from a dict of its fields (vLLM scripts pass either); unknown keys
+        are a ValueError that lists them and the known ones."""
+        if isinstance(args, EngineArgs):
+            return args
+        if not isinstance(args, Mapping):
+            raise ValueError(f"engine args must be an EngineArgs or a dict of its fields, got {type(args).__name__}.")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {unknown}; known: {sorted(known)}.")
+        return cls(**args)
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size)
 
     def elastic_config(self) -> ElasticConfig:
         config = self.elastic or ElasticConfig()
@@ -78,9 +100,10 @@ class EngineArgs:
         return config
 
     def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
+        self.parallel_config()  # first: a multi-device layout is the first thing to fix
         return (
             ModelConfig(self.model, self.dtype, self.device, self.max_model_len,
-                        self.allow_long_max_model_len, self.seed, self.quantization),
+                        self.allow_long_max_model_len, self.seed, self.quantization, self.enforce_eager),
             CacheConfig(self.block_size, self.num_blocks, self.kv_cache_memory, self.gpu_memory_utilization,
                         kv_cache_dtype=self.kv_cache_dtype, enable_prefix_caching=self.enable_prefix_caching,
                         swap_space=self.swap_space),
@@ -100,7 +123,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs | Mapping[str, Any]) -> None:
+        args = EngineArgs.coerce(args)
         model_config, cache_config, sched_config = args.configs()
         self.args = args
         self.device = resolve_device(model_config.device)
@@ -166,6 +190,11 @@ class LLMEngine:
         self.pool.log_pool("elastic pool, start" if policy else "static pool")
 
     # ----------------------------------------------------------------- memory
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs | Mapping[str, Any]) -> LLMEngine:
+        """vLLM's constructor: ``args`` is an EngineArgs or a dict of its fields."""
+        return cls(args)
+
     def _check_batched_tokens(self, sched: SchedulerConfig, requested: int | None) -> None:
         """Without chunked prefill a prompt runs in one step, so one step must hold the longest prompt."""
         if sched.enable_chunked_prefill:

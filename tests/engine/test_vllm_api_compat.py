@@ -1,0 +1,84 @@
+"""The Python calls the seeds copy from vLLM: ``AsyncLLMEngine.from_engine_args({...})``,
+``LLMEngine.from_engine_args``, ``LLM(tensor_parallel_size=..., enforce_eager=...)``, sizes with units.
+Multi-device layouts and foreign checkpoint formats fail before anything loads, saying what to do."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import tideserve
+from tideserve import LLM, AsyncEngine, AsyncLLMEngine, EngineArgs, LLMEngine, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+SMALL = {"dtype": "float32", "max_model_len": 256, "num_blocks": 32}
+
+
+def test_async_llm_engine_from_a_dict_as_in_the_seed():
+    assert issubclass(AsyncLLMEngine, AsyncEngine) and "AsyncLLMEngine" in tideserve.__all__
+    # seed 004: AsyncLLMEngine.from_engine_args({"model": ..., "tensor_parallel_size": 2, "max_num_seqs": 512,
+    # "enable_chunked_prefill": True}), with the embedded model and one device
+    engine = AsyncLLMEngine.from_engine_args({**SMALL, "tensor_parallel_size": 1, "max_num_seqs": 512,
+                                              "enable_chunked_prefill": True}, log_stats_interval=None)
+    try:
+        async def generate(prompt: str) -> str:
+            text = ""
+            async for result in engine.generate(prompt, GREEDY, request_id=f"req-{hash(prompt)}"):
+                text = result.outputs[0].text
+            return text
+
+        async def main() -> list[str]:
+            return await asyncio.gather(*(generate(p) for p in ["写一首关于春天的诗", "The capital of France is"]))
+
+        outputs = asyncio.run(asyncio.wait_for(main(), 60))
+        assert len(outputs) == 2 and all(outputs)
+        assert engine.engine.scheduler_config.max_num_seqs == 512 and engine.num_active() == 0
+    finally:
+        engine.shutdown(5)
+
+
+def test_tensor_parallel_beyond_one_device_is_explained():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .*Tensor parallelism is not implemented in "
+                                         r"tideserve yet.*one tideserve server per device"):
+        AsyncLLMEngine.from_engine_args({"model": "Qwen/Qwen-7B-Chat", "tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):  # seed 004's LLM(...), before any load
+        LLM(model="meta-llama/Llama-2-7b-chat-hf", tensor_parallel_size=2, max_num_seqs=256, max_model_len=8192)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=4 .*Pipeline parallelism is not implemented"):
+        LLMEngine.from_engine_args(EngineArgs(pipeline_parallel_size=4))
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1, got 0"):
+        LLMEngine.from_engine_args({"tensor_parallel_size": 0})
+
+
+def test_from_engine_args_refuses_unknown_keys_and_other_types():
+    with pytest.raises(ValueError, match=r"unknown engine argument\(s\): \['tensor_parallel'\]; known: .*"
+                                         r"tensor_parallel_size"):
+        AsyncLLMEngine.from_engine_args({"tensor_parallel": 1})
+    with pytest.raises(ValueError, match="must be an EngineArgs or a dict of its fields, got list"):
+        LLMEngine.from_engine_args(["model"])
+
+
+def test_foreign_checkpoint_quantization_is_explained():
+    # seed 001: LLM(model=..., quantization="awq", enforce_eager=True)
+    with pytest.raises(ValueError, match=r"quantization='awq' is not supported: tideserve cannot read awq "
+                                         r"checkpoints.*use a GGUF export of the model"):
+        LLM(model="meta-llama/Llama-2-70b-chat-hf", quantization="awq", enforce_eager=True)
+    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4, got 'int3'"):
+        LLM(quantization="int3")
+
+
+def test_vllm_spellings_are_accepted():
+    llm = LLM(**{**SMALL, "dtype": "float"}, enforce_eager=True, swap_space="512MiB", quantization=None)
+    assert llm.engine.dtype.itemsize == 4 and llm.engine.cache_config.swap_space == 0.5
+    assert llm.generate("The capital of France is", GREEDY)[0].outputs[0].text
+    engine = LLMEngine.from_engine_args({**SMALL, "swap_space": "16G", "kv_cache_memory": None})
+    assert engine.cache_config.swap_space == 16.0
+    assert EngineArgs(swap_space=4).configs()[1].swap_space == 4.0  # a bare number means GiB, as in vLLM
+    assert EngineArgs(kv_cache_memory="512M").configs()[1].kv_cache_memory == 512 * 2**20
+    assert EngineArgs(kv_cache_memory="2Gi").configs()[1].kv_cache_memory == 2 * 2**30
+    assert EngineArgs(kv_cache_memory="1.5GB").configs()[1].kv_cache_memory == 1_500_000_000
+    for bad in ("lots", "-1G", "inf", "nanG"):
+        with pytest.raises(ValueError, match="must be a size such as"):
+            EngineArgs(swap_space=bad).configs()
+        with pytest.raises(ValueError, match="kv_cache_memory must be a size such as"):
+            EngineArgs(kv_cache_memory=bad).configs()
