@@ -25,6 +25,11 @@ class ServerConfig:
     log_prompts: bool = False
     max_body_bytes: int = 16 * 2**20
     shutdown_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
+    # An engine step running longer than this turns /health to 503 (0: never). A CPU step of a full token
+    # budget takes seconds on a small model and tens of seconds on a 7-8B float model on few cores (and the
+    # first steps also compile kernels), so the default sits well above that: vLLM's
+    # VLLM_ENGINE_ITERATION_TIMEOUT_S is 60 s too.
+    engine_stall_timeout: float = 60.0
     uvicorn_log_level: str = "warning"
 
     def __post_init__(self) -> None:
@@ -39,6 +44,8 @@ class ServerConfig:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}.")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes!r}.")
+        if not self.engine_stall_timeout >= 0:
+            raise ValueError(f"engine_stall_timeout must be >= 0 seconds (0: off), got {self.engine_stall_timeout!r}.")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout!r}.")
 

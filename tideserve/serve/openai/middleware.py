@@ -6,11 +6,13 @@ From the outside in:
 - ``GateMiddleware``: API key (constant-time compare; 401), server state (503 while loading, draining
   or after the engine died), per-key rate limit (429 with Retry-After). Health, metrics, version and
   the docs are exempt.
-- ``BodyLimitMiddleware``: bodies over the limit get 413 before the app parses anything.
+- ``BodyLimitMiddleware``: bodies over the limit get 413 before the app parses anything (the rest of the
+  body is read and dropped first, within bounds, so the client sees the 413 rather than a reset).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import hmac
 import logging
@@ -145,19 +147,32 @@ def _bearer(header: str) -> str:
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
-class BodyLimitMiddleware:
-    """Buffers the body up to ``max_bytes`` and replays it; larger bodies get 413 unread."""
+# A body over the limit is still read, and dropped, up to this many bytes within this many seconds: HTTP
+# clients send the whole body before they read the response, so answering early and closing would reset
+# the connection and the client would never see the 413. Beyond these bounds the connection is closed.
+DRAIN_MIN_BYTES = 64 * 2**20
+DRAIN_TIMEOUT_S = 10.0
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+
+class BodyLimitMiddleware:
+    """Buffers the body up to ``max_bytes`` and replays it; larger bodies get 413 once the rest of the body
+    has been read and dropped (up to ``drain_bytes`` in total), so the client can read the answer."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, drain_bytes: int | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.drain_bytes = drain_bytes if drain_bytes is not None else max(DRAIN_MIN_BYTES, 4 * max_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
-        declared = Headers(scope=scope).get("content-length")
+        headers = Headers(scope=scope)
+        declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            # With "Expect: 100-continue" the client waits for a go-ahead before sending: answer at once.
+            if headers.get("expect", "").lower() != "100-continue" and int(declared) <= self.drain_bytes:
+                await _drain(receive, self.drain_bytes)
             await self._too_large(scope, receive, send)
             return
         chunks: list[bytes] = []
@@ -169,6 +184,8 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
+                if message.get("more_body", False):
+                    await _drain(receive, self.drain_bytes - size)
                 await self._too_large(scope, receive, send)
                 return
             chunks.append(chunk)
@@ -186,5 +203,26 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await error_response(413, f"The request body is larger than the limit of {self.max_bytes} bytes.",
-                             headers={"Connection": "close"})(scope, receive, send)
+        await error_response(413, f"The request body is larger than the limit of {self.max_bytes} bytes "
+                                  "(--max-body-size).", headers={"Connection": "close"})(scope, receive, send)
+
+
+async def _drain(receive: Receive, budget: int) -> bool:
+    """Read and drop the rest of the request body, at most ``budget`` bytes and DRAIN_TIMEOUT_S seconds;
+    True when the body ended within those bounds."""
+
+    async def drain() -> bool:
+        left = budget
+        while left > 0:
+            message = await receive()
+            if message["type"] != "http.request":
+                return False
+            left -= len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return True
+        return False
+
+    try:
+        return await asyncio.wait_for(drain(), DRAIN_TIMEOUT_S)
+    except TimeoutError:
+        return False

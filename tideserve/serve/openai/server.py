@@ -8,7 +8,6 @@ new requests get 503, in-flight ones finish (up to ``shutdown_timeout``), then t
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import threading
@@ -33,6 +32,7 @@ from tideserve.serve.openai.errors import (
     install_error_handlers,
     validation_message,
 )
+from tideserve.serve.openai.json_body import JSONBodyError, load_json
 from tideserve.serve.openai.middleware import BodyLimitMiddleware, GateMiddleware, RequestContextMiddleware
 from tideserve.serve.openai.protocol import (
     ChatCompletionRequest,
@@ -178,9 +178,9 @@ async def parse_body(request: Request, model: type[M]) -> M:
     """
     body = await request.body()
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}.") from exc
+        data = load_json(body)
+    except JSONBodyError as exc:
+        raise bad_request(str(exc)) from None
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.")
     try:

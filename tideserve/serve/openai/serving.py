@@ -106,6 +106,11 @@ def unavailable_reason(state: ServerState) -> str | None:
         dead = state.engine.dead_error
         reason = f" ({type(dead).__name__}: {dead})" if dead is not None else ""
         return f"The engine is not running{reason}; the server must be restarted."
+    stall = state.config.engine_stall_timeout
+    running_for = state.engine.step_running_for()
+    if stall and running_for > stall:
+        return (f"The engine is stalled: its current step has run for {running_for:.1f} s, longer than "
+                f"engine_stall_timeout={stall:g} s (--engine-stall-timeout); requests are not progressing.")
     return None
 
 
