@@ -15,6 +15,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # torch's generators take seeds in [-2**63, 2**64); per-sample seeds are seed + index.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
+# What the chat template accepts (tokenizer.normalize_messages checks it, with messages naming the fault).
+# Only documented in /openapi.json, for clients' generators and the schema fuzzer; validation stays there.
+_MESSAGES_SCHEMA = {"minItems": 1, "items": {
+    "type": "object", "required": ["role", "content"],
+    "properties": {"role": {"enum": ["system", "user", "assistant", "tool"]},
+                   "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {
+                       "type": "object", "required": ["type", "text"],
+                       "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}}}
 
 
 class OpenAIBaseModel(BaseModel):
@@ -56,7 +64,7 @@ class SamplingRequest(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] = Field(json_schema_extra=_MESSAGES_SCHEMA)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool | None = False

@@ -19,6 +19,7 @@ from typing import TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
@@ -74,12 +75,49 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None,
     app.state.tideserve = state
     install_error_handlers(app)
     _add_routes(app, state)
+    _describe_bodies(app, state, REQUEST_BODIES)
     route_paths = frozenset(getattr(r, "path", "") for r in app.routes)
     # add_middleware wraps: the last added is the outermost.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     app.add_middleware(GateMiddleware, state=state)
     app.add_middleware(RequestContextMiddleware, state=state, route_paths=route_paths)
     return app
+
+
+# The routes parse their bodies themselves (parse_body), so FastAPI cannot see them: /openapi.json gets
+# each body's pydantic schema from here, which is what clients' generators and the schema fuzzer read.
+REQUEST_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
+
+
+def _describe_bodies(app: FastAPI, state: ServerState, bodies: dict[str, type[BaseModel]]) -> None:
+    """Serve an OpenAPI document with the request-body schemas of ``bodies`` (path -> model), and with
+    ``model`` restricted to the served names once the engine is loaded (only then is it cached)."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in bodies.items():
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            schema["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            if state.served_names and "model" in body.get("properties", {}):
+                body["properties"]["model"] = {"anyOf": [{"enum": list(state.served_names)}, {"type": "null"}],
+                                               "default": None, "title": "Model"}
+        if state.served_names:
+            app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _load(state: ServerState, factory: EngineFactory) -> None:
