@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from tideserve.config import KV_CACHE_DTYPES
+from tideserve.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES
 from tideserve.sampling_params import SamplingParams
 
 
@@ -41,6 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step (default 2048; without chunked prefill at least max_model_len)")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
+                   help="fcfs: arrival order; priority: by each request's priority field (lower first, then "
+                        "arrival), preempting lower-priority requests for higher ones")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-adaptive-threads", dest="adaptive_threads", action="store_false",
                    help="keep the intra-op thread count fixed even when other processes take cores")
@@ -66,7 +69,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:
     keys = ["model", "dtype", "device", "max_model_len", "allow_long_max_model_len", "max_num_seqs",
-            "max_num_batched_tokens", "enable_chunked_prefill", "block_size", "num_blocks",
+            "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policy", "block_size", "num_blocks",
             "kv_cache_memory", "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching", "preemption_mode",
             "swap_space", "seed", "quantization", "adaptive_threads", "kv_cache_shrink_delay"]
     return {k: getattr(ns, k) for k in keys}
@@ -147,6 +150,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight requests")
     g.add_argument("--log-prompts", action="store_true", help="log prompt text (off: only token counts)")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or the path of a file holding one, used instead of the model's "
+                        "(a request's chat_template field still wins)")
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -159,7 +165,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         host=ns.host, port=ns.port, served_model_name=ns.served_model_name,
         api_keys=api_keys_from(ns.api_key), rate_limit=ns.rate_limit, max_queue=ns.max_queue,
         max_logprobs=ns.max_logprobs, log_prompts=ns.log_prompts, max_body_bytes=ns.max_body_size,
-        shutdown_timeout=ns.shutdown_timeout)
+        shutdown_timeout=ns.shutdown_timeout, chat_template=ns.chat_template)
     args = EngineArgs(**engine_kwargs(ns))
     args.configs()  # validate engine flags before the server starts listening
     return run_server(config, lambda: AsyncEngine.from_engine_args(args, max_queue=config.max_queue))
