@@ -22,7 +22,7 @@ from tideserve.cli_compat import (
     repair_dashes,
     unknown_flag_messages,
 )
-from tideserve.config import DTYPE_ALIASES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
+from tideserve.config import DTYPE_ALIASES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES
 from tideserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("tideserve.cli")
@@ -76,6 +76,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill", action="store_true", default=True,
                    help="on by default, as in vLLM")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
+                   help="fcfs: arrival order; priority: by each request's priority field (lower first, then "
+                        "arrival), preempting lower-priority requests for higher ones")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-adaptive-threads", dest="adaptive_threads", action="store_false",
                    help="keep the intra-op thread count fixed even when other processes take cores")
@@ -114,7 +117,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:
     keys = ["model", "dtype", "device", "max_model_len", "allow_long_max_model_len", "max_num_seqs",
-            "max_num_batched_tokens", "enable_chunked_prefill", "block_size", "num_blocks",
+            "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policy", "block_size", "num_blocks",
             "kv_cache_memory", "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching", "preemption_mode",
             "swap_space", "seed", "quantization", "adaptive_threads", "kv_cache_shrink_delay", "enforce_eager",
             "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"]
@@ -201,6 +204,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="an engine step running longer than this turns /health to 503 (0: never; default 60, "
                         "well above a full-budget CPU step of a 7-8B model)")
     g.add_argument("--log-prompts", action="store_true", help="log prompt text (off: only token counts)")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or the path of a file holding one, used instead of the model's "
+                        "(a request's chat_template field still wins)")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput/KV-usage log lines")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
@@ -216,7 +222,7 @@ def server_config(ns: argparse.Namespace):
         api_keys=api_keys_from(ns.api_key), rate_limit=ns.rate_limit, max_queue=ns.max_queue,
         max_logprobs=ns.max_logprobs, log_prompts=ns.log_prompts, max_body_bytes=ns.max_body_size,
         shutdown_timeout=ns.shutdown_timeout, engine_stall_timeout=ns.engine_stall_timeout,
-        uvicorn_log_level=ns.uvicorn_log_level)
+        uvicorn_log_level=ns.uvicorn_log_level, chat_template=ns.chat_template)
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:

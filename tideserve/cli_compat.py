@@ -83,8 +83,6 @@ ENGINE_FLAGS = (
                 takes_value=True, refuse=True),
     ForeignFlag(("--enable-lora", "--lora-modules"), "LoRA adapters are not implemented; merge the adapter "
                 "into the weights and serve the merged model", takes_value=True, refuse=True),
-    ForeignFlag(("--chat-template",), "the model's own chat template is used; a replacement template is not "
-                "supported yet", takes_value=True, refuse=True),
 )
 
 SERVER_FLAGS = (

@@ -109,12 +109,17 @@ class CacheConfig:
                 or self.gpu_memory_utilization is not None)
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"
+    # fcfs: arrival order; priority: by each request's priority (lower first), then arrival (vLLM's).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
@@ -125,6 +130,8 @@ class SchedulerConfig:
             )
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}.")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -42,3 +42,6 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # Tokens generated for this request over all its samples, best_of's discarded ones included (what
+    # OpenAI bills as completion tokens).
+    num_generated_tokens: int = 0

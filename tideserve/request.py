@@ -40,6 +40,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     prompt: str | None = None
     generator: torch.Generator | None = None  # seeded requests own their randomness
+    priority: int = 0  # the priority scheduling policy serves lower values first
+    cache_salt: str | None = None  # isolates the request's prefix-cache entries (vLLM's cache_salt)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

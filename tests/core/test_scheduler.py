@@ -179,3 +179,125 @@ def test_a_preempted_request_resumes_only_with_room_for_the_running_ones():
     s.waiting.clear()
     s.add_request(fresh)
     assert step(s).num_scheduled_tokens == {"a": 1, "fresh": 7}  # a new request is admitted as before
+
+
+# ---------------------------------------------------------------------- priority policy
+def prio_scheduler(num_blocks=10, block=4, budget=100, max_seqs=8, mode="recompute", num_swap=0):
+    kv = KVCacheManager(num_blocks, block, enable_prefix_caching=False)
+    if num_swap:
+        kv.enable_swap(num_swap)
+    return Scheduler(SchedulerConfig(max_seqs, budget, True, mode, "priority"), kv, max_model_len=1000)
+
+
+def preq(rid, n_prompt, priority, max_tokens=100):
+    r = req(rid, n_prompt, max_tokens)
+    r.priority = priority
+    return r
+
+
+def test_priority_orders_waiting_by_priority_then_arrival():
+    s = prio_scheduler(max_seqs=2)
+    for rid, p in [("a", 1), ("b", 0), ("c", 1), ("d", 0)]:
+        s.add_request(preq(rid, 2, p))
+    assert [r.request_id for r in s.waiting] == ["b", "d", "a", "c"]
+    assert set(step(s).num_scheduled_tokens) == {"b", "d"}
+    assert [r.request_id for r in s.waiting] == ["a", "c"]
+
+
+def test_fcfs_ignores_priority_values():
+    s = make(max_seqs=2, budget=100)
+    for rid, p in [("a", 1), ("b", 0), ("c", 1)]:
+        s.add_request(preq(rid, 2, p))
+    assert set(step(s).num_scheduled_tokens) == {"a", "b"}
+
+
+def test_out_of_blocks_preempts_the_lowest_priority_not_the_newest():
+    s = prio_scheduler(num_blocks=4)
+    s.add_request(preq("low", 7, priority=5))
+    s.add_request(preq("high", 7, priority=0))  # newer, but more important
+    step(s)
+    step(s)
+    out = step(s)  # both need a third block: none free
+    assert out.preempted_ids == ["low"]
+    assert out.num_scheduled_tokens == {"high": 1}
+    assert [r.request_id for r in s.running] == ["high"] and s.waiting[0].request_id == "low"
+    s.kv.check_invariants()
+
+
+def test_among_equal_priorities_the_newest_is_preempted():
+    s = prio_scheduler(num_blocks=4)
+    s.add_request(preq("old", 7, priority=3))
+    s.add_request(preq("new", 7, priority=3))
+    step(s)
+    step(s)
+    assert step(s).preempted_ids == ["new"]
+
+
+def test_a_high_priority_arrival_preempts_running_low_priority_requests_for_blocks():
+    s = prio_scheduler(num_blocks=4)
+    s.add_request(preq("a", 7, priority=5))
+    s.add_request(preq("b", 7, priority=5))
+    step(s)  # a and b hold 2 blocks each: the pool is full
+    s.add_request(preq("vip", 7, priority=0))
+    out = step(s)
+    # vip needs 2 blocks: b (newest of the lowest priority) is preempted and vip runs in the same step.
+    assert out.preempted_ids == ["b"]
+    assert out.num_scheduled_tokens == {"a": 1, "vip": 7}
+    assert [r.request_id for r in s.waiting] == ["b"]
+    assert [r.request_id for r in s.running] == ["vip", "a"]  # sorted by (priority, arrival)
+    s.kv.check_invariants()
+
+
+def test_a_high_priority_arrival_takes_the_seat_of_a_low_priority_one():
+    s = prio_scheduler(max_seqs=1)
+    s.add_request(preq("low", 3, priority=1))
+    step(s)
+    s.add_request(preq("high", 3, priority=0))
+    out = step(s)
+    assert out.preempted_ids == ["low"] and out.num_scheduled_tokens == {"high": 3}
+
+
+def test_no_preemption_without_a_priority_inversion():
+    s = prio_scheduler(num_blocks=4, max_seqs=1)
+    s.add_request(preq("a", 7, priority=2))
+    step(s)
+    s.add_request(preq("same", 3, priority=2))
+    s.add_request(preq("worse", 3, priority=9))
+    for _ in range(3):
+        out = step(s)
+        assert out.preempted_ids == [] and out.num_scheduled_tokens == {"a": 1}
+    assert s.num_preemptions == 0
+
+
+def test_the_elastic_pool_grows_before_a_running_request_is_preempted_for_a_waiting_one():
+    s = prio_scheduler(num_blocks=4)
+    asked = []
+
+    def grow(num_short):
+        asked.append(num_short)
+        s.kv.grow(num_short)
+        return True
+
+    s.add_request(preq("a", 8, priority=5))
+    s.add_request(preq("b", 8, priority=5))
+    step(s)
+    s.on_out_of_blocks = grow
+    s.add_request(preq("vip", 8, priority=0))
+    out = step(s)
+    assert asked and out.preempted_ids == [] and s.num_preemptions == 0
+    assert set(out.num_scheduled_tokens) == {"a", "b", "vip"}
+
+
+def test_priority_preemption_in_swap_mode_copies_out_and_resumes_without_recompute():
+    s = prio_scheduler(num_blocks=5, mode="swap", num_swap=8)
+    s.add_request(preq("a", 5, priority=5))
+    s.add_request(preq("b", 5, priority=5))
+    step(s)  # 2 blocks each, 1 free
+    s.add_request(preq("vip", 7, priority=0, max_tokens=1))
+    out = step(s)
+    assert out.preempted_ids == ["b"] and len(out.swap_out) == 2 and "b" in s.kv.swapped
+    assert out.num_scheduled_tokens == {"a": 1, "vip": 7}
+    assert s.requests["b"].num_computed_tokens == 5  # its KV is kept, on the host
+    out = step(s)  # vip finished at its first token: b is copied back, not recomputed
+    assert len(out.swap_in) == 2 and out.num_scheduled_tokens == {"a": 1, "b": 1}
+    s.kv.check_invariants()

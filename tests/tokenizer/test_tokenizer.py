@@ -148,3 +148,26 @@ def test_bad_paths(tmp_path: Path) -> None:
         load_tokenizer(str(not_gguf))
     with pytest.raises(ValueError, match="no tokenizer.json"):
         load_tokenizer(str(tmp_path))
+
+
+def test_add_special_tokens_on_chat_prompts(tokenizer: Tokenizer) -> None:
+    """Unset: exactly one BOS; true/false (vLLM's field): the tokenizer's special tokens added or not."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    hf = copy.deepcopy(tokenizer.hf)  # a tokenizer that prepends BOS (id 1) to plain text
+    hf._tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    bos = Tokenizer(hf)
+    messages = [{"role": "user", "content": "hi"}]
+    template = "{{ messages[0]['content'] }}"
+    once = bos.encode_chat(messages, chat_template=template)
+    assert once[0] == 1 and once[1] != 1
+    assert bos.encode_chat(messages, chat_template=template, add_special_tokens=False) == once[1:]
+    assert bos.encode_chat(messages, chat_template="<|im_start|>" + template, add_special_tokens=True)[:2] == [1, 1]
+
+
+def test_bad_words_token_ids_cover_both_spellings(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.bad_words_token_ids(["Paris", "hello world"])
+    texts = [tokenizer.decode(s) for s in ids]
+    assert texts == ["Paris", " Paris", "hello world", " hello world"]

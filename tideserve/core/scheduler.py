@@ -6,6 +6,14 @@ requests in arrival order; a prompt larger than what remains of the budget is pr
 block is free (and the elastic pool cannot grow), the newest running request is preempted: its blocks
 are freed and it goes back to the front of the waiting queue, to be recomputed later, or, in swap mode,
 its KV is copied to the host tier and copied back when it resumes. Plain Python over integers.
+
+Two policies order the queues (``SchedulerConfig.scheduling_policy``, vLLM's):
+- ``fcfs``: ``running`` and ``waiting`` in arrival order (a preempted request back at the front).
+- ``priority``: both ordered by (priority, arrival), lower priority values first; the victim of a
+  preemption is the last running request, so the lowest priority (then the newest) goes first. A waiting
+  request that outranks the last running one and cannot be admitted (no seat or no blocks) preempts it,
+  as vLLM's priority policy does, so a high-priority request overtakes a full engine.
+In both, the victim is ``running[-1]``: one invariant, two orders.
 """
 
 from __future__ import annotations
@@ -80,9 +88,12 @@ class Scheduler:
         self.config = config
         self.kv = kv_manager
         self.max_model_len = max_model_len
+        self.priority_policy = config.scheduling_policy == "priority"
+        # fcfs: arrival order (preempted requests at the front); priority: sorted by _order_key.
         self.waiting: deque[Request] = deque()
-        # Kept in arrival order, so the newest arrival is preempted first: a request resumed after a
-        # preemption (older than the ones that arrived while it waited) is not the next victim again.
+        # Kept sorted by _order_key (arrival, or (priority, arrival)), so the newest arrival of the lowest
+        # priority is preempted first: a request resumed after a preemption (older than the ones that
+        # arrived while it waited) is not the next victim again.
         self.running: list[Request] = []
         self._arrival: dict[str, int] = {}
         self._next_arrival = 0
@@ -102,7 +113,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._arrival[request.request_id] = self._next_arrival
         self._next_arrival += 1
-        self.waiting.append(request)
+        self.kv.set_cache_salt(request.request_id, request.cache_salt)
+        self._enqueue(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request now (abort, stop string): its blocks are freed at once."""
@@ -138,6 +150,8 @@ class Scheduler:
         self._preempted_since_step = []
         budget = self.config.max_num_batched_tokens
         preempted_now = False
+        if self.priority_policy:
+            self._preempt_for_waiting(out, budget)
 
         scheduled_running: list[Request] = []
         i = 0
@@ -176,8 +190,53 @@ class Scheduler:
             self.requests[request_id].num_computed_tokens += num
         return out
 
+    def _order_key(self, request: Request) -> int | tuple[int, int]:
+        arrival = self._arrival[request.request_id]
+        return (request.priority, arrival) if self.priority_policy else arrival
+
     def _add_running(self, request: Request) -> None:
-        bisect.insort(self.running, request, key=lambda r: self._arrival[r.request_id])
+        bisect.insort(self.running, request, key=self._order_key)
+
+    def _enqueue(self, request: Request, preempted: bool = False) -> None:
+        """Into the waiting queue: its place by priority, or (fcfs) at the back, or the front when it
+        was just preempted (it arrived before everything waiting)."""
+        if self.priority_policy:
+            bisect.insort(self.waiting, request, key=self._order_key)
+        elif preempted:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def _preempt_for_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Priority policy: while the first waiting request outranks the last running one (lower value)
+        and could not be admitted now (no seat, or too few blocks even after growing the pool), preempt
+        that running request; the freed seat and blocks go to the waiting one in this step."""
+        while self.waiting and self.running:
+            head, victim = self.waiting[0], self.running[-1]
+            if victim.priority <= head.priority or self._could_admit(head, budget):
+                return
+            self.running.pop()
+            self._preempt(victim, out, reason=f"to admit request {head.request_id} (priority {head.priority} "
+                                              f"over {victim.priority})")
+
+    def _could_admit(self, request: Request, budget: int) -> bool:
+        """Whether ``_schedule_waiting`` would find a seat and the blocks for the request's first chunk
+        (the same tests, nothing allocated; the elastic pool may grow)."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        token_ids = request.all_token_ids
+        if request.request_id in self.kv.swapped:
+            computed, hit_blocks = request.num_computed_tokens, []
+        else:
+            computed = 0
+            hit_blocks = ([] if request.sampling_params.prompt_logprobs is not None
+                          else self.kv.get_computed_blocks(request.request_id, token_ids, count_stats=False))
+        num_new = len(token_ids) - computed - len(hit_blocks) * self.kv.block_size
+        if self.config.enable_chunked_prefill:
+            num_new = min(num_new, budget)
+        reserve = len(self.running) if request.num_preemptions else 0
+        short = self.kv.num_blocks_short(request.request_id, computed, num_new, hit_blocks, reserve=reserve)
+        return short == 0 or self._grow(short)
 
     def _room_to_resume(self, request: Request, num_computed: int, num_new: int, hit_blocks=()) -> bool:
         """A preempted request resumes only when one free block per running request remains after it
@@ -265,7 +324,8 @@ class Scheduler:
                     request.request_id, len(pairs), saved)
         return num_new
 
-    def _preempt(self, request: Request, out: SchedulerOutput | None, allow_swap: bool = True) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput | None, allow_swap: bool = True,
+                 reason: str = "KV cache full") -> None:
         mode = "recompute"
         pairs = None
         if allow_swap and self.config.preemption_mode == "swap":
@@ -277,7 +337,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, preempted=True)
         if out is not None:
             out.preempted_ids.append(request.request_id)
             out.num_scheduled_tokens.pop(request.request_id, None)
@@ -287,13 +347,14 @@ class Scheduler:
             self._preempted_since_step.append(request.request_id)
         swap = self.kv.swap
         logger.warning(
-            "Request %s preempted (mode=%s): KV cache full, %d/%d blocks free, swap %d/%d blocks free, "
-            "%d running, %d waiting.", request.request_id, mode, self.kv.num_free_blocks,
+            "Request %s preempted (mode=%s): %s, %d/%d blocks free, swap %d/%d blocks free, "
+            "%d running, %d waiting.", request.request_id, mode, reason, self.kv.num_free_blocks,
             self.kv.num_blocks, swap.num_free if swap else 0, swap.num_blocks if swap else 0,
             len(self.running), len(self.waiting))
 
     def preempt_newest(self) -> Request | None:
-        """Between steps (memory pressure): recompute-preempt the newest running request."""
+        """Between steps (memory pressure): recompute-preempt the newest running request (under the
+        priority policy, the newest of the lowest priority)."""
         if not self.running:
             return None
         victim = self.running.pop()
@@ -323,4 +384,5 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.kv.free(request.request_id)
         self.kv.drop_swapped(request.request_id)
+        self.kv.drop_cache_salt(request.request_id)
         self._finished_since_step.append(request.request_id)

@@ -117,6 +117,8 @@ class _Add:
     params: SamplingParams
     prompt_token_ids: list[int] | None
     stream: RequestStream
+    priority: int = 0
+    cache_salt: str | None = None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -176,9 +178,14 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def tokenize_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+    @property
+    def scheduling_policy(self) -> str:
+        return self.engine.scheduler_config.scheduling_policy
+
+    def tokenize_prompt(self, prompt: str | Sequence[int],
+                        add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """The engine's own prompt validation and tokenization; read-only, so safe from any thread."""
-        return self.engine.tokenize_prompt(prompt)
+        return self.engine.tokenize_prompt(prompt, add_special_tokens)
 
     @property
     def is_healthy(self) -> bool:
@@ -215,8 +222,10 @@ class AsyncEngine:
     # ---------------------------------------------------------------- submission (any thread, asyncio)
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
                           request_id: str | None = None,
-                          prompt_token_ids: list[int] | None = None) -> RequestStream:
-        """Submit a request; returns its stream once the engine accepted it.
+                          prompt_token_ids: list[int] | None = None, priority: int = 0,
+                          cache_salt: str | None = None) -> RequestStream:
+        """Submit a request; returns its stream once the engine accepted it (``priority`` and
+        ``cache_salt`` as in ``LLMEngine.add_request``).
 
         Raises the engine's ``ValueError`` for invalid input (including a duplicate ``request_id``),
         ``QueueFullError`` at ``max_queue`` and ``EngineDeadError`` when the loop is not running.
@@ -228,7 +237,7 @@ class AsyncEngine:
             if request_id in self._active:
                 raise ValueError(f"request_id {request_id!r} is already in use.")
             self._active[request_id] = stream
-        command = _Add(request_id, prompt, params, prompt_token_ids, stream)
+        command = _Add(request_id, prompt, params, prompt_token_ids, stream, priority, cache_salt)
         with self._cond:
             depth = self._pending_adds + self._num_waiting
             if self.max_queue is not None and depth >= self.max_queue:
@@ -255,9 +264,10 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams,
                        request_id: str | None = None,
-                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt_token_ids: list[int] | None = None, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream cumulative outputs; leaving the loop early (or being cancelled) aborts the request."""
-        stream = await self.add_request(prompt, params, request_id, prompt_token_ids)
+        stream = await self.add_request(prompt, params, request_id, prompt_token_ids, priority, cache_salt)
         try:
             async for out in stream:
                 yield out
@@ -344,7 +354,8 @@ class AsyncEngine:
             return  # the caller gave up before the request was applied
         try:
             self.engine.add_request(command.prompt, command.params, request_id=command.request_id,
-                                    prompt_token_ids=command.prompt_token_ids)
+                                    prompt_token_ids=command.prompt_token_ids, priority=command.priority,
+                                    cache_salt=command.cache_salt)
         except Exception as exc:  # the caller gets it; the engine is unchanged
             command.future.set_exception(exc)
             return

@@ -8,6 +8,7 @@ from typing import Any
 from tideserve.engine.llm_engine import EngineArgs, LLMEngine
 from tideserve.outputs import RequestOutput
 from tideserve.sampling_params import SamplingParams
+from tideserve.tokenizer.chat_template import load_chat_template
 
 Prompt = str | Sequence[int]
 Message = dict[str, Any]
@@ -29,37 +30,62 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """``priority``: one per prompt, lower first (needs ``scheduling_policy="priority"``)."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt: text or token ids
         prompts = list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
+        priorities = self._priorities(priority, len(prompts))
         # Validate every prompt before adding any, so a bad one loses nothing.
         checked = []
         for prompt, p in zip(prompts, params):
             text, token_ids = self.engine.tokenize_prompt(prompt)
             self.engine.check_lengths(len(token_ids), p)
+            p.check_token_ids(self.engine.arch.vocab_size)
             checked.append((prompt, token_ids, p))
-        return self._run([(prompt, token_ids, p) for prompt, token_ids, p in checked], use_tqdm)
+        return self._run(checked, use_tqdm, priorities)
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = False, add_generation_prompt: bool = True, *, chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False,
+             priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate replies to conversations through the chat template: the model's, or ``chat_template``
+        (a Jinja string or a file path, as ``--chat-template``), with ``chat_template_kwargs`` as
+        template variables; ``continue_final_message`` continues the last assistant message
+        (``add_generation_prompt`` must then be False)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         params = self._params_per_prompt(sampling_params, len(conversations))
+        priorities = self._priorities(priority, len(conversations))
+        template = load_chat_template(chat_template)
         checked = []
         for conv, p in zip(conversations, params):
-            token_ids = self.engine.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt)
+            token_ids = self.engine.tokenizer.encode_chat(
+                conv, add_generation_prompt=add_generation_prompt, chat_template=template,
+                chat_template_kwargs=chat_template_kwargs, continue_final_message=continue_final_message)
             self.engine.check_lengths(len(token_ids), p)
+            p.check_token_ids(self.engine.arch.vocab_size)
             checked.append((self.engine.tokenizer.decode(token_ids, skip_special_tokens=False), token_ids, p))
-        return self._run(checked, use_tqdm)
+        return self._run(checked, use_tqdm, priorities)
 
-    def _run(self, items: list[tuple[Prompt, list[int], SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
+    def _priorities(self, priority: Sequence[int] | None, n: int) -> list[int]:
+        if priority is None:
+            return [0] * n
+        priority = list(priority)
+        if len(priority) != n:
+            raise ValueError(f"priority has {len(priority)} entries but there are {n} prompts.")
+        for value in priority:
+            self.engine.check_priority(value)
+        return priority
+
+    def _run(self, items: list[tuple[Prompt, list[int], SamplingParams]], use_tqdm: bool,
+             priorities: list[int]) -> list[RequestOutput]:
         order: dict[str, int] = {}
         for i, (prompt, token_ids, p) in enumerate(items):
             text = prompt if isinstance(prompt, str) else None
-            rid = self.engine.add_request(text or token_ids, p, prompt_token_ids=token_ids)
+            rid = self.engine.add_request(text or token_ids, p, prompt_token_ids=token_ids, priority=priorities[i])
             order[rid] = i
         results: list[RequestOutput | None] = [None] * len(items)
         bar = _progress(len(items)) if use_tqdm else None

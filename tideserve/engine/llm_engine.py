@@ -24,6 +24,7 @@ from tideserve.engine.output_processor import OutputProcessor
 from tideserve.engine.pool_controller import PoolController
 from tideserve.engine.stats import EngineStats
 from tideserve.engine.threads import ThreadGovernor
+from tideserve.errors import InvalidParameterError
 from tideserve.model.layers.quantization import (
     CALIBRATION_TEXT,
     calibrate,
@@ -57,6 +58,7 @@ class EngineArgs:
     # None: 2048 with chunked prefill; without it, at least max_model_len (a prompt runs in one step)
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # or "priority": requests' priority (lower first), then arrival
     block_size: int | str = "auto"
     num_blocks: int | None = None
     kv_cache_memory: int | str | None = None
@@ -109,7 +111,7 @@ class EngineArgs:
                         swap_space=self.swap_space),
             SchedulerConfig(self.max_num_seqs, DEFAULT_MAX_NUM_BATCHED_TOKENS if self.max_num_batched_tokens is None
                             else self.max_num_batched_tokens,
-                            self.enable_chunked_prefill, self.preemption_mode),
+                            self.enable_chunked_prefill, self.preemption_mode, self.scheduling_policy),
         )
 
 
@@ -281,11 +283,12 @@ class LLMEngine:
     def make_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
-    def tokenize_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: str | Sequence[int],
+                        add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty.")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         token_ids = list(prompt)
         if not token_ids:
             raise ValueError("prompt must not be empty (got an empty list of token ids).")
@@ -313,12 +316,30 @@ class LLMEngine:
                 f"can be generated ({params.max_tokens} > {limit} - {num_prompt_tokens}).")
         return params.max_tokens
 
+    def check_priority(self, priority: int) -> None:
+        """A request's priority: an integer; non-zero only under the priority policy (vLLM's wording)."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidParameterError(f"priority must be an integer, got {priority!r}.", "priority")
+        if priority != 0 and self.scheduler_config.scheduling_policy != "priority":
+            raise InvalidParameterError(f"Got priority {priority} but Priority scheduling is not enabled.",
+                                        "priority")
+
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, prompt_token_ids: list[int] | None = None) -> str:
+                    request_id: str | None = None, prompt_token_ids: list[int] | None = None,
+                    priority: int = 0, cache_salt: str | None = None) -> str:
+        """Queue a request: one child per sample (best_of of them when set, else n).
+
+        ``priority`` orders it under the priority policy (lower first); ``cache_salt`` keeps its
+        prefix-cache entries apart from requests without the same salt.
+        """
         params = params or SamplingParams()
         request_id = request_id or self.make_request_id()
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use.")
+        self.check_priority(priority)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidParameterError(f"cache_salt must be a non-empty string, got {cache_salt!r}.",
+                                        "cache_salt")
         if prompt_token_ids is not None:
             text, token_ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
             if not token_ids:
@@ -326,22 +347,32 @@ class LLMEngine:
         else:
             text, token_ids = self.tokenize_prompt(prompt)
         max_tokens = self.check_lengths(len(token_ids), params)
+        params.check_token_ids(self.arch.vocab_size)
+        bad_words_ids = self.tokenizer.bad_words_token_ids(params.bad_words) if params.bad_words else []
         eos = self.tokenizer.eos_token_id
         extra_stop = [] if params.ignore_eos else [t for t in self.arch.eos_token_ids if t != eos]
+        num_samples = params.num_samples
+        # best_of ranks samples by cumulative logprob, so every sample computes its logprobs; they are
+        # dropped from the output when the user did not ask for them.
+        hide_logprobs = num_samples > params.n and params.logprobs is None
         children = []
-        for index in range(params.n):
-            child_params = replace(params, n=1, extra_stop_token_ids=extra_stop)
+        for index in range(num_samples):
+            child_params = replace(params, n=1, best_of=None, extra_stop_token_ids=extra_stop,
+                                   bad_words_token_ids=bad_words_ids,
+                                   logprobs=0 if hide_logprobs else params.logprobs)
             if params.seed is not None:
                 child_params.seed = params.seed + index
             generator = None
             if child_params.seed is not None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(child_params.seed)
-            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            child_id = request_id if num_samples == 1 else f"{request_id}#{index}"
             children.append(Request(child_id, list(token_ids), child_params, eos, max_tokens,
-                                    prompt=text, generator=generator))
-        self.output_processor.add(request_id, text, token_ids, children)
-        self._num_prompt_tokens += len(token_ids) * params.n
+                                    prompt=text, generator=generator, priority=priority,
+                                    cache_salt=cache_salt))
+        self.output_processor.add(request_id, text, token_ids, children, num_returned=params.n,
+                                  hide_logprobs=hide_logprobs)
+        self._num_prompt_tokens += len(token_ids) * num_samples
         for child in children:
             if max_tokens == 0 and params.prompt_logprobs is None:
                 child.status = RequestStatus.FINISHED_LENGTH

@@ -1,12 +1,14 @@
 """Engine-side output handling: incremental detokenization, stop strings, logprobs, n > 1 grouping.
 
 Each child request (one per sample when n > 1) keeps a detokenizer; the parent's RequestOutput carries one
-CompletionOutput per child, in index order.
+CompletionOutput per child, in index order. With best_of > n, the finished output keeps the n children
+with the highest cumulative logprob, best first, re-indexed 0..n-1 (vLLM V0's best_of); until then it
+lists every candidate.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tideserve.outputs import CompletionOutput, Logprob, RequestOutput
 from tideserve.request import Request, RequestStatus
@@ -38,16 +40,29 @@ class ParentState:
     prompt_token_ids: list[int]
     children: list[ChildState] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_returned: int | None = None  # best_of > n: how many of the children the finished output keeps
+    hide_logprobs: bool = False  # logprobs computed only to rank best_of samples: not returned
 
     @property
     def finished(self) -> bool:
         return all(c.finished for c in self.children)
 
+    def completions(self) -> list[CompletionOutput]:
+        outputs = [c.completion() for c in self.children]
+        if self.num_returned is not None and self.num_returned < len(outputs) and self.finished:
+            ranked = sorted(outputs, key=_cumulative, reverse=True)[:self.num_returned]
+            outputs = [replace(c, index=i) for i, c in enumerate(ranked)]
+        if self.hide_logprobs:
+            for c in outputs:
+                c.logprobs = None
+        return outputs
+
     def output(self) -> RequestOutput:
         first = self.children[0].request
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-            outputs=[c.completion() for c in self.children], finished=self.finished,
+            outputs=self.completions(), finished=self.finished,
+            num_generated_tokens=sum(len(c.request.output_token_ids) for c in self.children),
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=first.num_cached_tokens,
             metrics={"arrival_time": first.arrival_time,
@@ -63,8 +78,9 @@ class OutputProcessor:
         self._child_parent_id: dict[str, str] = {}
 
     def add(self, parent_id: str, prompt: str | None, prompt_token_ids: list[int],
-            children: list[Request]) -> None:
-        parent = ParentState(parent_id, prompt, prompt_token_ids)
+            children: list[Request], num_returned: int | None = None, hide_logprobs: bool = False) -> None:
+        parent = ParentState(parent_id, prompt, prompt_token_ids, num_returned=num_returned,
+                             hide_logprobs=hide_logprobs)
         for index, req in enumerate(children):
             params = req.sampling_params
             detok = IncrementalDetokenizer(
@@ -125,6 +141,10 @@ class OutputProcessor:
 
     def parent_of(self, request_id: str) -> str | None:
         return self._child_parent_id.get(request_id)
+
+
+def _cumulative(c: CompletionOutput) -> float:
+    return c.cumulative_logprob if c.cumulative_logprob is not None else float("-inf")
 
 
 def finish_status(stop_string: str | None) -> RequestStatus:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from tideserve.tokenizer.chat_template import load_chat_template
+
 API_KEY_ENV = "TIDESERVE_API_KEY"
 
 
@@ -31,6 +33,9 @@ class ServerConfig:
     # VLLM_ENGINE_ITERATION_TIMEOUT_S is 60 s too.
     engine_stall_timeout: float = 60.0
     uvicorn_log_level: str = "warning"
+    # --chat-template: a Jinja string or the path of a file holding one; replaces the model's template for
+    # chat completions and /tokenize (a request's own chat_template still wins). Held as the template text.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         self.api_keys = tuple(k for k in self.api_keys if k)
@@ -48,6 +53,7 @@ class ServerConfig:
             raise ValueError(f"engine_stall_timeout must be >= 0 seconds (0: off), got {self.engine_stall_timeout!r}.")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout!r}.")
+        self.chat_template = load_chat_template(self.chat_template)
 
 
 def api_keys_from(cli_keys: list[str] | None) -> tuple[str, ...]:

@@ -16,6 +16,8 @@ import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from tideserve.tokenizer.chat_template import ChatTemplateError, check_syntax, check_template_kwargs, reads_variable
+
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -77,22 +79,59 @@ class Tokenizer:
             list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
+    def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """Token sequences to ban for ``bad_words``: each word as it would start the text, and with a
+        leading space (mid-text) when that spelling is another token sequence. (vLLM keeps the spaced
+        spelling only when it has as many tokens as the bare one, so " Lyon" escapes a ban on "Lyon"
+        whose bare form is two tokens; banning both costs nothing.)"""
+        sequences: list[list[int]] = []
+        for word in words:
+            bare = self.hf.encode(word.lstrip(), add_special_tokens=False)
+            if bare:
+                sequences.append(bare)
+            spaced = self.hf.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced != bare:
+                sequences.append(spaced)
+        return sequences
+
     # ------------------------------------------------------------------ chat
     def apply_chat_template(
-        self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: Sequence[dict], add_generation_prompt: bool = True, *,
+        chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+        continue_final_message: bool = False, documents: list[dict] | None = None, **kwargs: Any
     ) -> str:
-        """Render messages with the model's chat template (or ``chat_template=`` from kwargs) to text."""
-        template = kwargs.get("chat_template") or self.chat_template
+        """Render messages with the model's chat template (or ``chat_template``) to text.
+
+        ``chat_template_kwargs`` become template variables (vLLM's field); ``continue_final_message``
+        leaves the last (assistant) message open so the model continues it; ``documents`` go to
+        templates that read them. Every failure is a ``ValueError`` (a ``ChatTemplateError`` naming
+        the request field when the template or its variables are to blame).
+        """
+        template = chat_template or self.chat_template
         if not template:
             raise ValueError(
                 f"the model {self.name!r} has no chat template (GGUF key 'tokenizer.chat_template' or "
                 "'chat_template' in tokenizer_config.json); send a plain prompt or pass a chat_template."
             )
-        kwargs["chat_template"] = template
+        if add_generation_prompt and continue_final_message:
+            raise ChatTemplateError("Cannot set both `continue_final_message` and `add_generation_prompt` to "
+                                    "True.", "continue_final_message")
+        variables = check_template_kwargs(chat_template_kwargs)
+        check_syntax(template)
+        if documents is not None:
+            if not reads_variable(template, "documents"):
+                raise ChatTemplateError("documents is not supported by this chat template: it does not read "
+                                        "`documents`, so the model would never see them.", "documents")
+            kwargs["documents"] = documents
         normalized = normalize_messages(messages)
+        if continue_final_message and normalized[-1]["role"] != "assistant":
+            raise ChatTemplateError("continue_final_message needs the last message to be the assistant's (the "
+                                    f"text to continue); it is {normalized[-1]['role']!r}.",
+                                    "continue_final_message")
         try:
             return self.hf.apply_chat_template(
-                normalized, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+                normalized, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template,
+                continue_final_message=continue_final_message, **variables, **kwargs
             )
         except ValueError:
             raise
@@ -100,14 +139,19 @@ class Tokenizer:
             raise ValueError(f"the chat template rejected the messages: {exc}") from exc
 
     def encode_chat(
-        self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: Sequence[dict], add_generation_prompt: bool = True,
+        add_special_tokens: bool | None = None, **kwargs: Any
     ) -> list[int]:
         """Token ids of a rendered chat prompt, with exactly one BOS when the tokenizer uses one.
 
         Templates usually write special tokens (BOS included) themselves, so the text is encoded without
         adding any; BOS is prepended only if the tokenizer adds one and the template did not.
+        ``add_special_tokens`` True or False (vLLM's field) instead encodes the text with or without the
+        tokenizer's special tokens, as is.
         """
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        if add_special_tokens is not None:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens)
         ids = self.hf.encode(text, add_special_tokens=False)
         if self._adds_bos and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)

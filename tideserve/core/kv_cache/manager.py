@@ -64,6 +64,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_hashes: dict[str, list[BlockHash]] = {}
+        # Requests whose prefix-cache entries are isolated: their hash chain starts from the salt, so
+        # only requests with the same salt share their blocks.
+        self.cache_salts: dict[str, str] = {}
         self.prefix_stats = PrefixCacheStats()
         self.swap: SwapSpace | None = None
         self.swapped: dict[str, list[int]] = {}  # request id -> swap block ids, in table order
@@ -127,22 +130,36 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     # ----------------------------------------------------------------- prefix cache
+    def set_cache_salt(self, request_id: str, salt: str | None) -> None:
+        """Isolate a request's cached prefixes (kept until ``drop_cache_salt``, across preemptions)."""
+        if salt:
+            self.cache_salts[request_id] = salt
+
+    def drop_cache_salt(self, request_id: str) -> None:
+        self.cache_salts.pop(request_id, None)
+
+    def _root_hash(self, request_id: str) -> BlockHash:
+        salt = self.cache_salts.get(request_id)
+        return _ROOT_HASH if salt is None else hash((_ROOT_HASH, "salt", salt))
+
     def _full_block_hashes(self, request_id: str, token_ids: Sequence[int],
                            num_tokens: int | None = None) -> list[BlockHash]:
         """Hashes of every full block of token_ids[:num_tokens], extending what was computed before."""
         hashes = self.req_hashes.setdefault(request_id, [])
         bs = self.block_size
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        parent = hashes[-1] if hashes else self._root_hash(request_id)
         limit = len(token_ids) if num_tokens is None else num_tokens
         for i in range(len(hashes), limit // bs):
             parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs], self.extra_key)
             hashes.append(parent)
         return hashes
 
-    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> list[KVBlock]:
+    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int],
+                            count_stats: bool = True) -> list[KVBlock]:
         """Cached full blocks of a new request's tokens, left to right until the first miss.
 
-        Capped so the last token is always computed: the request needs its logits.
+        Capped so the last token is always computed: the request needs its logits. ``count_stats=False``
+        only looks (the scheduler asking whether a request would fit), leaving the hit counters alone.
         """
         if not self.enable_prefix_caching:
             return []
@@ -154,8 +171,9 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
-        self.prefix_stats.queries += len(token_ids)
-        self.prefix_stats.hits += len(hit) * self.block_size
+        if count_stats:
+            self.prefix_stats.queries += len(token_ids)
+            self.prefix_stats.hits += len(hit) * self.block_size
         return hit
 
     # ----------------------------------------------------------------- allocation

@@ -3,6 +3,7 @@
 Order of operations (vLLM's):
 1. raw logprobs = log_softmax(unprocessed logits), only when a row asked for logprobs;
 2. min_tokens: EOS and stop token ids get -inf while a row has fewer outputs than it must produce;
+   then logit_bias, allowed_token_ids and bad_words, one sparse step (``logit_bias.py``);
 3. penalties: repetition (prompt + output tokens), then frequency and presence (output tokens);
 4. greedy rows take the argmax here; random rows go on: temperature, min-p, top-k/top-p (one sort),
    then an exponential race ``argmax(probs / q)``, ``q ~ Exponential(1)``, which samples exactly from
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tideserve.model.layers.logit_bias import LogitBias, apply_logit_bias
 from tideserve.outputs import Logprob
 from tideserve.sampling_params import SamplingParams
 
@@ -58,6 +60,8 @@ class SamplingMetadata:
     # Logprobs: per-row number of alternatives (None: not requested), and the batch maximum.
     num_logprobs: list[int | None]
     max_num_logprobs: int | None
+    # logit_bias, allowed_token_ids, bad_words (None: no row uses them).
+    logit_bias: LogitBias | None = None
 
     @classmethod
     def build(
@@ -146,6 +150,7 @@ class SamplingMetadata:
             prompt_token_ids=prompt_ids, output_token_ids=output_ids,
             min_tokens_rows=min_rows, min_tokens_ids=min_ids,
             num_logprobs=num_logprobs, max_num_logprobs=max(requested) if requested else None,
+            logit_bias=LogitBias.build(params, output_token_ids, device),
         )
 
 
@@ -182,6 +187,8 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)
         if meta.min_tokens_rows is not None:
             logits[meta.min_tokens_rows, meta.min_tokens_ids] = float("-inf")
+        if meta.logit_bias is not None:
+            logits = apply_logit_bias(logits, meta.logit_bias)
         logits = apply_penalties(logits, meta)
 
         if meta.all_greedy:

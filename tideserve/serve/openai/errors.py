@@ -35,8 +35,9 @@ ERROR_TYPES = {
     503: "ServiceUnavailableError",
 }
 
-# SamplingParams and engine messages start with the parameter they are about: "top_p must be ...".
-_LEADING_PARAM = re.compile(r"^([a-z_]+)(?:=\S+)? (?:must|is|has)\b")
+# SamplingParams and engine messages start with the parameter they are about: "top_p must be ...",
+# "logit_bias['50'] must be ...".
+_LEADING_PARAM = re.compile(r"^([a-z_]+)(?:\[[^\]]*\])?(?:=\S+)? (?:must|is|has)\b")
 
 
 class OpenAIError(Exception):
@@ -77,8 +78,9 @@ def from_exception(exc: BaseException) -> OpenAIError:
         return OpenAIError(503, str(exc))
     if isinstance(exc, ValueError):
         message = str(exc)
+        param = getattr(exc, "param", None)
         match = _LEADING_PARAM.match(message)
-        return OpenAIError(400, message, match.group(1) if match else None)
+        return OpenAIError(400, message, param or (match.group(1) if match else None))
     logger.error("internal error while serving a request", exc_info=exc)
     return OpenAIError(500, f"Internal server error ({type(exc).__name__}); see the server log.")
 

@@ -24,8 +24,8 @@ def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 
 
 def _token_text(token_id: int, entry: Entry, token_str: TokenStr) -> str:
-    lp = entry.get(token_id) if entry else None
-    return lp.decoded_token if lp is not None and lp.decoded_token is not None else token_str(token_id)
+    # Always through token_str, not the entry's decoded_token: return_tokens_as_token_ids swaps it.
+    return token_str(token_id)
 
 
 class CompletionLogprobs:
@@ -76,6 +76,15 @@ def chat_logprobs(token_ids: Sequence[int], entries: Sequence[Entry], k: int, to
             ],
         })
     return {"content": content}
+
+
+def prompt_logprobs_json(entries: Sequence[Entry], token_str: TokenStr) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, None (the first) or {token id: {logprob, rank,
+    decoded_token}} for the token itself and the top alternatives."""
+    return [None if entry is None else
+            {str(t): {"logprob": safe_logprob(lp.logprob), "rank": lp.rank, "decoded_token": token_str(t)}
+             for t, lp in entry.items()}
+            for entry in entries]
 
 
 def padded(entries: Sequence[Entry] | None, n: int) -> list[Entry]:

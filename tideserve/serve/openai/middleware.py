@@ -61,7 +61,7 @@ class RequestContextMiddleware:
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 info.status = message["status"]
-                MutableHeaders(scope=message).append("X-Request-Id", request_id)
+                MutableHeaders(scope=message).append("X-Request-Id", info.request_id)  # the body may name it
             await send(message)
 
         tracked = path not in EXEMPT_PATHS
@@ -78,7 +78,7 @@ class RequestContextMiddleware:
             level = logging.DEBUG if path in QUIET_PATHS else logging.INFO
             access_logger.log(
                 level, "request_id=%s client=%s method=%s path=%s status=%d prompt_tokens=%s "
-                "output_tokens=%s latency_ms=%.1f", request_id, info.client, info.method, path, info.status,
+                "output_tokens=%s latency_ms=%.1f", info.request_id, info.client, info.method, path, info.status,
                 "-" if info.prompt_tokens is None else info.prompt_tokens,
                 "-" if info.output_tokens is None else info.output_tokens, latency * 1000)
 

@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI-compatible API, as pydantic models.
 
 Fields follow OpenAI's API plus vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
-``ignore_eos``, ...), so clients written for either work unchanged. Unknown fields are accepted
+``ignore_eos``, ...), so clients written for either work unchanged. Every field declared here is
+honoured, refused when set, or accepted and ignored because it cannot change the result: which one, and
+why, is in ``fields.py`` (and docs/api.md), and a test keeps the two in step. Unknown fields are accepted
 (``extra="allow"``) and reported once by the server, as vLLM does: clients often send fields a server
 does not know, and refusing them would break those clients. Ranges are checked by ``SamplingParams``
 (one set of messages for the offline API and the server); only types are checked here.
@@ -9,7 +11,7 @@ does not know, and refusing them would break those clients. Ranges are checked b
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -51,7 +53,8 @@ class SamplingRequest(OpenAIBaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as vLLM does
-    logit_bias: dict[str, float] | None = None  # accepted only when empty: not supported
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -61,9 +64,63 @@ class SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    priority: int = 0
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    spaces_between_special_tokens: bool = True
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    cache_salt: str | None = None
+    request_id: str | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    logits_processors: list[Any] | None = None
+    logprob_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
+    stream_interval: int | None = None
+    session_id: str | None = None
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateOptions(OpenAIBaseModel):
+    """vLLM's chat template controls, for chat completions and /tokenize with messages."""
+
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None
+
+
+class ChatExtras(ChatTemplateOptions):
+    """Chat fields beyond the sampling ones: OpenAI's newer ones and vLLM's."""
+
+    # OpenAI's
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prediction: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    # vLLM's
+    echo: bool = False
+    add_special_tokens: bool | None = None  # None: exactly one BOS (see Tokenizer.encode_chat)
+    prompt_logprobs: int | None = None
+    include_reasoning: bool = True
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(SamplingRequest, ChatExtras):
     messages: list[dict[str, Any]] = Field(json_schema_extra=_MESSAGES_SCHEMA)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
@@ -80,9 +137,11 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None  # not supported: refused when set
     prompt_logprobs: int | None = None
+    add_special_tokens: bool = True
+    prompt_embeds: str | list[str] | None = None
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(ChatTemplateOptions):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None

@@ -8,6 +8,7 @@ new requests get 503, in-flight ones finish (up to ``shutdown_timeout``), then t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import threading
@@ -42,7 +43,7 @@ from tideserve.serve.openai.protocol import (
     TokenizeRequest,
 )
 from tideserve.serve.openai.serving import ClientDisconnected, RequestInfo, ServerState, unavailable_reason
-from tideserve.serve.openai.serving_chat import create_chat_completion
+from tideserve.serve.openai.serving_chat import create_chat_completion, encode_messages
 from tideserve.serve.openai.serving_completion import create_completion
 
 logger = logging.getLogger(__name__)
@@ -186,13 +187,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         tokenizer = state.engine.tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("Give exactly one of prompt and messages.", "prompt")
-        try:
-            if req.messages is not None:
-                tokens = tokenizer.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
-            else:
+        if req.messages is not None:  # the chat endpoint's rendering, template overrides included
+            explicit = req.add_special_tokens if "add_special_tokens" in req.model_fields_set else None
+            tokens = await asyncio.to_thread(encode_messages, state, req, explicit)
+        else:
+            try:
                 tokens = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        except ValueError as exc:
-            raise bad_request(str(exc), "messages" if req.messages is not None else "prompt") from exc
+            except ValueError as exc:
+                raise bad_request(str(exc), "prompt") from exc
         body = {"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens}
         if req.return_token_strs:
             body["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)

@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
@@ -22,10 +23,13 @@ from tideserve.sampling_params import SamplingParams
 from tideserve.serve.config import ServerConfig
 from tideserve.serve.metrics import ServerMetrics
 from tideserve.serve.openai.errors import OpenAIError, bad_request, error_body, from_exception
+from tideserve.serve.openai.fields import EndpointFields, refuse_unsupported
 from tideserve.serve.openai.protocol import SamplingRequest
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# Request ids from a header or a body: safe in logs and response ids.
+REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 class ClientDisconnected(Exception):
@@ -77,6 +81,11 @@ class ServerState:
     @property
     def model_name(self) -> str:
         return self.served_names[0]
+
+    @property
+    def chat_template(self) -> str | None:
+        """The server's --chat-template (None: the model's own)."""
+        return self.config.chat_template
 
     def check_model(self, requested: str | None) -> None:
         if requested and requested not in self.served_names:
@@ -145,16 +154,22 @@ def check_logprobs(state: ServerState, k: int | None, param: str) -> None:
         raise bad_request(f"{param} must be an integer >= 0, got {k}.", param)
 
 
-def check_common(state: ServerState, req: SamplingRequest) -> None:
+def check_common(state: ServerState, req: SamplingRequest, fields: EndpointFields) -> None:
+    """Checks both endpoints share: model, unknown fields (logged), refused fields, n and best_of."""
     state.check_model(req.model)
     if req.ignored_fields():
         state.log_ignored(req.ignored_fields())
+    refuse_unsupported(req, fields)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be set when stream is true.", "stream_options")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by this server.", "logit_bias")
-    if req.n > state.config.max_n:
-        raise bad_request(f"n must be <= {state.config.max_n}, got {req.n}.", "n")
+    for name in ("n", "best_of"):
+        value = getattr(req, name)
+        if value is not None and value > state.config.max_n:
+            raise bad_request(f"{name} must be <= {state.config.max_n}, got {value}.", name)
+    if req.stream and req.best_of is not None and req.best_of > req.n:
+        raise bad_request(f"best_of is not supported with stream: the best {req.n} of {req.best_of} samples "
+                          "are known only when all have finished (OpenAI refuses this too); stream with "
+                          "best_of unset or equal to n.", "best_of")
 
 
 def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
@@ -162,6 +177,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
     """SamplingParams from a request; its ValueError names the parameter (turned into a 400)."""
     return SamplingParams(
         n=req.n,
+        best_of=req.best_of,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=req.top_k or 0,
@@ -179,7 +195,50 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        logit_bias=req.logit_bias or None,
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words or None,
     )
+
+
+def truncate_prompt(state: ServerState, req: SamplingRequest, token_ids: list[int]) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last N tokens (truncation_side "right": the first N);
+    -1 means max_model_len. Without it, a prompt that does not fit is a 400."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return token_ids
+    limit = state.engine.max_model_len
+    if k == -1:
+        k = limit
+    elif k < 1:
+        raise bad_request(f"truncate_prompt_tokens must be -1 (max_model_len) or an integer >= 1, got {k}.",
+                          "truncate_prompt_tokens")
+    elif k > limit:
+        raise bad_request(f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({limit}). "
+                          "Please, select a smaller truncation size.", "truncate_prompt_tokens")
+    if len(token_ids) <= k:
+        return token_ids
+    return token_ids[:k] if req.truncation_side == "right" else token_ids[-k:]
+
+
+def resolve_request_id(raw: Request, info: RequestInfo, req: SamplingRequest) -> str:
+    """The body's request_id names the request when no X-Request-Id header does (vLLM's order)."""
+    if req.request_id is not None and "x-request-id" not in raw.headers:
+        if not REQUEST_ID_PATTERN.match(req.request_id):
+            raise bad_request("request_id must be 1-128 characters from A-Z a-z 0-9 . _ : -, got "
+                              f"{req.request_id[:140]!r}.", "request_id")
+        info.request_id = req.request_id
+    return info.request_id
+
+
+def token_id_str(token_id: int) -> str:
+    """return_tokens_as_token_ids: a token as "token_id:N", for tokens that are not valid UTF-8 alone."""
+    return f"token_id:{token_id}"
+
+
+def logprob_token_str(state: ServerState, req: SamplingRequest):
+    """How logprobs write a token: its text, or "token_id:N" with return_tokens_as_token_ids."""
+    return token_id_str if req.return_tokens_as_token_ids else state.token_str
 
 
 def safe_logprob(value: float | None) -> float | None:
@@ -191,8 +250,9 @@ def safe_logprob(value: float | None) -> float | None:
 
 # ---------------------------------------------------------------------- running requests
 async def submit(state: ServerState, prompts: Sequence[tuple[str | None, list[int]]],
-                 params: SamplingParams, request_id: str) -> list[RequestStream]:
-    """Add one engine request per prompt (ids ``request_id``, or ``request_id-i`` for a batch).
+                 params: SamplingParams, request_id: str, req: SamplingRequest) -> list[RequestStream]:
+    """Add one engine request per prompt (ids ``request_id``, or ``request_id-i`` for a batch), with the
+    request's priority and cache salt.
 
     All or nothing: if one is refused, those already added are aborted.
     """
@@ -201,7 +261,8 @@ async def submit(state: ServerState, prompts: Sequence[tuple[str | None, list[in
         for i, (text, token_ids) in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             streams.append(await state.engine.add_request(text or token_ids, params, rid,
-                                                          prompt_token_ids=token_ids))
+                                                          prompt_token_ids=token_ids, priority=req.priority,
+                                                          cache_salt=req.cache_salt))
     except BaseException:
         for s in streams:
             s.abort()

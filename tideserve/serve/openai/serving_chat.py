@@ -17,7 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tideserve.serve.openai.errors import OpenAIError, bad_request
-from tideserve.serve.openai.logprobs import chat_logprobs, padded
+from tideserve.serve.openai.fields import CHAT_FIELDS
+from tideserve.serve.openai.logprobs import chat_logprobs, padded, prompt_logprobs_json
 from tideserve.serve.openai.protocol import ChatCompletionRequest, usage
 from tideserve.serve.openai.serving import (
     SSE_DONE,
@@ -26,47 +27,73 @@ from tideserve.serve.openai.serving import (
     check_common,
     check_context,
     check_logprobs,
+    logprob_token_str,
     merged,
+    resolve_request_id,
     sampling_params,
     sse,
     sse_error,
     submit,
+    truncate_prompt,
     until_disconnected,
 )
+from tideserve.tokenizer.chat_template import ChatTemplateError, reads_variable
 
 logger = logging.getLogger(__name__)
 
 
+def encode_messages(state: ServerState, req, add_special_tokens: bool | None = None) -> list[int]:
+    """Messages rendered with the request's chat template, else the server's (--chat-template), else the
+    model's; a template error is a 400 naming the field to blame."""
+    template = req.chat_template or state.chat_template
+    variables = dict(req.chat_template_kwargs or {})
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None:
+        variables["reasoning_effort"] = effort
+    try:
+        if effort is not None and not reads_variable(template or state.engine.tokenizer.chat_template or "",
+                                                     "reasoning_effort"):
+            raise ChatTemplateError("reasoning_effort is not supported: the chat template does not read "
+                                    "`reasoning_effort`, so it would not change the reply.", "reasoning_effort")
+        return state.engine.tokenizer.encode_chat(
+            req.messages, add_generation_prompt=req.add_generation_prompt, add_special_tokens=add_special_tokens,
+            chat_template=template, chat_template_kwargs=variables or None,
+            continue_final_message=req.continue_final_message, documents=req.documents)
+    except ValueError as exc:
+        raise bad_request(str(exc), getattr(exc, "param", None) or "messages") from exc
+
+
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request,
                                  info: RequestInfo) -> Response:
-    check_common(state, req)
+    check_common(state, req, CHAT_FIELDS)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
     top_k = (req.top_logprobs or 0) if req.logprobs else None
     check_logprobs(state, top_k, "top_logprobs")
+    check_logprobs(state, req.prompt_logprobs, "prompt_logprobs")
     if req.max_completion_tokens is not None:
         max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
-    try:
-        token_ids = await asyncio.to_thread(  # rendering and encoding long chats must not stall the loop
-            state.engine.tokenizer.encode_chat, req.messages, add_generation_prompt=req.add_generation_prompt)
-    except ValueError as exc:
-        raise bad_request(str(exc), "messages") from exc
+    request_id = resolve_request_id(raw, info, req)
+    # Rendering and encoding long chats must not stall the event loop.
+    token_ids = await asyncio.to_thread(encode_messages, state, req, req.add_special_tokens)
+    token_ids = truncate_prompt(state, req, token_ids)
     check_context(state, len(token_ids), max_tokens, "messages", max_tokens_param)
     try:
-        params = sampling_params(req, max_tokens, top_k)
+        params = sampling_params(req, max_tokens, top_k, req.prompt_logprobs)
     except ValueError as exc:
         if str(exc).startswith("max_tokens") and max_tokens_param != "max_tokens":
             raise bad_request(str(exc).replace("max_tokens", max_tokens_param, 1), max_tokens_param) from exc
         raise
     if state.config.log_prompts:
-        logger.info("request_id=%s messages=%r", info.request_id, req.messages)
+        logger.info("request_id=%s messages=%r", request_id, req.messages)
     info.prompt_tokens = len(token_ids)
-    streams = await submit(state, [(None, token_ids)], params, info.request_id)
-    response_id = f"chatcmpl-{info.request_id}"
+    streams = await submit(state, [(None, token_ids)], params, request_id, req)
+    response_id = f"chatcmpl-{request_id}"
+    echo = _echo_text(req)
     if req.stream:
-        return StreamingResponse(_stream(state, req, streams, response_id, info, top_k),
+        return StreamingResponse(_stream(state, req, streams, response_id, info, top_k, token_ids, echo),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def collect():
@@ -79,17 +106,47 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     final = await until_disconnected(raw, collect())
     if final is None or not final.finished:
         raise OpenAIError(503, "The request was aborted by the server before it finished.")
+    token_str = logprob_token_str(state, req)
     choices = []
     for c in final.outputs:
         logprobs = None
         if top_k is not None:
-            logprobs = chat_logprobs(c.token_ids, padded(c.logprobs, len(c.token_ids)), top_k, state.token_str)
-        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    info.output_tokens = sum(len(c.token_ids) for c in final.outputs)
-    return JSONResponse({"id": response_id, "object": "chat.completion", "created": int(time.time()),
-                         "model": state.model_name, "choices": choices,
-                         "usage": usage(info.prompt_tokens, info.output_tokens)})
+            logprobs = chat_logprobs(c.token_ids, padded(c.logprobs, len(c.token_ids)), top_k, token_str)
+        choice = {"index": c.index, "message": {"role": "assistant", "content": echo + c.text},
+                  "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = list(c.token_ids)
+        choices.append(choice)
+    # Every sample's tokens count, best_of's discarded ones included (OpenAI bills them too).
+    info.output_tokens = final.num_generated_tokens
+    body = {"id": response_id, "object": "chat.completion", "created": int(time.time()),
+            "model": state.model_name, "choices": choices,
+            "usage": usage(info.prompt_tokens, info.output_tokens)}
+    body.update(_prompt_extras(state, req, final, token_ids))
+    return JSONResponse(body)
+
+
+def _echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's content when it is the assistant's (the text the reply
+    continues), else nothing."""
+    if not req.echo or not req.messages:
+        return ""
+    last = req.messages[-1]
+    content = last.get("content") if isinstance(last, dict) and last.get("role") == "assistant" else None
+    if isinstance(content, list):
+        content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+def _prompt_extras(state: ServerState, req: ChatCompletionRequest, out, token_ids: list[int]) -> dict:
+    """Response-level prompt fields: prompt_logprobs, and prompt_token_ids with return_token_ids."""
+    extras = {}
+    if req.prompt_logprobs is not None:
+        entries = padded(out.prompt_logprobs, len(token_ids))
+        extras["prompt_logprobs"] = prompt_logprobs_json(entries, logprob_token_str(state, req))
+    if req.return_token_ids:
+        extras["prompt_token_ids"] = token_ids
+    return extras
 
 
 @dataclass
@@ -100,24 +157,32 @@ class _ChoiceState:
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, streams, response_id: str,
-                  info: RequestInfo, top_k: int | None):
+                  info: RequestInfo, top_k: int | None, prompt_token_ids: list[int], echo: str):
+    """Chunks: one role delta per choice (with prompt_token_ids under return_token_ids), the echoed text
+    if any, content deltas (the first output chunk carries prompt_logprobs when asked), a final usage
+    chunk with stream_options.include_usage."""
     created = int(time.time())
     choices = [_ChoiceState() for _ in range(req.n)]
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.continuous_usage_stats)
+    token_str = logprob_token_str(state, req)
+    prompt_logprobs_sent = req.prompt_logprobs is None
 
-    def chunk(choice: dict) -> str:
+    def chunk(choice: dict, **extra) -> str:
         payload = {"id": response_id, "object": "chat.completion.chunk", "created": created,
-                   "model": state.model_name, "choices": [choice]}
+                   "model": state.model_name, "choices": [choice], **extra}
         if include_usage:
             payload["usage"] = usage(info.prompt_tokens, info.output_tokens or 0) if continuous else None
         return sse(payload)
 
     try:
+        prompt_ids = {"prompt_token_ids": prompt_token_ids} if req.return_token_ids else {}
         for index in range(req.n):
             yield chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None})
+                         "finish_reason": None}, **prompt_ids)
+            if echo:
+                yield chunk({"index": index, "delta": {"content": echo}, "logprobs": None, "finish_reason": None})
         async with aclosing(merged(state, streams)) as outputs:
             async for _, out in outputs:
                 for c in out.outputs:
@@ -132,13 +197,19 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, streams, respo
                     if top_k is not None:
                         logprobs = chat_logprobs(c.token_ids[st.num_tokens:num_tokens],
                                                  padded(c.logprobs, num_tokens)[st.num_tokens:], top_k,
-                                                 state.token_str)
+                                                 token_str)
+                    choice = {"index": c.index, "delta": {"content": delta} if delta else {},
+                              "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    if req.return_token_ids:
+                        choice["token_ids"] = list(c.token_ids[st.num_tokens:num_tokens])
+                    extra = {}
+                    if not prompt_logprobs_sent:
+                        extra, prompt_logprobs_sent = _prompt_extras(state, req, out, prompt_token_ids), True
+                        extra.pop("prompt_token_ids", None)
                     st.text_len, st.num_tokens = len(c.text), num_tokens
                     st.done = c.finish_reason is not None
                     info.output_tokens = sum(ch.num_tokens for ch in choices)
-                    yield chunk({"index": c.index, "delta": {"content": delta} if delta else {},
-                                 "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                 "stop_reason": c.stop_reason})
+                    yield chunk(choice, **extra)
         for index, st in enumerate(choices):
             if not st.done:
                 yield chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": "abort"})

@@ -17,7 +17,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tideserve.outputs import RequestOutput
 from tideserve.serve.openai.errors import OpenAIError, bad_request
-from tideserve.serve.openai.logprobs import CompletionLogprobs, padded
+from tideserve.serve.openai.fields import COMPLETION_FIELDS
+from tideserve.serve.openai.logprobs import CompletionLogprobs, padded, prompt_logprobs_json
 from tideserve.serve.openai.protocol import CompletionRequest, usage
 from tideserve.serve.openai.serving import (
     SSE_DONE,
@@ -26,11 +27,14 @@ from tideserve.serve.openai.serving import (
     check_common,
     check_context,
     check_logprobs,
+    logprob_token_str,
     merged,
+    resolve_request_id,
     sampling_params,
     sse,
     sse_error,
     submit,
+    truncate_prompt,
     until_disconnected,
 )
 
@@ -57,24 +61,24 @@ def _tokenize(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
     prompts = []
     for i, prompt in enumerate(_split_prompts(req.prompt)):
         try:
-            text, token_ids = state.engine.tokenize_prompt(prompt)
+            text, token_ids = state.engine.tokenize_prompt(prompt, req.add_special_tokens)
         except ValueError as exc:
             where = "prompt" if isinstance(req.prompt, str) or prompt is req.prompt else f"prompt[{i}]"
             raise bad_request(f"{where}: {exc}", "prompt") from exc
-        if text is None:
-            text = state.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
-        check_context(state, len(token_ids), req.max_tokens, "prompt")
-        prompts.append(_Prompt(text, token_ids))
+        truncated = truncate_prompt(state, req, token_ids)
+        if text is None or len(truncated) != len(token_ids):
+            text = state.engine.tokenizer.decode(truncated, skip_special_tokens=False)
+        check_context(state, len(truncated), req.max_tokens, "prompt")
+        prompts.append(_Prompt(text, truncated))
     return prompts
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request,
                             info: RequestInfo) -> Response:
-    check_common(state, req)
-    if req.suffix:
-        raise bad_request("suffix is not supported by this server.", "suffix")
+    check_common(state, req, COMPLETION_FIELDS)
     check_logprobs(state, req.logprobs, "logprobs")
     check_logprobs(state, req.prompt_logprobs, "prompt_logprobs")
+    request_id = resolve_request_id(raw, info, req)
     prompts = await asyncio.to_thread(_tokenize, state, req)  # long prompts must not stall the event loop
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is None and req.echo and req.logprobs is not None:
@@ -82,10 +86,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     # With max_tokens=0 and prompt logprobs the engine still runs the prefill: the prompt is scored alone.
     params = sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
     if state.config.log_prompts:
-        logger.info("request_id=%s prompts=%r", info.request_id, [p.text for p in prompts])
+        logger.info("request_id=%s prompts=%r", request_id, [p.text for p in prompts])
     info.prompt_tokens = sum(len(p.token_ids) for p in prompts)
-    streams = await submit(state, [(None, p.token_ids) for p in prompts], params, info.request_id)
-    response_id = f"cmpl-{info.request_id}"
+    streams = await submit(state, [(None, p.token_ids) for p in prompts], params, request_id, req)
+    response_id = f"cmpl-{request_id}"
     if req.stream:
         return StreamingResponse(_stream(state, req, prompts, streams, response_id, info),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -101,23 +105,37 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if any(out is None or not out.finished for out in finals):
         raise OpenAIError(503, "The request was aborted by the server before it finished.")
     choices = []
-    completion_tokens = 0
     for i, out in enumerate(finals):
         prompt = prompts[i]
         for c in out.outputs:
-            completion_tokens += len(c.token_ids)
-            choices.append({
+            choice = {
                 "index": i * req.n + c.index,
                 "text": prompt.text + c.text if req.echo else c.text,
                 "logprobs": _logprobs(state, req, prompt, out, c, echo=req.echo),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
-            })
-    info.output_tokens = completion_tokens
+            }
+            choices.append(_with_extras(state, req, choice, prompt, out, list(c.token_ids), first=True))
+    # Every sample's tokens count, best_of's discarded ones included (OpenAI bills them too).
+    info.output_tokens = sum(out.num_generated_tokens for out in finals)
     body = {"id": response_id, "object": "text_completion", "created": int(time.time()),
             "model": state.model_name, "choices": choices,
-            "usage": usage(info.prompt_tokens, completion_tokens)}
+            "usage": usage(info.prompt_tokens, info.output_tokens)}
     return JSONResponse(body)
+
+
+def _with_extras(state: ServerState, req: CompletionRequest, choice: dict, prompt: _Prompt, out: RequestOutput,
+                 token_ids: list[int], first: bool) -> dict:
+    """vLLM's optional choice fields: prompt_logprobs, and with return_token_ids the prompt's and the
+    (new) output's token ids. Prompt fields go in a choice's first chunk only."""
+    if first and req.prompt_logprobs is not None:
+        entries = padded(out.prompt_logprobs, len(prompt.token_ids))
+        choice["prompt_logprobs"] = prompt_logprobs_json(entries, logprob_token_str(state, req))
+    if req.return_token_ids:
+        if first:
+            choice["prompt_token_ids"] = prompt.token_ids
+        choice["token_ids"] = token_ids
+    return choice
 
 
 def _logprobs(state: ServerState, req: CompletionRequest, prompt: _Prompt, out: RequestOutput, c,
@@ -125,7 +143,7 @@ def _logprobs(state: ServerState, req: CompletionRequest, prompt: _Prompt, out: 
     """Logprobs of output tokens [start:], preceded by the prompt's when echoing."""
     if req.logprobs is None:
         return None
-    builder = builder or CompletionLogprobs(req.logprobs, state.token_str)
+    builder = builder or CompletionLogprobs(req.logprobs, logprob_token_str(state, req))
     end = len(c.token_ids)
     token_ids = list(c.token_ids[start:end])
     entries = padded(c.logprobs, end)[start:]
@@ -142,6 +160,7 @@ class _ChoiceState:
     num_tokens: int = 0
     echoed: bool = False
     done: bool = False
+    started: bool = False  # a chunk was sent (the prompt's fields go in the first)
     builder: CompletionLogprobs | None = None
 
 
@@ -149,7 +168,7 @@ async def _stream(state: ServerState, req: CompletionRequest, prompts: list[_Pro
                   response_id: str, info: RequestInfo):
     created = int(time.time())
     n = req.n
-    choices = [_ChoiceState(builder=CompletionLogprobs(req.logprobs or 0, state.token_str))
+    choices = [_ChoiceState(builder=CompletionLogprobs(req.logprobs or 0, logprob_token_str(state, req)))
                for _ in range(len(prompts) * n)]
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
@@ -181,10 +200,14 @@ async def _stream(state: ServerState, req: CompletionRequest, prompts: list[_Pro
                     completion_tokens[index] = num_tokens
                     info.output_tokens = sum(completion_tokens)
                     text = (prompt.text + delta) if echo_now else delta
+                    new_ids = list(c.token_ids[st.num_tokens:num_tokens])
+                    first = not st.started
                     st.text_len, st.num_tokens, st.echoed = len(c.text), num_tokens, st.echoed or echo_now
-                    st.done = c.finish_reason is not None
-                    yield chunk({"index": index, "text": text, "logprobs": logprobs,
-                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    st.done, st.started = c.finish_reason is not None, True
+                    yield chunk(_with_extras(state, req, {"index": index, "text": text, "logprobs": logprobs,
+                                                          "finish_reason": c.finish_reason,
+                                                          "stop_reason": c.stop_reason},
+                                             prompt, out, new_ids, first))
         for index, st in enumerate(choices):
             if not st.done:  # aborted by the server (not by this client, who would not be reading)
                 yield chunk({"index": index, "text": "", "logprobs": None, "finish_reason": "abort",

@@ -1,0 +1,181 @@
+"""What the server does with every request field OpenAI or vLLM documents: no field is silently ignored.
+
+Each field of ``/v1/completions`` and ``/v1/chat/completions`` is in exactly one class:
+- honoured: it changes the result as documented (``HONOURED``);
+- honoured, implemented elsewhere: structured output and tool calling, built on another branch
+  (``ELSEWHERE``; not declared in protocol.py until that branch lands);
+- refused when set: a 400 "X is not supported: why", naming the field (``REFUSED``; the default value,
+  and values that ask for nothing, pass);
+- accepted and ignored, because it cannot change the result (``IGNORED``, with the reason).
+Fields in neither OpenAI's nor vLLM's API are unknown: accepted, with one warning per field name for the
+life of the server, as vLLM does. docs/api.md shows these tables; tests/serve/test_fields.py checks that
+every declared field is in exactly one class and that the docs list each with its class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tideserve.serve.openai.errors import bad_request
+
+
+@dataclass(frozen=True)
+class Refusal:
+    why: str
+    accepts: Callable[[Any], bool] = lambda value: not value  # values that ask for nothing
+
+
+@dataclass(frozen=True)
+class EndpointFields:
+    honoured: dict[str, str]  # field -> what it does
+    elsewhere: dict[str, str]
+    refused: dict[str, Refusal]
+    ignored: dict[str, str]  # field -> why it cannot change the result
+
+    def classes(self) -> dict[str, dict]:
+        return {"honoured": self.honoured, "honoured, implemented elsewhere": self.elsewhere,
+                "refused when set": self.refused, "accepted, ignored": self.ignored}
+
+
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+_STRUCTURED = "structured output (another branch)"
+_TOOLS = "tool calling (another branch)"
+
+_SHARED_HONOURED = {
+    "model": "must be a served model name (404 otherwise); may be omitted",
+    "n": "parallel samples (at most 128 per prompt)",
+    "best_of": "generates best_of samples and returns the n with the highest cumulative logprob; usage "
+               "counts every sample's tokens; refused with stream when best_of > n",
+    "temperature": "sampling temperature; 0 is greedy",
+    "top_p": "nucleus sampling",
+    "top_k": "top-k sampling (0 or -1: off)",
+    "min_p": "min-p sampling",
+    "presence_penalty": "OpenAI's presence penalty",
+    "frequency_penalty": "OpenAI's frequency penalty",
+    "repetition_penalty": "vLLM's multiplicative repetition penalty (prompt and output tokens)",
+    "seed": "per-request random generator: the same seed gives the same tokens whatever the batch",
+    "stop": "stop strings (never sent to the client unless include_stop_str_in_output)",
+    "stop_token_ids": "stop tokens",
+    "include_stop_str_in_output": "keep the stop string in the text",
+    "ignore_eos": "generate past EOS (benchmarks)",
+    "min_tokens": "EOS and stop tokens are masked until this many tokens exist",
+    "skip_special_tokens": "drop special tokens from the text",
+    "stream": "server-sent events",
+    "stream_options": "include_usage (a final usage chunk) and continuous_usage_stats (usage in every chunk)",
+    "logit_bias": "token id (string) -> bias in [-100, 100], added to the logits before sampling",
+    "allowed_token_ids": "only these tokens may be sampled",
+    "bad_words": "these words never appear in the output (their last token is banned after the others)",
+    "priority": "lower is served first under --scheduling-policy priority (and may preempt); non-zero is "
+                "refused under fcfs, as vLLM does",
+    "truncate_prompt_tokens": "keep only the last N prompt tokens (-1: max_model_len), instead of a 400",
+    "truncation_side": "left (default: keep the last tokens) or right (keep the first ones)",
+    "return_tokens_as_token_ids": "logprob tokens are written 'token_id:N' (for tokens that are not valid "
+                                  "UTF-8 alone)",
+    "return_token_ids": "choices carry token_ids and prompt_token_ids",
+    "cache_salt": "prefix-cache entries are shared only between requests with the same salt",
+    "request_id": "the request id (response id, logs) when no X-Request-Id header is sent",
+}
+_SHARED_REFUSED = {
+    "use_beam_search": Refusal("beam search is not implemented; use n or best_of"),
+    "logits_processors": Refusal("the server runs no user-supplied code; logit_bias, allowed_token_ids "
+                                 "and bad_words cover the common cases"),
+    "logprob_token_ids": Refusal("logprobs of chosen token ids are not implemented; use logprobs"),
+    "kv_transfer_params": Refusal("there is no KV connector (disaggregated prefill) to transfer KV with"),
+    "thinking_token_budget": Refusal("there is no reasoning parser to find and cap the thinking section",
+                                     _is_none),
+}
+_SHARED_IGNORED = {
+    "user": "an end-user id for OpenAI's abuse monitoring; generation does not read it (vLLM ignores it too)",
+    "spaces_between_special_tokens": "only Python (slow) tokenizers put spaces around special tokens; "
+                                     "tideserve decodes with fast tokenizers, where the text is the same "
+                                     "either way (as in transformers and vLLM's fast detokenizer)",
+    "length_penalty": "scales beam-search scores only, and use_beam_search is refused",
+    "vllm_xargs": "read only by custom logits processors and plugins, which this server does not load",
+    "stream_interval": "how many tokens vLLM groups per streamed chunk; the streamed text is the same, "
+                       "tideserve sends each step's tokens (coalesced for a slow reader)",
+    "session_id": "a routing hint for session affinity in front of the engine; one engine has nothing "
+                  "to route",
+}
+_STRUCTURED_FIELDS = {name: _STRUCTURED for name in (
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag")}
+
+COMPLETION_FIELDS = EndpointFields(
+    honoured={
+        **_SHARED_HONOURED,
+        "prompt": "text, a batch of texts, token ids or a batch of token-id lists",
+        "max_tokens": "default 16, as OpenAI",
+        "logprobs": "top-N logprobs per token (capped by --max-logprobs)",
+        "echo": "prepend the prompt (and its logprobs with logprobs set)",
+        "prompt_logprobs": "each choice carries prompt_logprobs (vLLM's shape)",
+        "add_special_tokens": "add the tokenizer's special tokens (BOS) to a text prompt (default true)",
+    },
+    elsewhere=dict(_STRUCTURED_FIELDS),
+    refused={
+        **_SHARED_REFUSED,
+        "suffix": Refusal("insertion (fill in the middle) needs a model and template made for it"),
+        "prompt_embeds": Refusal("prompts are text or token ids; embedding inputs are not implemented",
+                                 _is_none),
+    },
+    ignored=dict(_SHARED_IGNORED),
+)
+
+CHAT_FIELDS = EndpointFields(
+    honoured={
+        **_SHARED_HONOURED,
+        "messages": "system, user, assistant and tool messages; text content (string or text parts)",
+        "max_tokens": "deprecated by OpenAI; max_completion_tokens wins when both are set",
+        "max_completion_tokens": "output token limit (default: what the context leaves)",
+        "logprobs": "true: the sampled token's logprob",
+        "top_logprobs": "alternatives per token with logprobs true (capped by --max-logprobs)",
+        "add_generation_prompt": "end the prompt with the assistant turn's header (default true)",
+        "continue_final_message": "continue the last (assistant) message instead of starting a new one; "
+                                  "add_generation_prompt must then be false",
+        "chat_template": "a Jinja template for this request (overrides --chat-template and the model's)",
+        "chat_template_kwargs": "extra template variables (e.g. enable_thinking)",
+        "documents": "passed to templates that read documents (RAG); refused by one that does not",
+        "reasoning_effort": "passed to templates that read reasoning_effort; refused by one that does not",
+        "echo": "prepend the last message's content when it is the assistant's (as vLLM)",
+        "add_special_tokens": "true/false: encode the rendered prompt with/without the tokenizer's special "
+                              "tokens; unset: exactly one BOS",
+        "prompt_logprobs": "the response carries prompt_logprobs (vLLM's shape)",
+    },
+    elsewhere={**_STRUCTURED_FIELDS, "tools": _TOOLS, "tool_choice": _TOOLS, "parallel_tool_calls": _TOOLS},
+    refused={
+        **_SHARED_REFUSED,
+        "modalities": Refusal("only text output is produced", lambda v: v is None or list(v) == ["text"]),
+        "audio": Refusal("there is no audio output", _is_none),
+        "verbosity": Refusal("a control of OpenAI's GPT-5 models; this model has none", _is_none),
+        "web_search_options": Refusal("there is no web search tool", _is_none),
+        "functions": Refusal("deprecated by OpenAI in favour of tools"),
+        "function_call": Refusal("deprecated by OpenAI in favour of tool_choice", _is_none),
+        "include_reasoning": Refusal("there is no reasoning parser: reasoning the model writes stays in the "
+                                     "content", lambda v: v is None or v is True),
+    },
+    ignored={
+        **_SHARED_IGNORED,
+        "metadata": "tags for OpenAI's stored-completions dashboard; nothing is stored here",
+        "store": "asks OpenAI to keep the completion for its dashboard and evals; the response is the "
+                 "same, nothing is kept (there is no retrieval endpoint)",
+        "service_tier": "OpenAI's processing tier (latency and price); one tier here, same output",
+        "prediction": "predicted outputs only speed up OpenAI's decoding; the output is the same",
+        "prompt_cache_key": "OpenAI's cache routing hint; prefix caching here is automatic and never "
+                            "changes the output",
+        "safety_identifier": "like user: an end-user id for abuse monitoring",
+        "mm_processor_kwargs": "options of a multimodal processor; only text content is accepted (image "
+                               "and audio parts are refused), so nothing is processed",
+        "media_io_kwargs": "options for loading media; only text content is accepted",
+    },
+)
+
+
+def refuse_unsupported(req: Any, fields: EndpointFields) -> None:
+    """400 for the first refused field the request sets: "X is not supported: why."."""
+    for name, refusal in fields.refused.items():
+        if not refusal.accepts(getattr(req, name, None)):
+            raise bad_request(f"{name} is not supported: {refusal.why}.", name)
