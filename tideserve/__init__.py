@@ -14,6 +14,7 @@ _EXPORTS = {
     "EngineArgs": "tideserve.engine.llm_engine",
     "AsyncEngine": "tideserve.engine.async_engine",
     "SamplingParams": "tideserve.sampling_params",
+    "StructuredOutputsParams": "tideserve.sampling_params",
     "RequestOutput": "tideserve.outputs",
     "CompletionOutput": "tideserve.outputs",
     "Logprob": "tideserve.outputs",

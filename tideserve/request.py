@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +41,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     prompt: str | None = None
     generator: torch.Generator | None = None  # seeded requests own their randomness
+    # Structured output: this request's grammar matcher (structured_output.backend.GrammarMatcher). It
+    # advances once per token appended to output_token_ids, so a recompute after preemption, which
+    # re-runs tokens already generated, never advances it twice.
+    structured_output: Any = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

@@ -174,6 +174,12 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def structured_output(self):
+        """The engine's grammar compiler and mask computation; ``compile`` is thread-safe (and cached), so
+        the server compiles a request's constraint off the engine thread before submitting it."""
+        return self.engine.structured_output
+
     def tokenize_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         """The engine's own prompt validation and tokenization; read-only, so safe from any thread."""
         return self.engine.tokenize_prompt(prompt)

@@ -40,20 +40,31 @@ class LLM:
         for prompt, p in zip(prompts, params):
             text, token_ids = self.engine.tokenize_prompt(prompt)
             self.engine.check_lengths(len(token_ids), p)
+            self._check_constraint(p)
             checked.append((prompt, token_ids, p))
         return self._run([(prompt, token_ids, p) for prompt, token_ids, p in checked], use_tqdm)
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = False, add_generation_prompt: bool = True,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Chat through the model's template; ``tools`` (OpenAI's format) reach the template as vLLM's
+        ``LLM.chat(tools=...)`` does. Calls are not parsed here: constrain them with a JSON schema."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         params = self._params_per_prompt(sampling_params, len(conversations))
         checked = []
         for conv, p in zip(conversations, params):
-            token_ids = self.engine.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt)
+            token_ids = self.engine.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt,
+                                                          tools=tools)
             self.engine.check_lengths(len(token_ids), p)
+            self._check_constraint(p)
             checked.append((self.engine.tokenizer.decode(token_ids, skip_special_tokens=False), token_ids, p))
         return self._run(checked, use_tqdm)
+
+    def _check_constraint(self, params: SamplingParams) -> None:
+        """Compile a structured-output constraint up front: an invalid one fails before anything runs."""
+        if params.structured_outputs is not None:
+            self.engine.structured_output.compile(params.structured_outputs)
 
     def _run(self, items: list[tuple[Prompt, list[int], SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
         order: dict[str, int] = {}

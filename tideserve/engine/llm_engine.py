@@ -33,6 +33,7 @@ from tideserve.model.loader import load_model
 from tideserve.outputs import RequestOutput
 from tideserve.request import Request, RequestStatus
 from tideserve.sampling_params import SamplingParams
+from tideserve.structured_output.manager import StructuredOutputManager
 from tideserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 from tideserve.worker.kv_store import create_kv_store
 from tideserve.worker.model_runner import ModelRunner
@@ -158,6 +159,10 @@ class LLMEngine:
         self.pool = PoolController(self.kv_manager, self.runner, self.scheduler, self.probe, account, policy,
                                    self.max_model_len, swap_bytes, cache_config.auto_block_size)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Grammars end where the model may stop: EOS and every other end-of-generation id it has.
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer.hf, self.arch.vocab_size, [*self.tokenizer.stop_token_ids, *self.arch.eos_token_ids])
+        self.runner.structured_output = self.structured_output
         self.thread_governor = (ThreadGovernor() if args.adaptive_threads and self.device.type == "cpu"
                                 else None)
         self._ids = itertools.count()
@@ -297,6 +302,9 @@ class LLMEngine:
         else:
             text, token_ids = self.tokenize_prompt(prompt)
         max_tokens = self.check_lengths(len(token_ids), params)
+        grammar = None
+        if params.structured_outputs is not None:  # compiled (and cached) before anything is added
+            grammar = self.structured_output.compile(params.structured_outputs)
         eos = self.tokenizer.eos_token_id
         extra_stop = [] if params.ignore_eos else [t for t in self.arch.eos_token_ids if t != eos]
         children = []
@@ -310,7 +318,8 @@ class LLMEngine:
                 generator.manual_seed(child_params.seed)
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             children.append(Request(child_id, list(token_ids), child_params, eos, max_tokens,
-                                    prompt=text, generator=generator))
+                                    prompt=text, generator=generator,
+                                    structured_output=grammar.matcher() if grammar is not None else None))
         self.output_processor.add(request_id, text, token_ids, children)
         self._num_prompt_tokens += len(token_ids) * params.n
         for child in children:
@@ -359,6 +368,7 @@ class LLMEngine:
                 self.output_processor.on_prompt_logprobs(rid, first, entries)
             updated = self.scheduler.update_from_output({rid: s.token_id for rid, s in sampled.items()})
             self._num_generation_tokens += sum(1 for r in updated if r.max_tokens > 0)
+            self._advance_grammars(updated)
             for request in updated:
                 stop = None
                 if request.max_tokens > 0:
@@ -383,6 +393,19 @@ class LLMEngine:
             outputs.append(self.output_processor.parents[parent_id].output())
             self.output_processor.pop_if_finished(parent_id)
         return outputs
+
+    def _advance_grammars(self, updated: list[Request]) -> None:
+        """Move each grammar past its request's new token: once per appended token, after sampling."""
+        for request in updated:
+            matcher = request.structured_output
+            if matcher is None or request.max_tokens == 0 or request.is_finished:
+                continue
+            if not matcher.accept_token(request.output_token_ids[-1]):
+                # The mask allowed this token, so the grammar engine and the mask disagree: end the request
+                # rather than return output that does not match its constraint.
+                logger.error("Request %s: its grammar refused the token it allowed (%s); aborting it",
+                             request.request_id, matcher.error()[:200])
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
 
     # ----------------------------------------------------------------- observability
     def stats(self) -> EngineStats:
