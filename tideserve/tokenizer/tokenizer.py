@@ -16,6 +16,8 @@ import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from tideserve.tokenizer.chat_template import check_tools, prepare_tool_messages, template_mentions
+
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -38,6 +40,7 @@ class Tokenizer:
         with_special = hf.encode("a", add_special_tokens=True)
         # Whether plain-text encoding prepends BOS: a chat prompt must then start with exactly one.
         self._adds_bos = bos is not None and bool(with_special) and with_special[0] == bos
+        self._warned_tools = False
 
     # ------------------------------------------------------------------ vocabulary
     @property
@@ -89,7 +92,14 @@ class Tokenizer:
                 "'chat_template' in tokenizer_config.json); send a plain prompt or pass a chat_template."
             )
         kwargs["chat_template"] = template
-        normalized = normalize_messages(messages)
+        normalized = prepare_tool_messages(normalize_messages(messages), template)
+        if kwargs.get("tools") is not None:
+            kwargs["tools"] = check_tools(kwargs["tools"])
+            if not template_mentions(template, "tools") and not self._warned_tools:
+                self._warned_tools = True
+                logger.warning("The chat template of %r does not render `tools`: the model does not see the "
+                               "tool definitions (tool_choice 'required' or a named tool still constrains its "
+                               "output to valid calls).", self.name)
         try:
             return self.hf.apply_chat_template(
                 normalized, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
