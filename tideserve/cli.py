@@ -147,6 +147,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight requests")
     g.add_argument("--log-prompts", action="store_true", help="log prompt text (off: only token counts)")
+    from tideserve.serve.openai.tool_parsers import TOOL_PARSERS
+
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model's tool-call format: hermes (Hermes, Qwen2.5), llama3_json (Llama 3.x), "
+                        "mistral")
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -159,7 +166,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         host=ns.host, port=ns.port, served_model_name=ns.served_model_name,
         api_keys=api_keys_from(ns.api_key), rate_limit=ns.rate_limit, max_queue=ns.max_queue,
         max_logprobs=ns.max_logprobs, log_prompts=ns.log_prompts, max_body_bytes=ns.max_body_size,
-        shutdown_timeout=ns.shutdown_timeout)
+        shutdown_timeout=ns.shutdown_timeout, enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        tool_call_parser=ns.tool_call_parser)
     args = EngineArgs(**engine_kwargs(ns))
     args.configs()  # validate engine flags before the server starts listening
     return run_server(config, lambda: AsyncEngine.from_engine_args(args, max_queue=config.max_queue))

@@ -150,7 +150,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request("Give exactly one of prompt and messages.", "prompt")
         try:
             if req.messages is not None:
-                tokens = tokenizer.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
+                tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+                tokens = tokenizer.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                               tools=tools)
             else:
                 tokens = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         except ValueError as exc:

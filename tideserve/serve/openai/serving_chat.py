@@ -1,8 +1,10 @@
 """``POST /v1/chat/completions``: messages through the model's chat template, streaming and not.
 
 A stream opens with one ``{"role": "assistant"}`` delta per choice (so clients see the response start
-while the request may still wait for a slot), then content deltas; each choice's last chunk carries its
-``finish_reason``; with ``stream_options.include_usage`` a final chunk has empty choices and the usage.
+while the request may still wait for a slot), then content deltas (and ``tool_calls`` deltas when tools
+are called, see tool_calls.py); each choice's last chunk carries its ``finish_reason``; with
+``stream_options.include_usage`` a final chunk has empty choices and the usage. ``response_format`` and
+the other structured-output fields are compiled into a grammar before the request is submitted.
 """
 
 from __future__ import annotations
@@ -26,12 +28,21 @@ from tideserve.serve.openai.serving import (
     check_common,
     check_context,
     check_logprobs,
+    compile_structured_outputs,
     merged,
     sampling_params,
     sse,
     sse_error,
+    structured_outputs_from,
     submit,
     until_disconnected,
+)
+from tideserve.serve.openai.tool_calls import (
+    ToolDeltaStream,
+    ToolPlan,
+    message_with_calls,
+    plan_tools,
+    strip_stop_token_text,
 )
 
 logger = logging.getLogger(__name__)
@@ -48,25 +59,35 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
+    constraint, constraint_field = structured_outputs_from(req)
+    tokenizer = state.engine.tokenizer
+    plan = plan_tools(req, state.config.enable_auto_tool_choice, state.config.tool_call_parser, tokenizer,
+                      constraint is not None)
+    if plan.structured_outputs is not None:
+        constraint, constraint_field = plan.structured_outputs, "tools"
     try:
         token_ids = await asyncio.to_thread(  # rendering and encoding long chats must not stall the loop
-            state.engine.tokenizer.encode_chat, req.messages, add_generation_prompt=req.add_generation_prompt)
+            tokenizer.encode_chat, req.messages, add_generation_prompt=req.add_generation_prompt, tools=plan.tools)
     except ValueError as exc:
-        raise bad_request(str(exc), "messages") from exc
+        raise bad_request(str(exc), "tools" if str(exc).startswith("tools") else "messages") from exc
     check_context(state, len(token_ids), max_tokens, "messages", max_tokens_param)
+    if constraint is not None:
+        await compile_structured_outputs(state, constraint, constraint_field)
     try:
-        params = sampling_params(req, max_tokens, top_k)
+        params = sampling_params(req, max_tokens, top_k, structured_outputs=constraint)
     except ValueError as exc:
         if str(exc).startswith("max_tokens") and max_tokens_param != "max_tokens":
             raise bad_request(str(exc).replace("max_tokens", max_tokens_param, 1), max_tokens_param) from exc
         raise
+    if plan.keep_special_tokens:
+        params.skip_special_tokens = False  # the parser reads markers that are special tokens
     if state.config.log_prompts:
         logger.info("request_id=%s messages=%r", info.request_id, req.messages)
     info.prompt_tokens = len(token_ids)
     streams = await submit(state, [(None, token_ids)], params, info.request_id)
     response_id = f"chatcmpl-{info.request_id}"
     if req.stream:
-        return StreamingResponse(_stream(state, req, streams, response_id, info, top_k),
+        return StreamingResponse(_stream(state, req, streams, response_id, info, top_k, plan),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def collect():
@@ -84,8 +105,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         logprobs = None
         if top_k is not None:
             logprobs = chat_logprobs(c.token_ids, padded(c.logprobs, len(c.token_ids)), top_k, state.token_str)
-        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        text = strip_stop_token_text(plan, tokenizer, c.text, c.token_ids, c.finish_reason)
+        message, finish_reason = message_with_calls(plan, text, c.finish_reason)
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": c.stop_reason})
     info.output_tokens = sum(len(c.token_ids) for c in final.outputs)
     return JSONResponse({"id": response_id, "object": "chat.completion", "created": int(time.time()),
                          "model": state.model_name, "choices": choices,
@@ -94,15 +117,17 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 @dataclass
 class _ChoiceState:
+    deltas: ToolDeltaStream
     text_len: int = 0
     num_tokens: int = 0
     done: bool = False
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, streams, response_id: str,
-                  info: RequestInfo, top_k: int | None):
+                  info: RequestInfo, top_k: int | None, plan: ToolPlan):
     created = int(time.time())
-    choices = [_ChoiceState() for _ in range(req.n)]
+    tokenizer = state.engine.tokenizer
+    choices = [_ChoiceState(ToolDeltaStream(plan)) for _ in range(req.n)]
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.continuous_usage_stats)
@@ -124,10 +149,11 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, streams, respo
                     st = choices[c.index]
                     if st.done:
                         continue
-                    delta = c.text[st.text_len:]
                     num_tokens = len(c.token_ids)
-                    if not (delta or num_tokens > st.num_tokens or c.finish_reason):
+                    if not (len(c.text) > st.text_len or num_tokens > st.num_tokens or c.finish_reason):
                         continue
+                    text = strip_stop_token_text(plan, tokenizer, c.text, c.token_ids, c.finish_reason)
+                    delta = st.deltas.delta(text, finished=c.finish_reason is not None)
                     logprobs = None
                     if top_k is not None:
                         logprobs = chat_logprobs(c.token_ids[st.num_tokens:num_tokens],
@@ -136,8 +162,10 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, streams, respo
                     st.text_len, st.num_tokens = len(c.text), num_tokens
                     st.done = c.finish_reason is not None
                     info.output_tokens = sum(ch.num_tokens for ch in choices)
-                    yield chunk({"index": c.index, "delta": {"content": delta} if delta else {},
-                                 "logprobs": logprobs, "finish_reason": c.finish_reason,
+                    if plan.parser is not None and not delta and logprobs is None and not st.done:
+                        continue  # text held back by the tool parser (a call's name is not complete yet)
+                    yield chunk({"index": c.index, "delta": delta, "logprobs": logprobs,
+                                 "finish_reason": st.deltas.finish_reason(c.finish_reason),
                                  "stop_reason": c.stop_reason})
         for index, st in enumerate(choices):
             if not st.done:
