@@ -200,6 +200,11 @@ def _close_objects(schema: Any) -> Any:
 
 
 def _first_line(message: str) -> str:
-    """llguidance's errors carry a parser dump after the first lines; keep what a user can act on."""
-    lines = [line.rstrip() for line in message.strip().splitlines() if line.strip()]
-    return " ".join(lines[:3])[:500] if lines else "unknown error"
+    """llguidance's errors carry a parser dump after a few lines; keep what a user can act on."""
+    lines = []
+    for line in message.strip().splitlines():
+        if line.startswith("<state>") or line.startswith("<grammar>"):
+            break
+        if line.strip():
+            lines.append(line.strip())
+    return " ".join(lines[:5])[:500] if lines else "unknown error"
