@@ -8,7 +8,8 @@ wall time, output tok/s, preemptions, swap-ins, tokens the forward passes comput
 swaps moved. Swap costs two copies of the request's KV (host memory bandwidth); recompute costs a
 prefill of its context (compute), so swap wins as contexts grow and as compute gets scarcer.
 
-    .venv/bin/python benchmarks/swap_vs_recompute.py --prompt-lens 512,2048 --output-len 256 --num-requests 6 --repeats 2
+    .venv/bin/python benchmarks/swap_vs_recompute.py --prompt-lens 512,2048 --output-len 256 \
+        --num-requests 6 --repeats 2
 """
 
 from __future__ import annotations

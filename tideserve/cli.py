@@ -210,6 +210,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput/KV-usage log lines")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    from tideserve.serve.openai.tool_parsers import TOOL_PARSERS
+
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model's tool-call format: hermes (Hermes, Qwen2.5), llama3_json (Llama 3.x), "
+                        "mistral")
     add_foreign_flags(p, SERVER_FLAGS, "vLLM server flags with no meaning here (a warning, or an error "
                                        "with the reason)")
 
@@ -222,7 +229,8 @@ def server_config(ns: argparse.Namespace):
         api_keys=api_keys_from(ns.api_key), rate_limit=ns.rate_limit, max_queue=ns.max_queue,
         max_logprobs=ns.max_logprobs, log_prompts=ns.log_prompts, max_body_bytes=ns.max_body_size,
         shutdown_timeout=ns.shutdown_timeout, engine_stall_timeout=ns.engine_stall_timeout,
-        uvicorn_log_level=ns.uvicorn_log_level, chat_template=ns.chat_template)
+        uvicorn_log_level=ns.uvicorn_log_level, chat_template=ns.chat_template,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,6 +43,10 @@ class Request:
     generator: torch.Generator | None = None  # seeded requests own their randomness
     priority: int = 0  # the priority scheduling policy serves lower values first
     cache_salt: str | None = None  # isolates the request's prefix-cache entries (vLLM's cache_salt)
+    # Structured output: this request's grammar matcher (structured_output.backend.GrammarMatcher). It
+    # advances once per token appended to output_token_ids, so a recompute after preemption, which
+    # re-runs tokens already generated, never advances it twice.
+    structured_output: Any = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tideserve.structured_output.params import StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams"]  # vLLM's import path for both
+
 _GREEDY_EPS = 1e-5
 # OpenAI's range for logit_bias values: -100 bans a token in practice, 100 all but forces it.
 LOGIT_BIAS_LIMIT = 100.0
@@ -42,6 +46,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # Constrained decoding (JSON schema, JSON object, regex, choice, grammar); a dict is converted.
+    structured_outputs: StructuredOutputsParams | None = None
     extra_stop_token_ids: list[int] = field(default_factory=list, repr=False)
     # bad_words as token id sequences, resolved with the model's tokenizer when the engine accepts the
     # request (set by the engine, not by users).
@@ -65,6 +71,12 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if self.bad_words is not None:
             self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                    StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict of its fields), "
+                             f"got {type(self.structured_outputs).__name__}.")
         self._validate()
 
     def _validate(self) -> None:

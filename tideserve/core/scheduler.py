@@ -46,6 +46,7 @@ class NewRequestData:
     eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int  # includes any prefix-cache hit
+    structured_output: Any = None  # the request's grammar matcher (the runner masks its samples with it)
 
 
 @dataclass
@@ -288,7 +289,7 @@ class Scheduler:
             self._add_running(request)
             out.new_requests.append(NewRequestData(
                 request.request_id, token_ids, request.num_prompt_tokens, request.sampling_params,
-                request.generator, request.eos_token_id, new_ids, num_hit))
+                request.generator, request.eos_token_id, new_ids, num_hit, request.structured_output))
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
         return budget
@@ -318,7 +319,7 @@ class Scheduler:
         out.swap_in.extend(pairs)
         out.new_requests.append(NewRequestData(
             request.request_id, token_ids, request.num_prompt_tokens, request.sampling_params,
-            request.generator, request.eos_token_id, block_ids, saved))
+            request.generator, request.eos_token_id, block_ids, saved, request.structured_output))
         out.num_scheduled_tokens[request.request_id] = num_new
         logger.info("Request %s swapped in: %d blocks copied back, resuming at token %d (no recompute)",
                     request.request_id, len(pairs), saved)

@@ -182,6 +182,12 @@ class AsyncEngine:
     def scheduling_policy(self) -> str:
         return self.engine.scheduler_config.scheduling_policy
 
+    @property
+    def structured_output(self):
+        """The engine's grammar compiler and mask computation; ``compile`` is thread-safe (and cached), so
+        the server compiles a request's constraint off the engine thread before submitting it."""
+        return self.engine.structured_output
+
     def tokenize_prompt(self, prompt: str | Sequence[int],
                         add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """The engine's own prompt validation and tokenization; read-only, so safe from any thread."""

@@ -44,6 +44,7 @@ class LLM:
             text, token_ids = self.engine.tokenize_prompt(prompt)
             self.engine.check_lengths(len(token_ids), p)
             p.check_token_ids(self.engine.arch.vocab_size)
+            self._check_constraint(p)
             checked.append((prompt, token_ids, p))
         return self._run(checked, use_tqdm, priorities)
 
@@ -51,11 +52,12 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False, add_generation_prompt: bool = True, *, chat_template: str | None = None,
              chat_template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False,
-             priority: Sequence[int] | None = None) -> list[RequestOutput]:
+             priority: Sequence[int] | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generate replies to conversations through the chat template: the model's, or ``chat_template``
         (a Jinja string or a file path, as ``--chat-template``), with ``chat_template_kwargs`` as
         template variables; ``continue_final_message`` continues the last assistant message
-        (``add_generation_prompt`` must then be False)."""
+        (``add_generation_prompt`` must then be False). ``tools`` (OpenAI's format) reach the template as
+        vLLM's ``LLM.chat(tools=...)`` does; calls are not parsed here: constrain them with a JSON schema."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         params = self._params_per_prompt(sampling_params, len(conversations))
         priorities = self._priorities(priority, len(conversations))
@@ -64,9 +66,11 @@ class LLM:
         for conv, p in zip(conversations, params):
             token_ids = self.engine.tokenizer.encode_chat(
                 conv, add_generation_prompt=add_generation_prompt, chat_template=template,
-                chat_template_kwargs=chat_template_kwargs, continue_final_message=continue_final_message)
+                chat_template_kwargs=chat_template_kwargs, continue_final_message=continue_final_message,
+                tools=tools)
             self.engine.check_lengths(len(token_ids), p)
             p.check_token_ids(self.engine.arch.vocab_size)
+            self._check_constraint(p)
             checked.append((self.engine.tokenizer.decode(token_ids, skip_special_tokens=False), token_ids, p))
         return self._run(checked, use_tqdm, priorities)
 
@@ -79,6 +83,11 @@ class LLM:
         for value in priority:
             self.engine.check_priority(value)
         return priority
+
+    def _check_constraint(self, params: SamplingParams) -> None:
+        """Compile a structured-output constraint up front: an invalid one fails before anything runs."""
+        if params.structured_outputs is not None:
+            self.engine.structured_output.compile(params.structured_outputs)
 
     def _run(self, items: list[tuple[Prompt, list[int], SamplingParams]], use_tqdm: bool,
              priorities: list[int]) -> list[RequestOutput]:

@@ -35,6 +35,7 @@ from tideserve.model.loader import load_model
 from tideserve.outputs import RequestOutput
 from tideserve.request import Request, RequestStatus
 from tideserve.sampling_params import SamplingParams
+from tideserve.structured_output.manager import StructuredOutputManager
 from tideserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 from tideserve.worker.kv_store import create_kv_store
 from tideserve.worker.model_runner import ModelRunner
@@ -184,6 +185,10 @@ class LLMEngine:
         self.pool = PoolController(self.kv_manager, self.runner, self.scheduler, self.probe, account, policy,
                                    self.max_model_len, swap_bytes, cache_config.auto_block_size)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Grammars end where the model may stop: EOS and every other end-of-generation id it has.
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer.hf, self.arch.vocab_size, [*self.tokenizer.stop_token_ids, *self.arch.eos_token_ids])
+        self.runner.structured_output = self.structured_output
         self.thread_governor = (ThreadGovernor() if args.adaptive_threads and self.device.type == "cpu"
                                 else None)
         self._ids = itertools.count()
@@ -349,6 +354,9 @@ class LLMEngine:
         max_tokens = self.check_lengths(len(token_ids), params)
         params.check_token_ids(self.arch.vocab_size)
         bad_words_ids = self.tokenizer.bad_words_token_ids(params.bad_words) if params.bad_words else []
+        grammar = None
+        if params.structured_outputs is not None:  # compiled (and cached) before anything is added
+            grammar = self.structured_output.compile(params.structured_outputs)
         eos = self.tokenizer.eos_token_id
         extra_stop = [] if params.ignore_eos else [t for t in self.arch.eos_token_ids if t != eos]
         num_samples = params.num_samples
@@ -369,7 +377,8 @@ class LLMEngine:
             child_id = request_id if num_samples == 1 else f"{request_id}#{index}"
             children.append(Request(child_id, list(token_ids), child_params, eos, max_tokens,
                                     prompt=text, generator=generator, priority=priority,
-                                    cache_salt=cache_salt))
+                                    cache_salt=cache_salt,
+                                    structured_output=grammar.matcher() if grammar is not None else None))
         self.output_processor.add(request_id, text, token_ids, children, num_returned=params.n,
                                   hide_logprobs=hide_logprobs)
         self._num_prompt_tokens += len(token_ids) * num_samples
@@ -419,6 +428,7 @@ class LLMEngine:
                 self.output_processor.on_prompt_logprobs(rid, first, entries)
             updated = self.scheduler.update_from_output({rid: s.token_id for rid, s in sampled.items()})
             self._num_generation_tokens += sum(1 for r in updated if r.max_tokens > 0)
+            self._advance_grammars(updated)
             for request in updated:
                 stop = None
                 if request.max_tokens > 0:
@@ -443,6 +453,19 @@ class LLMEngine:
             outputs.append(self.output_processor.parents[parent_id].output())
             self.output_processor.pop_if_finished(parent_id)
         return outputs
+
+    def _advance_grammars(self, updated: list[Request]) -> None:
+        """Move each grammar past its request's new token: once per appended token, after sampling."""
+        for request in updated:
+            matcher = request.structured_output
+            if matcher is None or request.max_tokens == 0 or request.is_finished:
+                continue
+            if not matcher.accept_token(request.output_token_ids[-1]):
+                # The mask allowed this token, so the grammar engine and the mask disagree: end the request
+                # rather than return output that does not match its constraint.
+                logger.error("Request %s: its grammar refused the token it allowed (%s); aborting it",
+                             request.request_id, matcher.error()[:200])
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
 
     # ----------------------------------------------------------------- observability
     def stats(self) -> EngineStats:

@@ -36,6 +36,9 @@ class ServerConfig:
     # --chat-template: a Jinja string or the path of a file holding one; replaces the model's template for
     # chat completions and /tokenize (a request's own chat_template still wins). Held as the template text.
     chat_template: str | None = None
+    # Tool calling: "auto" tool choice parses the model's own call format with this parser (vLLM's flags).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # hermes, llama3_json or mistral
 
     def __post_init__(self) -> None:
         self.api_keys = tuple(k for k in self.api_keys if k)
@@ -54,6 +57,14 @@ class ServerConfig:
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout!r}.")
         self.chat_template = load_chat_template(self.chat_template)
+        from tideserve.serve.openai.tool_parsers import TOOL_PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}.")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice (--enable-auto-tool-choice) requires tool_call_parser "
+                             f"(--tool-call-parser {{{','.join(TOOL_PARSERS)}}}) to be set.")
 
 
 def api_keys_from(cli_keys: list[str] | None) -> tuple[str, ...]:

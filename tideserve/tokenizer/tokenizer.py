@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tideserve.tokenizer.chat_template import ChatTemplateError, check_syntax, check_template_kwargs, reads_variable
+from tideserve.tokenizer.tool_messages import check_tools, prepare_tool_messages, template_mentions
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class Tokenizer:
         with_special = hf.encode("a", add_special_tokens=True)
         # Whether plain-text encoding prepends BOS: a chat prompt must then start with exactly one.
         self._adds_bos = bos is not None and bool(with_special) and with_special[0] == bos
+        self._warned_tools = False
 
     # ------------------------------------------------------------------ vocabulary
     @property
@@ -123,11 +125,18 @@ class Tokenizer:
                 raise ChatTemplateError("documents is not supported by this chat template: it does not read "
                                         "`documents`, so the model would never see them.", "documents")
             kwargs["documents"] = documents
-        normalized = normalize_messages(messages)
+        normalized = prepare_tool_messages(normalize_messages(messages), template)
         if continue_final_message and normalized[-1]["role"] != "assistant":
             raise ChatTemplateError("continue_final_message needs the last message to be the assistant's (the "
                                     f"text to continue); it is {normalized[-1]['role']!r}.",
                                     "continue_final_message")
+        if kwargs.get("tools") is not None:
+            kwargs["tools"] = check_tools(kwargs["tools"])
+            if not template_mentions(template, "tools") and not self._warned_tools:
+                self._warned_tools = True
+                logger.warning("The chat template of %r does not render `tools`: the model does not see the "
+                               "tool definitions (tool_choice 'required' or a named tool still constrains its "
+                               "output to valid calls).", self.name)
         try:
             return self.hf.apply_chat_template(
                 normalized, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template,

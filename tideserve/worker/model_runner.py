@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,6 +62,7 @@ class CachedRequestState:
     eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int
+    structured_output: Any = None  # grammar matcher: this request's samples are masked by it
 
 
 @dataclass
@@ -94,6 +96,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_store: KVStore | None = None
         self.swap_store: KVStore | None = None
+        # Structured output: computes the token masks of requests with a grammar (set by the engine).
+        self.structured_output: Any = None
 
     # ----------------------------------------------------------------- KV tensors
     def attach_kv_store(self, store: KVStore) -> None:
@@ -216,7 +220,7 @@ class ModelRunner:
         for new in out.new_requests:
             state = CachedRequestState(
                 list(new.token_ids), new.num_prompt_tokens, new.sampling_params, new.generator,
-                new.eos_token_id, list(new.block_ids), new.num_computed_tokens)
+                new.eos_token_id, list(new.block_ids), new.num_computed_tokens, new.structured_output)
             self.requests[new.request_id] = state
             # Its prefill writes every slot up to its tokens; only the last block's tail stays unwritten.
             attached.append((state.block_ids, max(state.num_computed_tokens, len(state.token_ids))))
@@ -265,6 +269,7 @@ class ModelRunner:
         order = decode_ids + prefill_ids
         batch = self._build_batch(order, out.num_scheduled_tokens, len(decode_ids))
         input_ids, positions, meta, sample_rows, sample_ids = batch
+        pending_mask = self._start_masks(sample_ids)  # may run on a worker thread during the forward pass
 
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         self._prompt_logprobs(order, out.num_scheduled_tokens, hidden, result)
@@ -282,6 +287,8 @@ class ModelRunner:
             eos_token_ids=[s.eos_token_id for s in states],
             device=self.device,
         )
+        if pending_mask is not None:
+            sampling_meta.allowed_token_mask = pending_mask.result()
         sampled = self.sampler(logits, sampling_meta)
         token_ids = sampled.sampled_token_ids
         if isinstance(token_ids, torch.Tensor):
@@ -292,6 +299,18 @@ class ModelRunner:
             lp = sampled.logprobs[row] if sampled.logprobs is not None else None
             result.sampled[rid] = SampledToken(token, lp)
         return result
+
+    def _start_masks(self, sample_ids: list[str]):
+        """The allowed-token masks of the rows about to be sampled that follow a grammar, or None.
+
+        Their matchers were advanced after the previous step's sampling, so the masks can be computed
+        before (or while) this step's forward pass runs.
+        """
+        rows = [(row, self.requests[rid].structured_output) for row, rid in enumerate(sample_ids)
+                if self.requests[rid].structured_output is not None]
+        if not rows:
+            return None
+        return self.structured_output.compute(rows, self.device)
 
     def _prompt_logprobs(self, order: list[str], num_scheduled: dict[str, int], hidden: torch.Tensor,
                          result: ModelRunnerOutput) -> None:

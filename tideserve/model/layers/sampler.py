@@ -4,6 +4,7 @@ Order of operations (vLLM's):
 1. raw logprobs = log_softmax(unprocessed logits), only when a row asked for logprobs;
 2. min_tokens: EOS and stop token ids get -inf while a row has fewer outputs than it must produce;
    then logit_bias, allowed_token_ids and bad_words, one sparse step (``logit_bias.py``);
+   then the allowed-token mask (structured output): tokens outside a row's grammar get -inf;
 3. penalties: repetition (prompt + output tokens), then frequency and presence (output tokens);
 4. greedy rows take the argmax here; random rows go on: temperature, min-p, top-k/top-p (one sort),
    then an exponential race ``argmax(probs / q)``, ``q ~ Exponential(1)``, which samples exactly from
@@ -19,6 +20,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tideserve.model.layers.logit_bias import LogitBias, apply_logit_bias
@@ -30,6 +32,18 @@ logger = logging.getLogger(__name__)
 # The smallest Exponential(1) draw used as a divisor: a draw of exactly 0 would turn a zero probability
 # into NaN (0 / 0) or let any token win (p / 0 = inf).
 _MIN_NOISE = 1e-10
+
+
+@dataclass
+class AllowedTokenMask:
+    """Rows of a batch restricted to a set of tokens: ``bitmask[i]`` is the allowed set of row ``rows[i]``.
+
+    ``bitmask`` is int32 ``[len(rows), ceil(vocab / 32)]`` (llguidance's and xgrammar's layout): bit j of
+    word w allows token ``32 * w + j``.
+    """
+
+    rows: list[int]
+    bitmask: torch.Tensor
 
 
 @dataclass
@@ -62,6 +76,8 @@ class SamplingMetadata:
     max_num_logprobs: int | None
     # logit_bias, allowed_token_ids, bad_words (None: no row uses them).
     logit_bias: LogitBias | None = None
+    # Structured output: the rows restricted to their grammar's tokens this step (set by the runner).
+    allowed_token_mask: AllowedTokenMask | None = None
 
     @classmethod
     def build(
@@ -189,6 +205,9 @@ class Sampler:
             logits[meta.min_tokens_rows, meta.min_tokens_ids] = float("-inf")
         if meta.logit_bias is not None:
             logits = apply_logit_bias(logits, meta.logit_bias)
+        if meta.allowed_token_mask is not None:
+            logits = apply_allowed_token_mask(logits, meta.allowed_token_mask,
+                                              check_conflicts=meta.min_tokens_rows is not None)
         logits = apply_penalties(logits, meta)
 
         if meta.all_greedy:
@@ -210,6 +229,49 @@ class Sampler:
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, sampled, meta.num_logprobs, meta.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=token_ids, logprobs=logprobs)
+
+
+# ---------------------------------------------------------------- allowed-token mask (structured output)
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[K, W] int32 bitmask -> [K, vocab] bool (True: allowed), on the bitmask's device."""
+    if bitmask.device.type == "cpu":  # numpy's unpackbits is a single pass; torch's shifts are ~10x slower
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+        return torch.from_numpy(bits.view(np.bool_))
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def apply_allowed_token_mask(logits: torch.Tensor, mask: AllowedTokenMask,
+                             check_conflicts: bool = True) -> torch.Tensor:
+    """Tokens outside each masked row's allowed set get -inf, in place; other rows are untouched.
+
+    A row whose every token is then -inf has constraints that contradict each other (min_tokens forbids
+    the end-of-sequence token that the finished grammar requires): the grammar wins, its allowed tokens
+    get logit 0, so the output stays valid instead of sampling from nothing. Only min_tokens masks
+    before this stage, so ``check_conflicts`` can be False when no row has it.
+    """
+    vocab = logits.shape[1]
+    allowed = unpack_bitmask(mask.bitmask, vocab)
+    if allowed.shape[1] < vocab:  # a bitmask narrower than the logits: the tail is never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    rows = mask.rows
+    if rows == list(range(logits.shape[0])):
+        masked = logits
+    else:
+        masked = logits[rows]
+    if masked.device.type == "cpu":
+        view = masked.numpy()
+        view[~allowed.numpy()] = -np.inf
+    else:
+        masked.masked_fill_(~allowed, float("-inf"))
+    dead = torch.isneginf(masked).all(dim=-1) if check_conflicts else None
+    if dead is not None and bool(dead.any()):
+        zeros = torch.zeros((), dtype=masked.dtype, device=masked.device)
+        masked[dead] = torch.where(allowed[dead], zeros, float("-inf"))
+    if masked is not logits:
+        logits[rows] = masked
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -39,6 +39,37 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` is accepted: the grammar always
+    enforces the schema exactly)."""
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's per-request ``structured_outputs`` object; unknown keys are refused (a constraint that is
+    silently dropped would be worse than an error)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False  # accepted: there is no fallback engine to disable
+
+
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by chat and text completions."""
 
@@ -83,6 +114,35 @@ class SamplingRequest(OpenAIBaseModel):
     thinking_token_budget: int | None = None
     stream_interval: int | None = None
     session_id: str | None = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs, and the guided_* fields
+    # of older vLLM releases that many clients still send.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatTemplateOptions(OpenAIBaseModel):
@@ -127,6 +187,10 @@ class ChatCompletionRequest(SamplingRequest, ChatExtras):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatCompletionToolsParam] | None = None
+    # None: "auto" when tools are given, else "none" (OpenAI's and vLLM's defaults)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
 
 class CompletionRequest(SamplingRequest):
@@ -145,6 +209,7 @@ class TokenizeRequest(ChatTemplateOptions):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False

@@ -189,7 +189,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request("Give exactly one of prompt and messages.", "prompt")
         if req.messages is not None:  # the chat endpoint's rendering, template overrides included
             explicit = req.add_special_tokens if "add_special_tokens" in req.model_fields_set else None
-            tokens = await asyncio.to_thread(encode_messages, state, req, explicit)
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            tokens = await asyncio.to_thread(encode_messages, state, req, explicit, tools)
         else:
             try:
                 tokens = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)

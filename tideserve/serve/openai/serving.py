@@ -25,6 +25,7 @@ from tideserve.serve.metrics import ServerMetrics
 from tideserve.serve.openai.errors import OpenAIError, bad_request, error_body, from_exception
 from tideserve.serve.openai.fields import EndpointFields, refuse_unsupported
 from tideserve.serve.openai.protocol import SamplingRequest
+from tideserve.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -172,8 +173,70 @@ def check_common(state: ServerState, req: SamplingRequest, fields: EndpointField
                           "best_of unset or equal to n.", "best_of")
 
 
+def structured_outputs_from(req: SamplingRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's output constraint and the field that set it, from whichever of response_format,
+    structured_outputs or the guided_* fields carries one; more than one is a 400."""
+    found: list[tuple[str, dict]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "structural_tag":
+        raise bad_request("response_format type 'structural_tag' is not supported by this server; use "
+                          "json_schema, json_object or structured_outputs.", "response_format")
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise bad_request("response_format of type 'json_schema' needs json_schema.schema (the JSON "
+                              "schema the output must match).", "response_format.json_schema")
+        found.append(("response_format.json_schema.schema", {"json": fmt.json_schema.json_schema}))
+    so = req.structured_outputs
+    if so is not None:
+        given = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
+                 "json_object": so.json_object or None}
+        given = {k: v for k, v in given.items() if v is not None}
+        if len(given) > 1:
+            raise bad_request("You can only use one kind of constraints for structured outputs ('json', "
+                              f"'regex', 'choice', 'grammar' or 'json_object'); got {', '.join(given)}.",
+                              "structured_outputs")
+        options = {"disable_any_whitespace": so.disable_any_whitespace,
+                   "disable_additional_properties": so.disable_additional_properties}
+        found.append(("structured_outputs", {**given, **options}))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, {key: value}))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise bad_request("You can only use one kind of constraints for structured outputs; the request sets "
+                          f"{' and '.join(name for name, _ in found)}.", found[1][0])
+    field_name, kwargs = found[0]
+    try:
+        return StructuredOutputsParams(**kwargs), field_name
+    except ValueError as exc:
+        raise bad_request(_rename(str(exc), field_name), field_name) from exc
+
+
+async def compile_structured_outputs(state: ServerState, params: StructuredOutputsParams, field_name: str) -> None:
+    """Compile the constraint before the request is submitted (in a worker thread, bounded in time), so a
+    schema that cannot be enforced is a 400 and the engine thread only ever meets cached grammars."""
+    try:
+        await asyncio.to_thread(state.engine.structured_output.compile, params)
+    except ValueError as exc:
+        raise bad_request(_rename(str(exc), field_name), field_name) from exc
+
+
+def _rename(message: str, field_name: str) -> str:
+    """Engine messages name ``structured_outputs.<kind>``; name the request field that was sent instead."""
+    if field_name == "structured_outputs" or not message.startswith("structured_outputs"):
+        return message
+    head, _, rest = message.partition(" ")
+    return f"{field_name}{':' if head.endswith(':') else ''} {rest}"
+
+
 def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None,
+                    structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     """SamplingParams from a request; its ValueError names the parameter (turned into a 400)."""
     return SamplingParams(
         n=req.n,
@@ -198,6 +261,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         logit_bias=req.logit_bias or None,
         allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words or None,
+        structured_outputs=structured_outputs,
     )
 
 

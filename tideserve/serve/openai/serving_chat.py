@@ -1,8 +1,10 @@
 """``POST /v1/chat/completions``: messages through the model's chat template, streaming and not.
 
 A stream opens with one ``{"role": "assistant"}`` delta per choice (so clients see the response start
-while the request may still wait for a slot), then content deltas; each choice's last chunk carries its
-``finish_reason``; with ``stream_options.include_usage`` a final chunk has empty choices and the usage.
+while the request may still wait for a slot), then content deltas (and ``tool_calls`` deltas when tools
+are called, see tool_calls.py); each choice's last chunk carries its ``finish_reason``; with
+``stream_options.include_usage`` a final chunk has empty choices and the usage. ``response_format`` and
+the other structured-output fields are compiled into a grammar before the request is submitted.
 """
 
 from __future__ import annotations
@@ -27,22 +29,32 @@ from tideserve.serve.openai.serving import (
     check_common,
     check_context,
     check_logprobs,
+    compile_structured_outputs,
     logprob_token_str,
     merged,
     resolve_request_id,
     sampling_params,
     sse,
     sse_error,
+    structured_outputs_from,
     submit,
     truncate_prompt,
     until_disconnected,
+)
+from tideserve.serve.openai.tool_calls import (
+    ToolDeltaStream,
+    ToolPlan,
+    message_with_calls,
+    plan_tools,
+    strip_stop_token_text,
 )
 from tideserve.tokenizer.chat_template import ChatTemplateError, reads_variable
 
 logger = logging.getLogger(__name__)
 
 
-def encode_messages(state: ServerState, req, add_special_tokens: bool | None = None) -> list[int]:
+def encode_messages(state: ServerState, req, add_special_tokens: bool | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
     """Messages rendered with the request's chat template, else the server's (--chat-template), else the
     model's; a template error is a 400 naming the field to blame."""
     template = req.chat_template or state.chat_template
@@ -58,9 +70,10 @@ def encode_messages(state: ServerState, req, add_special_tokens: bool | None = N
         return state.engine.tokenizer.encode_chat(
             req.messages, add_generation_prompt=req.add_generation_prompt, add_special_tokens=add_special_tokens,
             chat_template=template, chat_template_kwargs=variables or None,
-            continue_final_message=req.continue_final_message, documents=req.documents)
+            continue_final_message=req.continue_final_message, documents=req.documents, tools=tools)
     except ValueError as exc:
-        raise bad_request(str(exc), getattr(exc, "param", None) or "messages") from exc
+        param = getattr(exc, "param", None) or ("tools" if str(exc).startswith("tools") else "messages")
+        raise bad_request(str(exc), param) from exc
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request,
@@ -76,16 +89,26 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     else:
         max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
     request_id = resolve_request_id(raw, info, req)
+    constraint, constraint_field = structured_outputs_from(req)
+    tokenizer = state.engine.tokenizer
+    plan = plan_tools(req, state.config.enable_auto_tool_choice, state.config.tool_call_parser, tokenizer,
+                      constraint is not None)
+    if plan.structured_outputs is not None:
+        constraint, constraint_field = plan.structured_outputs, "tools"
     # Rendering and encoding long chats must not stall the event loop.
-    token_ids = await asyncio.to_thread(encode_messages, state, req, req.add_special_tokens)
+    token_ids = await asyncio.to_thread(encode_messages, state, req, req.add_special_tokens, plan.tools)
     token_ids = truncate_prompt(state, req, token_ids)
     check_context(state, len(token_ids), max_tokens, "messages", max_tokens_param)
+    if constraint is not None:
+        await compile_structured_outputs(state, constraint, constraint_field)
     try:
-        params = sampling_params(req, max_tokens, top_k, req.prompt_logprobs)
+        params = sampling_params(req, max_tokens, top_k, req.prompt_logprobs, structured_outputs=constraint)
     except ValueError as exc:
         if str(exc).startswith("max_tokens") and max_tokens_param != "max_tokens":
             raise bad_request(str(exc).replace("max_tokens", max_tokens_param, 1), max_tokens_param) from exc
         raise
+    if plan.keep_special_tokens:
+        params.skip_special_tokens = False  # the parser reads markers that are special tokens
     if state.config.log_prompts:
         logger.info("request_id=%s messages=%r", request_id, req.messages)
     info.prompt_tokens = len(token_ids)
@@ -93,7 +116,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     response_id = f"chatcmpl-{request_id}"
     echo = _echo_text(req)
     if req.stream:
-        return StreamingResponse(_stream(state, req, streams, response_id, info, top_k, token_ids, echo),
+        return StreamingResponse(_stream(state, req, streams, response_id, info, top_k, token_ids, echo, plan),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def collect():
@@ -112,8 +135,12 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         logprobs = None
         if top_k is not None:
             logprobs = chat_logprobs(c.token_ids, padded(c.logprobs, len(c.token_ids)), top_k, token_str)
-        choice = {"index": c.index, "message": {"role": "assistant", "content": echo + c.text},
-                  "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        text = strip_stop_token_text(plan, tokenizer, c.text, c.token_ids, c.finish_reason)
+        message, finish_reason = message_with_calls(plan, text, c.finish_reason)
+        if echo:
+            message["content"] = echo + (message.get("content") or "")
+        choice = {"index": c.index, "message": message,
+                  "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": c.stop_reason}
         if req.return_token_ids:
             choice["token_ids"] = list(c.token_ids)
         choices.append(choice)
@@ -151,18 +178,20 @@ def _prompt_extras(state: ServerState, req: ChatCompletionRequest, out, token_id
 
 @dataclass
 class _ChoiceState:
+    deltas: ToolDeltaStream
     text_len: int = 0
     num_tokens: int = 0
     done: bool = False
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, streams, response_id: str,
-                  info: RequestInfo, top_k: int | None, prompt_token_ids: list[int], echo: str):
+                  info: RequestInfo, top_k: int | None, prompt_token_ids: list[int], echo: str, plan: ToolPlan):
     """Chunks: one role delta per choice (with prompt_token_ids under return_token_ids), the echoed text
-    if any, content deltas (the first output chunk carries prompt_logprobs when asked), a final usage
-    chunk with stream_options.include_usage."""
+    if any, content or tool-call deltas (the first output chunk carries prompt_logprobs when asked), a
+    final usage chunk with stream_options.include_usage."""
     created = int(time.time())
-    choices = [_ChoiceState() for _ in range(req.n)]
+    tokenizer = state.engine.tokenizer
+    choices = [_ChoiceState(ToolDeltaStream(plan)) for _ in range(req.n)]
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.continuous_usage_stats)
@@ -189,17 +218,24 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, streams, respo
                     st = choices[c.index]
                     if st.done:
                         continue
-                    delta = c.text[st.text_len:]
                     num_tokens = len(c.token_ids)
-                    if not (delta or num_tokens > st.num_tokens or c.finish_reason):
+                    if not (len(c.text) > st.text_len or num_tokens > st.num_tokens or c.finish_reason):
                         continue
+                    text = strip_stop_token_text(plan, tokenizer, c.text, c.token_ids, c.finish_reason)
+                    delta = st.deltas.delta(text, finished=c.finish_reason is not None)
                     logprobs = None
                     if top_k is not None:
                         logprobs = chat_logprobs(c.token_ids[st.num_tokens:num_tokens],
                                                  padded(c.logprobs, num_tokens)[st.num_tokens:], top_k,
                                                  token_str)
-                    choice = {"index": c.index, "delta": {"content": delta} if delta else {},
-                              "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    finished = c.finish_reason is not None
+                    if (plan.parser is not None and not delta and logprobs is None and not finished
+                            and not req.return_token_ids and prompt_logprobs_sent):
+                        st.text_len, st.num_tokens = len(c.text), num_tokens
+                        continue  # text held back by the tool parser (a call's name is not complete yet)
+                    choice = {"index": c.index, "delta": delta, "logprobs": logprobs,
+                              "finish_reason": st.deltas.finish_reason(c.finish_reason),
+                              "stop_reason": c.stop_reason}
                     if req.return_token_ids:
                         choice["token_ids"] = list(c.token_ids[st.num_tokens:num_tokens])
                     extra = {}

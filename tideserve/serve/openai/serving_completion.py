@@ -27,12 +27,14 @@ from tideserve.serve.openai.serving import (
     check_common,
     check_context,
     check_logprobs,
+    compile_structured_outputs,
     logprob_token_str,
     merged,
     resolve_request_id,
     sampling_params,
     sse,
     sse_error,
+    structured_outputs_from,
     submit,
     truncate_prompt,
     until_disconnected,
@@ -79,12 +81,15 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     check_logprobs(state, req.logprobs, "logprobs")
     check_logprobs(state, req.prompt_logprobs, "prompt_logprobs")
     request_id = resolve_request_id(raw, info, req)
+    constraint, constraint_field = structured_outputs_from(req)
     prompts = await asyncio.to_thread(_tokenize, state, req)  # long prompts must not stall the event loop
+    if constraint is not None:
+        await compile_structured_outputs(state, constraint, constraint_field)
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is None and req.echo and req.logprobs is not None:
         prompt_logprobs = req.logprobs
     # With max_tokens=0 and prompt logprobs the engine still runs the prefill: the prompt is scored alone.
-    params = sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
+    params = sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs, structured_outputs=constraint)
     if state.config.log_prompts:
         logger.info("request_id=%s prompts=%r", request_id, [p.text for p in prompts])
     info.prompt_tokens = sum(len(p.token_ids) for p in prompts)
