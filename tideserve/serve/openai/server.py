@@ -34,6 +34,7 @@ from tideserve.serve.openai.errors import (
     validation_message,
 )
 from tideserve.serve.openai.middleware import BodyLimitMiddleware, GateMiddleware, RequestContextMiddleware
+from tideserve.serve.openai.probes import add_probe_routes
 from tideserve.serve.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -74,6 +75,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None,
     app.state.tideserve = state
     install_error_handlers(app)
     _add_routes(app, state)
+    add_probe_routes(app, state)  # /health/live, /health/ready, /load, /get_load
     route_paths = frozenset(getattr(r, "path", "") for r in app.routes)
     # add_middleware wraps: the last added is the outermost.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
