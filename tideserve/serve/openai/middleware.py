@@ -25,15 +25,16 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tideserve.serve.openai.errors import error_response
+from tideserve.serve.openai.probes import PROBE_PATHS
 from tideserve.serve.openai.serving import RequestInfo, ServerState, unavailable_reason
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("tideserve.serve.access")
 
 EXEMPT_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/load", "/docs", "/redoc",
-                          "/openapi.json", "/docs/oauth2-redirect"})
+                          "/openapi.json", "/docs/oauth2-redirect"}) | PROBE_PATHS
 # Polled by probes and scrapers: their access lines go to DEBUG so they do not drown the real traffic.
-QUIET_PATHS = frozenset({"/health", "/ping", "/metrics"})
+QUIET_PATHS = frozenset({"/health", "/ping", "/metrics"}) | PROBE_PATHS
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 

@@ -36,6 +36,7 @@ from tideserve.serve.openai.errors import (
 )
 from tideserve.serve.openai.json_body import JSONBodyError, load_json
 from tideserve.serve.openai.middleware import BodyLimitMiddleware, GateMiddleware, RequestContextMiddleware
+from tideserve.serve.openai.probes import add_probe_routes
 from tideserve.serve.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -77,6 +78,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None,
     install_error_handlers(app)
     _add_routes(app, state)
     _describe_bodies(app, state, REQUEST_BODIES)
+    add_probe_routes(app, state)  # /health/live, /health/ready, /load, /get_load
     route_paths = frozenset(getattr(r, "path", "") for r in app.routes)
     # add_middleware wraps: the last added is the outermost.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
