@@ -167,9 +167,15 @@ def _select_isa(lib: ctypes.CDLL) -> None:
         logger.warning("TIDESERVE_ISA=%s: this CPU (or this build) has no %s path; using %s", requested, requested,
                        level)
     features = lib.ts_cpu_features()
-    logger.info("native kernels: %s path%s (CPU features: %s)", level,
-                f" (capped by TIDESERVE_ISA; best here: {best})" if level != best else "",
+    logger.info("native kernels: ISA %s%s; decode attention, RMSNorm and rotary run their %s path (CPU features: %s)",
+                level, f" (capped by TIDESERVE_ISA; best here: {best})" if level != best else "", kernel_isa(level),
                 " ".join(name for bit, name in enumerate(CPU_FEATURES) if features >> bit & 1) or "none")
+
+
+def kernel_isa(level: str) -> str:
+    """The path decode attention, RMSNorm and rotary take at ``level``: they have none for AMX (its tiles
+    serve GEMMs; decode attention is bound by reading the cache), so there they run AVX-512 BF16."""
+    return "avx512bf16" if level == "amx" else level
 
 
 def isa() -> str | None:
