@@ -1,4 +1,5 @@
-"""The native decode-attention kernel against plain torch attention over each request's gathered keys."""
+"""The native decode-attention kernel, on every instruction-set path this machine has, against its scalar
+reference path, float64 attention over each request's gathered keys, and the torch path it replaces."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ needs_kernel = pytest.mark.skipif(native.load_library() is None, reason="no C co
 
 
 def make_case(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-              max_context: int, seed: int = 0):
+              max_context: int, seed: int = 0, dtype: torch.dtype = torch.float32,
+              kv_dtype: torch.dtype = torch.float32):
     """Shuffled blocks (paging is real), every context length from 1 up, q strided as the model's is."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -30,11 +32,13 @@ def make_case(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, b
             tables[i, j] = free.pop()
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    qkv = torch.randn(num_seqs, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
-    return qkv[:, :num_heads], k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int64)
+    qkv = torch.randn(num_seqs, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    return (qkv[:, :num_heads], k_cache.to(kv_dtype), v_cache.to(kv_dtype), tables,
+            torch.tensor(lens, dtype=torch.int64))
 
 
 def reference(q, k_cache, v_cache, tables, lens, scale):
+    """In float64 over the same (widened) values."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     out = torch.empty(q.shape)
     for i, n in enumerate(lens.tolist()):
@@ -45,52 +49,88 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
     return out
 
 
-@needs_kernel
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [
-    (1, 9, 3, 64, 16, 300),   # SmolLM2's heads, one request: its context split into parts, merged
-    (2, 9, 3, 64, 16, 1000),  # two long requests: parts of unequal length (the other is 1 token)
-    (3, 4, 4, 32, 4, 40),     # multi-head attention
-    (20, 8, 2, 16, 8, 130),   # many requests: one task per request
-    (5, 6, 1, 64, 1, 50),     # multi-query, block size 1
-])
-def test_matches_torch_attention(shape, kv_dtype):
-    """bfloat16 caches are widened exactly, so both dtypes must match the reference over the same values."""
-    q, k_cache, v_cache, tables, lens = make_case(*shape)
-    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+def run_kernel(q, k_cache, v_cache, tables, lens, scale, num_threads=None):
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+    assert native.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out, num_threads=num_threads)
+    return out
+
+
+# bfloat16 outputs are rounded once, at the end: within half a bf16 ulp of the exact result, and two paths
+# whose float32 sums differ in the last bits may round one ulp apart; one ulp is at most 2^-7 relative.
+TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 2e-6}, torch.bfloat16: {"rtol": 2**-7, "atol": 1e-5}}
+
+SHAPES = [  # num_seqs, heads, kv heads, head_dim, block size, longest context, threads (None: torch's)
+    (1, 9, 3, 64, 16, 300, 4),     # SmolLM2's heads, one request: its context split across 4 threads, merged
+    (2, 9, 3, 64, 16, 1000, 8),    # two long requests split into parts of unequal length (the other is 1 token)
+    (3, 4, 4, 32, 4, 40, None),    # multi-head attention
+    (20, 8, 2, 16, 8, 130, None),  # many requests, one task each; head_dim 16 (AVX2 runs the scalar loops)
+    (5, 6, 1, 64, 1, 50, None),    # multi-query, block size 1
+    (4, 8, 2, 128, 16, 70, 2),     # head_dim 128, block size 16
+    (3, 10, 5, 80, 16, 45, None),  # head_dim 80: AVX-512 one vector of values at a time
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["q-f32", "q-bf16"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["kv-f32", "kv-bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:6])) + f"-t{s[6]}")
+def test_every_path_matches_the_scalar_reference_and_float64(isa, on_scalar, shape, kv_dtype, dtype):
+    """bfloat16 inputs widen exactly, so every path must match float64 attention over the same values,
+    and the scalar path's result (the order of float32 sums is all that differs)."""
+    *dims, threads = shape
+    q, k_cache, v_cache, tables, lens = make_case(*dims, dtype=dtype, kv_dtype=kv_dtype)
     scale = q.shape[-1] ** -0.5
-    out = torch.full(q.shape, float("nan"))
-    assert native.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out)
-    want = reference(q, k_cache.float(), v_cache.float(), tables, lens, scale)
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=2e-6)
+    out = run_kernel(q, k_cache, v_cache, tables, lens, scale, threads)
+    assert out.dtype == dtype
+    want = reference(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
+    torch.testing.assert_close(out.float(), want, **TOLERANCE[dtype])
+    scalar = on_scalar(run_kernel, q, k_cache, v_cache, tables, lens, scale, threads)
+    torch.testing.assert_close(out.float(), scalar.float(), **TOLERANCE[dtype])
 
 
 @needs_kernel
-def test_peaked_scores_stay_exact():
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["kv-f32", "kv-bf16"])
+def test_bfloat16_is_at_least_as_accurate_as_the_torch_path(kv_dtype, monkeypatch):
+    """What the engine ran before on bf16 models (gathered blocks, bf16 SDPA) against the kernel: both near
+    float64 attention, the kernel no further from it."""
+    q, k_cache, v_cache, tables, lens = make_case(8, 9, 3, 64, 16, 200, seed=11, dtype=torch.bfloat16,
+                                                  kv_dtype=kv_dtype)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_decode_tokens=q.shape[0],
+                             decode_block_tables=tables, decode_context_lens=lens)
+    empty = torch.empty(0, 3, 64, dtype=torch.bfloat16)
+    ours = paged_attention(q, empty, empty, k_cache, v_cache, meta, 0.125)
+    monkeypatch.setattr(native, "paged_decode_attention", lambda *a, **k: False)
+    theirs = paged_attention(q, empty, empty, k_cache, v_cache, meta, 0.125)
+    want = reference(q.float(), k_cache.float(), v_cache.float(), tables, lens, 0.125)
+    ours_err, theirs_err = (ours.float() - want).abs().max(), (theirs.float() - want).abs().max()
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    assert ours_err <= theirs_err and theirs_err < 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_peaked_scores_stay_exact(isa, dtype):
     """Scores in the hundreds: the softmax must subtract the maximum, not overflow."""
-    q, k_cache, v_cache, tables, lens = make_case(6, 4, 2, 32, 4, 60, seed=3)
+    q, k_cache, v_cache, tables, lens = make_case(6, 4, 2, 32, 4, 60, seed=3, dtype=dtype, kv_dtype=dtype)
     q = q * 40
-    out = torch.empty(q.shape)
-    assert native.paged_decode_attention(q, k_cache, v_cache, tables, lens, 1.0, out)
+    out = run_kernel(q, k_cache, v_cache, tables, lens, 1.0)
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, 1.0), rtol=1e-4, atol=1e-5)
+    want = reference(q.float(), k_cache.float(), v_cache.float(), tables, lens, 1.0)
+    torch.testing.assert_close(out.float(), want, rtol=1e-4 if dtype == torch.float32 else 2**-7, atol=1e-5)
 
 
-@needs_kernel
-def test_garbage_past_the_context_is_never_read():
-    q, k_cache, v_cache, tables, lens = make_case(4, 4, 2, 16, 4, 30, seed=5)
-    want = reference(q, k_cache, v_cache, tables, lens, 0.25)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_garbage_past_the_context_is_never_read(isa, kv_dtype):
+    q, k_cache, v_cache, tables, lens = make_case(4, 4, 2, 16, 4, 30, seed=5, kv_dtype=kv_dtype)
+    want = reference(q, k_cache.float(), v_cache.float(), tables, lens, 0.25)
     for cache in (k_cache, v_cache):  # NaN in every slot no request's context covers
         keep = torch.zeros(cache.shape[:2], dtype=torch.bool)
         for i, n in enumerate(lens.tolist()):
             for t in range(n):
                 keep[tables[i, t // cache.shape[1]], t % cache.shape[1]] = True
         cache[~keep] = float("nan")
-    out = torch.empty(q.shape)
-    assert native.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, out)
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(run_kernel(q, k_cache, v_cache, tables, lens, 0.25), want, rtol=1e-5, atol=2e-6)
 
 
+@needs_kernel
 def test_declines_what_it_cannot_run():
     q, k_cache, v_cache, tables, lens = make_case(3, 4, 2, 16, 4, 20)
     out = torch.zeros(q.shape)
@@ -99,8 +139,12 @@ def test_declines_what_it_cannot_run():
     assert not native.paged_decode_attention(q, k_cache, v_cache, tables.int(), lens, 0.25, out)
     assert not native.paged_decode_attention(q, k_cache.half(), v_cache.half(), tables, lens, 0.25, out)
     assert not native.paged_decode_attention(q, k_cache.bfloat16(), v_cache, tables, lens, 0.25, out)
+    assert not native.paged_decode_attention(q.bfloat16(), k_cache, v_cache, tables, lens, 0.25, out)  # q != out
+    assert not native.paged_decode_attention(q.half(), k_cache, v_cache, tables, lens, 0.25, out.half())
     assert (out == 0).all()
-    assert not native.decode_attention_supported("cpu", torch.bfloat16, torch.bfloat16)
+    assert native.decode_attention_supported("cpu", torch.bfloat16, torch.bfloat16)
+    assert native.decode_attention_supported("cpu", torch.bfloat16, torch.float32)
+    assert not native.decode_attention_supported("cpu", torch.float16, torch.float16)
     assert not native.decode_attention_supported("cpu", torch.float32, torch.float16)
     assert not native.decode_attention_supported("meta", torch.float32, torch.float32)
 

@@ -1,5 +1,6 @@
-"""Rotary embedding with the cache store in one pass (rope_store.c) against the torch path it replaces:
-apply_rotary_ on q|k, then index_copy_ of k and v into the paged cache."""
+"""Rotary embedding with the cache store in one pass (rope_store.c), in float32 and bfloat16 on every
+instruction-set path this machine has, against the torch path it replaces: apply_rotary_ on q|k, then
+index_copy_ of k and v into the paged cache."""
 
 from __future__ import annotations
 
@@ -12,14 +13,18 @@ from tideserve.model.layers.rotary import RotaryEmbedding, apply_rotary_
 pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the kernels")
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim"), [(1, 9, 3, 64), (40, 4, 4, 16), (3, 8, 1, 8)])
-def test_rope_store_matches_rotary_then_index_copy(tokens, heads, kv_heads, head_dim, kv_dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["kv-f32", "kv-bf16"])
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim"),
+                         [(1, 9, 3, 64), (40, 4, 4, 16), (3, 8, 1, 8), (17, 2, 1, 128), (2, 3, 3, 40)])
+def test_rope_store_equals_rotary_then_index_copy(isa, tokens, heads, kv_heads, head_dim, kv_dtype, dtype):
+    """Bit for bit on every path: the kernel rounds where torch's operators round (in bfloat16, after each
+    product and each sum), and multiplies and adds without fusing them."""
     gen = torch.Generator().manual_seed(tokens)
     width = (heads + 2 * kv_heads) * head_dim
-    base = torch.randn(tokens, width + 5, generator=gen)  # rows wider than qkv, as a strided view
+    base = torch.randn(tokens, width + 5, generator=gen).to(dtype)  # rows wider than qkv, as a strided view
     qkv = base[:, :width]
-    rotary = RotaryEmbedding(head_dim, 512, 10000.0, None, torch.float32, "cpu")
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0, None, dtype, "cpu")
     positions = torch.randint(0, 512, (tokens,), generator=gen)
     cos, sin = rotary.cos_sin(positions)
     shape = (16, 4, kv_heads, head_dim)  # 64 slots
@@ -33,13 +38,13 @@ def test_rope_store_matches_rotary_then_index_copy(tokens, heads, kv_heads, head
     want_k.index_copy_(0, slots, qk[:, heads:].to(kv_dtype))
     want_v.index_copy_(0, slots, want_qkv[:, (heads + kv_heads) * head_dim:].reshape(tokens, kv_heads,
                                                                                    head_dim).to(kv_dtype))
+    tail = base[:, width:].clone()
 
     assert native.rope_store(qkv, cos, sin, slots, k_cache, v_cache, heads, kv_heads)
-    torch.testing.assert_close(qkv, want_qkv, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(k_cache.view(64, kv_heads, head_dim), want_k, rtol=1e-2 if kv_dtype != torch.float32
-                               else 1e-6, atol=1e-6)
-    assert torch.equal(v_cache.view(64, kv_heads, head_dim), want_v)  # stored as is (same rounding)
-    assert torch.equal(base[:, width:], base[:, width:].clone())
+    assert torch.equal(qkv, want_qkv)
+    assert torch.equal(k_cache.view(64, kv_heads, head_dim), want_k)
+    assert torch.equal(v_cache.view(64, kv_heads, head_dim), want_v)
+    assert torch.equal(base[:, width:], tail)  # the columns past qkv's are not touched
 
 
 def test_rope_store_declines_what_it_cannot_take():
@@ -49,6 +54,7 @@ def test_rope_store_declines_what_it_cannot_take():
     cache = torch.zeros(2, 2, 1, 8)
     before = qkv.clone()
     assert not native.rope_store(qkv.double(), cos, sin, slots, cache, cache.clone(), 3, 1)
+    assert not native.rope_store(qkv.bfloat16(), cos, sin, slots, cache, cache.clone(), 3, 1)  # cos is float32
     assert not native.rope_store(qkv, cos, sin, slots, cache.half(), cache.half(), 3, 1)
     assert not native.rope_store(qkv, cos, sin, slots.int(), cache, cache.clone(), 3, 1)
     assert not native.rope_store(qkv, cos, sin, slots, cache, cache.clone(), 4, 1)  # widths disagree

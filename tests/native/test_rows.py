@@ -1,5 +1,6 @@
-"""The row-wise kernels (RMSNorm with its residual add, the int8 GEMM's per-token scaling) against the
-torch operators they replace."""
+"""The row-wise kernels (RMSNorm with its residual add, in float32 and bfloat16 on every instruction-set path
+this machine has; the int8 GEMM's per-token scaling) against the torch operators they replace and against
+the scalar reference path."""
 
 from __future__ import annotations
 
@@ -15,23 +16,42 @@ pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C comp
 SHAPES = [(1, 576), (64, 576), (300, 1536), (7, 13)]
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_rms_norm_matches_torch(shape):
-    gen = torch.Generator().manual_seed(0)
-    x, weight = torch.randn(shape, generator=gen) * 3, torch.randn(shape[-1], generator=gen)
-    want = F.rms_norm(x, (shape[-1],), weight, 1e-5)
-    torch.testing.assert_close(native.rms_norm(x, weight, 1e-5), want, rtol=1e-5, atol=1e-6)
+# float32: the order of the sum of squares is all that differs from torch. bfloat16: each output is rounded
+# once, like torch's, from a float32 value that may differ in its last bits, so at most one bf16 ulp apart
+# (2^-7 relative at most).
+TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.bfloat16: {"rtol": 2**-7, "atol": 1e-6}}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_add_rms_norm_updates_the_residual_in_place(shape):
-    gen = torch.Generator().manual_seed(1)
-    x, residual = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+def inputs(shape, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x, residual = torch.randn(shape, generator=gen) * 3, torch.randn(shape, generator=gen)
     weight = torch.randn(shape[-1], generator=gen)
-    total = residual + x
+    return x.to(dtype), residual.to(dtype), weight.to(dtype)
+
+
+@DTYPES
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm_matches_torch_and_the_scalar_path(isa, on_scalar, shape, dtype):
+    x, _, weight = inputs(shape, dtype, 0)
+    got = native.rms_norm(x, weight, 1e-5)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, F.rms_norm(x, (shape[-1],), weight, 1e-5), **TOLERANCE[dtype])
+    torch.testing.assert_close(got, on_scalar(native.rms_norm, x, weight, 1e-5), **TOLERANCE[dtype])
+
+
+@DTYPES
+@pytest.mark.parametrize("shape", SHAPES)
+def test_add_rms_norm_updates_the_residual_in_place(isa, on_scalar, shape, dtype):
+    """The residual sum is rounded as torch's ``residual.add_(x)`` rounds it: equal bit for bit."""
+    x, residual, weight = inputs(shape, dtype, 1)
+    total = residual.clone().add_(x)
+    scalar_residual = residual.clone()
     out = native.rms_norm(x, weight, 1e-6, residual)
     assert torch.equal(residual, total)
-    torch.testing.assert_close(out, F.rms_norm(total, (shape[-1],), weight, 1e-6), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, F.rms_norm(total, (shape[-1],), weight, 1e-6), **TOLERANCE[dtype])
+    torch.testing.assert_close(out, on_scalar(native.rms_norm, x, weight, 1e-6, scalar_residual), **TOLERANCE[dtype])
+    assert torch.equal(scalar_residual, total)
 
 
 @pytest.mark.parametrize("smooth", [False, True])
@@ -63,7 +83,9 @@ def test_scale_rows_undoes_the_row_scaling(with_bias):
 
 def test_declines_what_it_cannot_run():
     x = torch.randn(4, 8)
-    assert native.rms_norm(x.bfloat16(), torch.ones(8, dtype=torch.bfloat16), 1e-5) is None
+    assert native.rms_norm(x.half(), torch.ones(8, dtype=torch.half), 1e-5) is None
+    assert native.rms_norm(x.bfloat16(), torch.ones(8), 1e-5) is None  # dtypes differ
+    assert native.rms_norm(x, torch.ones(8), 1e-5, torch.zeros(4, 8, dtype=torch.bfloat16)) is None
     assert native.rms_norm(x.t(), torch.ones(4), 1e-5) is None  # not contiguous
     assert native.rms_norm(x, torch.ones(7), 1e-5) is None
     assert native.int8_rows(x.double(), None) is None

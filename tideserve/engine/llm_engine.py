@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tideserve import native
 from tideserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, resolve_max_model_len
 from tideserve.core.kv_cache.elastic import ElasticConfig, ElasticPolicy, MemoryAccount, safety_margin
 from tideserve.core.kv_cache.manager import KVCacheManager
@@ -165,7 +166,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, block_size, self.kv_dtype, self.device)
         logger.info("KV cache dtype %s (%d bytes per token); decode attention: %s",
                     str(self.kv_dtype).removeprefix("torch."), self.runner.kv_bytes_per_block(1),
-                    "native kernel" if self.runner.native_decode else "torch")
+                    f"native kernel ({native.kernel_isa(native.isa() or 'scalar')})" if self.runner.native_decode
+                    else "torch")
         elastic = args.elastic_config()
         num_blocks, account, policy = self._plan_pool(cache_config, sched_config, elastic)
         reserve = num_blocks * self.runner.kv_bytes_per_block()

@@ -14,6 +14,11 @@ torch has already loaded (same soname), so both share one thread pool.
 Everything here is optional: with no compiler, a failed build, another device or dtype, or
 ``TIDESERVE_NATIVE=0``, callers get ``None``/``False`` and use the torch path. The one exception is
 ``--quantization int4``, which has no torch kernel worth running and says so at startup.
+
+Instruction sets: each kernel has a scalar reference and AVX2 / AVX-512 (/ AVX-512 BF16) paths, compiled
+when ``-march=native`` enables them and chosen at run time by what the CPU reports (isa.c). ``isa()`` says
+which runs; ``TIDESERVE_ISA=scalar|avx2|avx512|avx512bf16|amx`` (or ``set_isa``) caps it, so a lower path
+can be forced. tideserve_native.h declares every export; the argtypes below are its Python side.
 """
 
 from __future__ import annotations
@@ -34,10 +39,16 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "rows.c", "qgemm.c", "rope_store.c",
-                                                          "decode_forward.c"))
-HEADERS = (Path(__file__).with_name("paged_decode_kv.h"),)
+                                                          "decode_forward.c", "isa.c"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("paged_decode_kv.h", "tideserve_native.h", "ts_simd.h"))
 KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # cache element types with a kernel
 CFLAGS = ("-O3", "-march=native", "-std=c11", "-fopenmp", "-fPIC", "-shared")
+# The ISA levels of isa.c (TS_ISA_*), lowest first; the index is the C level.
+ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512bf16", "amx")
+# isa.c's TS_CPU_* bits, by the names /proc/cpuinfo uses.
+CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
+                "amx_tile", "amx_bf16", "amx_int8", "amx_permitted")
+_TS_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TS_DTYPE_* codes
 
 
 def cache_dir() -> Path:
@@ -120,29 +131,96 @@ def load_library() -> ctypes.CDLL | None:
                                           ptr, ptr, i64, ptr, i64, cint, f32, cint]
     lib.ts_qlinear_f32.restype = cint
     lib.ts_qlinear_f32.argtypes = [ptr, i64, i64, i64, cint, cint, ptr, ptr, ptr, ptr, i64, ptr, i64, cint]
+    _declare_isa_exports(lib)
+    _select_isa(lib)
     return lib
+
+
+def _declare_isa_exports(lib: ctypes.CDLL) -> None:
+    """argtypes of the exports added with the ISA dispatch (tideserve_native.h has their C side)."""
+    i64, ptr, f32, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    signatures: dict[str, tuple[type | None, list[type]]] = {
+        "ts_isa_best": (cint, []),
+        "ts_isa_level": (cint, []),
+        "ts_set_isa_level": (cint, [cint]),
+        "ts_cpu_features": (ctypes.c_uint32, []),
+        "ts_amx_probe": (cint, []),
+        "ts_paged_decode": (cint, [ptr, i64, cint, ptr, ptr, cint, ptr, i64, ptr, ptr, i64, cint, i64, i64, i64, i64,
+                                   i64, f32, cint]),
+        "ts_rms_norm_bf16": (None, [ptr, ptr, ptr, i64, i64, f32, cint]),
+        "ts_add_rms_norm_bf16": (None, [ptr, ptr, ptr, ptr, i64, i64, f32, cint]),
+        "ts_rope_store_bf16": (None, [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, cint, cint]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        getattr(lib, name).restype = restype
+        getattr(lib, name).argtypes = argtypes
+
+
+def _select_isa(lib: ctypes.CDLL) -> None:
+    """Apply TIDESERVE_ISA (a ceiling: scalar, avx2, avx512, avx512bf16, amx or auto) and log the choice once."""
+    requested = os.environ.get("TIDESERVE_ISA", "auto").strip().lower() or "auto"
+    if requested != "auto" and requested not in ISA_LEVELS:
+        raise ValueError(f"TIDESERVE_ISA={requested!r} is not one of auto, {', '.join(ISA_LEVELS)}")
+    best = ISA_LEVELS[lib.ts_isa_best()]
+    level = ISA_LEVELS[lib.ts_set_isa_level(-1 if requested == "auto" else ISA_LEVELS.index(requested))]
+    if requested not in ("auto", level):
+        logger.warning("TIDESERVE_ISA=%s: this CPU (or this build) has no %s path; using %s", requested, requested,
+                       level)
+    features = lib.ts_cpu_features()
+    logger.info("native kernels: ISA %s%s; decode attention, RMSNorm and rotary run their %s path (CPU features: %s)",
+                level, f" (capped by TIDESERVE_ISA; best here: {best})" if level != best else "", kernel_isa(level),
+                " ".join(name for bit, name in enumerate(CPU_FEATURES) if features >> bit & 1) or "none")
+
+
+def kernel_isa(level: str) -> str:
+    """The path decode attention, RMSNorm and rotary take at ``level``: they have none for AMX (its tiles
+    serve GEMMs; decode attention is bound by reading the cache), so there they run AVX-512 BF16."""
+    return "avx512bf16" if level == "amx" else level
+
+
+def isa() -> str | None:
+    """The instruction-set path the kernels run now (one of ISA_LEVELS), or None without the library."""
+    lib = load_library()
+    return None if lib is None else ISA_LEVELS[lib.ts_isa_level()]
+
+
+def supported_isas() -> list[str]:
+    """Every path this CPU and build can run, lowest first (what ``set_isa`` accepts)."""
+    lib = load_library()
+    return [] if lib is None else list(ISA_LEVELS[: lib.ts_isa_best() + 1])
+
+
+def set_isa(name: str) -> str:
+    """Run the kernels on path ``name`` (``"auto"``: the best one) from now on; returns the path in use.
+    For tests and benchmarks: not while kernels run on other threads."""
+    lib = load_library()
+    if lib is None:
+        raise ValueError("set_isa: the native kernels are not available (no compiler, or TIDESERVE_NATIVE=0)")
+    if name != "auto" and name not in supported_isas():
+        raise ValueError(f"isa {name!r} is not supported here; supported: auto, {', '.join(supported_isas())}")
+    return ISA_LEVELS[lib.ts_set_isa_level(-1 if name == "auto" else ISA_LEVELS.index(name))]
 
 
 def decode_attention_supported(device: torch.device | str, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
     """Whether ``paged_decode_attention`` can serve a model on this device with these dtypes."""
-    return (torch.device(device).type == "cpu" and dtype == torch.float32 and kv_dtype in KV_DTYPES
+    return (torch.device(device).type == "cpu" and dtype in _TS_DTYPES and kv_dtype in KV_DTYPES
             and load_library() is not None)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor) -> bool:
+                           out: torch.Tensor, num_threads: int | None = None) -> bool:
     """out[i] = attention of q[i] ([H, D]) over request i's first context_lens[i] cached keys.
 
-    q, out: float32 [N, H, D] with unit stride in D and D in H (rows may be strided); k_cache, v_cache:
-    contiguous [num_blocks, block_size, KVH, D], float32 or bfloat16; block_tables [N, W] and
-    context_lens [N] int64, with every block id below num_blocks. Returns False, computing nothing,
-    when the inputs do not fit.
+    q, out: [N, H, D], both float32 or both bfloat16, with unit stride in D and D in H (rows may be
+    strided); k_cache, v_cache: contiguous [num_blocks, block_size, KVH, D], float32 or bfloat16;
+    block_tables [N, W] and context_lens [N] int64, with every block id below num_blocks. ``num_threads``
+    defaults to torch's. Returns False, computing nothing, when the inputs do not fit.
     """
     lib = load_library()
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    ok = (lib is not None and n > 0 and q.dtype == out.dtype == torch.float32 and k_cache.dtype in KV_DTYPES
+    ok = (lib is not None and n > 0 and q.dtype == out.dtype and q.dtype in _TS_DTYPES and k_cache.dtype in KV_DTYPES
           and v_cache.dtype == k_cache.dtype and q.device.type == k_cache.device.type == "cpu"
           and k_cache.is_contiguous() and v_cache.is_contiguous()
           and q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
@@ -151,11 +229,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
           and block_tables.shape[0] == context_lens.shape[0] == n)
     if not ok:
         return False
-    kernel = getattr(lib, f"ts_paged_decode_{KV_DTYPES[k_cache.dtype]}")
-    failed = kernel(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(), out.stride(0), n, num_heads,
-        num_kv_heads, head_dim, k_cache.shape[1], scale, torch.get_num_threads())
+    failed = lib.ts_paged_decode(
+        q.data_ptr(), q.stride(0), _TS_DTYPES[q.dtype], k_cache.data_ptr(), v_cache.data_ptr(),
+        _TS_DTYPES[k_cache.dtype], block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
+        out.data_ptr(), out.stride(0), _TS_DTYPES[out.dtype], n, num_heads, num_kv_heads, head_dim,
+        k_cache.shape[1], scale, num_threads or torch.get_num_threads())
     return failed == 0
 
 
@@ -168,24 +246,34 @@ def _plain_f32(*tensors: torch.Tensor | None) -> bool:
     return True
 
 
+def _plain(dtype: torch.dtype, *tensors: torch.Tensor | None) -> bool:
+    """As _plain_f32, for ``dtype``."""
+    for t in tensors:
+        if t is not None and (t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous()):
+            return False
+    return True
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | None:
     """x / rms(x) * weight over the last dimension; with ``residual``, first ``residual += x`` (in place)
-    and normalise the sum. None, touching nothing, when the inputs do not fit the kernel."""
+    and normalise the sum. float32, or bfloat16 rounded as torch's bfloat16 operators round (x, weight and
+    residual all of one dtype). None, touching nothing, when the inputs do not fit the kernel."""
     lib = load_library()
-    if lib is None or x.numel() == 0 or not _plain_f32(x, weight, residual):
+    if lib is None or x.numel() == 0 or x.dtype not in _TS_DTYPES or not _plain(x.dtype, x, weight, residual):
         return None
     cols = x.shape[-1]
     rows = x.numel() // cols
     if weight.numel() != cols or (residual is not None and residual.shape != x.shape):
         return None
     out = torch.empty_like(x)
+    suffix = KV_DTYPES[x.dtype]
     if residual is None:
-        lib.ts_rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, cols, eps,
-                            torch.get_num_threads())
+        getattr(lib, f"ts_rms_norm_{suffix}")(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, cols, eps,
+                                              torch.get_num_threads())
     else:
-        lib.ts_add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, cols,
-                                eps, torch.get_num_threads())
+        getattr(lib, f"ts_add_rms_norm_{suffix}")(x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+                                                  out.data_ptr(), rows, cols, eps, torch.get_num_threads())
     return out
 
 
@@ -216,14 +304,15 @@ def scale_rows_(y: torch.Tensor, row_max: torch.Tensor, bias: torch.Tensor | Non
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> bool:
     """Rotate the q and k heads of qkv [T, (H + 2 KVH) * D] in place and store k and v at ``slots`` in the
-    caches ([num_blocks, block_size, KVH, D], float32 or bfloat16); see rope_store.c. False, touching
-    nothing, when the inputs do not fit the kernel."""
+    caches ([num_blocks, block_size, KVH, D], float32 or bfloat16); see rope_store.c. qkv, cos and sin are
+    all float32 or all bfloat16. False, touching nothing, when the inputs do not fit the kernel."""
     lib = load_library()
     if lib is None or qkv.dim() != 2 or qkv.shape[0] == 0:
         return False
     tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
-    ok = (qkv.dtype == cos.dtype == sin.dtype == torch.float32 and qkv.device.type == "cpu" and qkv.stride(1) == 1
+    ok = (qkv.dtype == cos.dtype == sin.dtype and qkv.dtype in _TS_DTYPES and qkv.device.type == "cpu"
+          and qkv.stride(1) == 1
           and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0
           and cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() == tokens * head_dim // 2
           and slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == tokens
@@ -231,9 +320,10 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: t
           and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-2] == num_kv_heads)
     if not ok:
         return False
-    lib.ts_rope_store_f32(qkv.data_ptr(), qkv.stride(0), tokens, num_heads, num_kv_heads, head_dim, cos.data_ptr(),
-                          sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                          int(k_cache.dtype == torch.bfloat16), torch.get_num_threads())
+    kernel = lib.ts_rope_store_f32 if qkv.dtype == torch.float32 else lib.ts_rope_store_bf16
+    kernel(qkv.data_ptr(), qkv.stride(0), tokens, num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+           slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+           torch.get_num_threads())
     return True
 
 

@@ -1,4 +1,4 @@
-/* Decode attention straight from the paged KV cache, for float32 on CPU.
+/* Decode attention straight from the paged KV cache, on CPU.
  *
  * The torch path gathers each request's blocks into a contiguous copy before attention; at decode time
  * that copy doubles the memory traffic of a step that is bound by memory traffic. Here every (request,
@@ -6,84 +6,168 @@
  * that share a KV head (grouped-query attention) are served by the same read.
  *
  * Layouts (all contiguous in their last dimension):
- *   q            [num_seqs, num_heads, head_dim], rows q_stride floats apart
- *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16 (read as float32)
+ *   q            [num_seqs, num_heads, head_dim], float32 or bfloat16, rows q_stride elements apart
+ *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16
  *   block_tables [num_seqs, table_width] int64
  *   context_lens [num_seqs] int64, keys per request including the token of this step
- *   out          [num_seqs, num_heads, head_dim], rows out_stride floats apart
+ *   out          [num_seqs, num_heads, head_dim], float32 or bfloat16, rows out_stride elements apart
+ *
+ * Arithmetic is float32 throughout (bfloat16 inputs widen exactly; a bfloat16 output is rounded once, at
+ * the end). Paths (ts_isa_level): scalar reference; AVX2 + FMA; AVX-512; AVX-512 BF16, which takes the
+ * q . k products of a bfloat16 q and cache with vdpbf16ps (exact products of bfloat16 pairs, summed in
+ * float32). AMX is not used: a decode query is a handful of rows per KV head, so the tiles would be
+ * mostly empty, and the kernel is bound by reading the cache, not by arithmetic (docs/benchmarks.md).
  */
 #include <math.h>
 #include <stdint.h>
-
-/* Fewest blocks a part of a split request covers: below this the merge costs more than it spreads. */
-#define TS_MIN_BLOCKS_PER_PART 4
 #include <stdlib.h>
 #include <string.h>
 
-/* exp(x) for x <= 0 (scores minus their maximum), written so the compiler can vectorize the loop that
- * calls it: range reduction by ln 2 and a degree-6 polynomial (about 2 ulp), with no libm call. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float y = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return y * scale;
+#include "tideserve_native.h"
+#include "ts_simd.h"
+
+/* Fewest blocks a part of a split request covers: below this the merge costs more than it spreads. */
+#define TS_MIN_BLOCKS_PER_PART 4
+
+/* In place over scores s[0..n): s[t] = exp(s[t] - max); *max_out = max, *sum_out = sum of the new s. */
+static void softmax_scalar(float *s, int64_t n, float *max_out, float *sum_out) {
+    float m = s[0];
+    for (int64_t t = 1; t < n; t++) m = s[t] > m ? s[t] : m;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; t++) {
+        const float e = ts_exp(s[t] - m);
+        s[t] = e;
+        sum += e;
+    }
+    *max_out = m;
+    *sum_out = sum;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define TS_AVX2 1
-
-/* The eight horizontal sums of a0..a7, as one vector [sum(a0), ..., sum(a7)]. */
-static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
-                           __m256 a7) {
-    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-static inline float hsum(__m256 a) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
+#ifdef TS_HAVE_AVX2
+static void softmax_avx2(float *s, int64_t n, float *max_out, float *sum_out) {
+    __m256 vm = _mm256_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + t));
+    float m = ts_hmax256(vm);
+    for (; t < n; t++) m = s[t] > m ? s[t] : m;
+    const __m256 bm = _mm256_set1_ps(m);
+    __m256 vs = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= n; t += 8) {
+        const __m256 e = ts_exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), bm));
+        _mm256_storeu_ps(s + t, e);
+        vs = _mm256_add_ps(vs, e);
+    }
+    float sum = ts_hsum256(vs);
+    for (; t < n; t++) {
+        const float e = ts_exp(s[t] - m);
+        s[t] = e;
+        sum += e;
+    }
+    *max_out = m;
+    *sum_out = sum;
 }
 #endif
 
-static inline float bf16_to_f32(const uint16_t *p) {
-    uint32_t bits = (uint32_t)*p << 16;
-    float x;
-    memcpy(&x, &bits, sizeof x);
-    return x;
+#ifdef TS_HAVE_AVX512
+static void softmax_avx512(float *s, int64_t n, float *max_out, float *sum_out) {
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
+        vm = _mm512_mask_max_ps(vm, k, vm, _mm512_maskz_loadu_ps(k, s + t));
+    }
+    const float m = _mm512_reduce_max_ps(vm);
+    const __m512 bm = _mm512_set1_ps(m);
+    __m512 vs = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
+        const __m512 e = ts_exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), bm));
+        _mm512_mask_storeu_ps(s + t, k, e);
+        vs = _mm512_mask_add_ps(vs, k, vs, e);
+    }
+    *max_out = m;
+    *sum_out = _mm512_reduce_add_ps(vs);
+}
+#endif
+
+static void softmax(int isa, float *s, int64_t n, float *max_out, float *sum_out) {
+#ifdef TS_HAVE_AVX512
+    if (isa >= TS_ISA_AVX512) {
+        softmax_avx512(s, n, max_out, sum_out);
+        return;
+    }
+#endif
+#ifdef TS_HAVE_AVX2
+    if (isa >= TS_ISA_AVX2) {
+        softmax_avx2(s, n, max_out, sum_out);
+        return;
+    }
+#endif
+    (void)isa;
+    softmax_scalar(s, n, max_out, sum_out);
 }
 
 #define KV_T float
+#define KV_IS_BF16 0
 #define KV_NAME(x) x##_f32
 #define KV_LOAD1(p) (*(p))
-#ifdef TS_AVX2
+#ifdef TS_HAVE_AVX2
 #define KV_LOAD8(p) _mm256_loadu_ps(p)
+#endif
+#ifdef TS_HAVE_AVX512
+#define KV_LOAD16(p) _mm512_loadu_ps(p)
 #endif
 #include "paged_decode_kv.h"
 #undef KV_T
+#undef KV_IS_BF16
 #undef KV_NAME
 #undef KV_LOAD1
 #undef KV_LOAD8
+#undef KV_LOAD16
 
-/* bfloat16 is the top half of a float32: widening is a shift. */
 #define KV_T uint16_t
+#define KV_IS_BF16 1
 #define KV_NAME(x) x##_bf16
-#define KV_LOAD1(p) bf16_to_f32(p)
-#ifdef TS_AVX2
-#define KV_LOAD8(p) \
-    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define KV_LOAD1(p) ts_bf16_to_f32(*(p))
+#ifdef TS_HAVE_AVX2
+#define KV_LOAD8(p) ts_load_bf16x8(p)
+#endif
+#ifdef TS_HAVE_AVX512
+#define KV_LOAD16(p) ts_load_bf16x16(p)
 #endif
 #include "paged_decode_kv.h"
+
+int ts_paged_decode(const void *q, int64_t q_stride, int q_dtype, const void *k_cache, const void *v_cache,
+                    int kv_dtype, const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
+                    void *out, int64_t out_stride, int out_dtype, int64_t num_seqs, int64_t num_heads,
+                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+    if ((q_dtype != TS_DTYPE_F32 && q_dtype != TS_DTYPE_BF16) || (out_dtype != TS_DTYPE_F32 && out_dtype != TS_DTYPE_BF16))
+        return 1;
+    if (kv_dtype == TS_DTYPE_F32)
+        return paged_decode_f32(q, q_stride, q_dtype, k_cache, v_cache, block_tables, table_width, context_lens, out,
+                                out_stride, out_dtype, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
+                                num_threads);
+    if (kv_dtype == TS_DTYPE_BF16)
+        return paged_decode_bf16(q, q_stride, q_dtype, k_cache, v_cache, block_tables, table_width, context_lens, out,
+                                 out_stride, out_dtype, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
+                                 num_threads);
+    return 1;
+}
+
+int ts_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                        const int64_t *block_tables, int64_t table_width, const int64_t *context_lens, float *out,
+                        int64_t out_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+    return paged_decode_f32(q, q_stride, TS_DTYPE_F32, k_cache, v_cache, block_tables, table_width, context_lens, out,
+                            out_stride, TS_DTYPE_F32, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
+                            num_threads);
+}
+
+int ts_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                         const int64_t *block_tables, int64_t table_width, const int64_t *context_lens, float *out,
+                         int64_t out_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+    return paged_decode_bf16(q, q_stride, TS_DTYPE_F32, k_cache, v_cache, block_tables, table_width, context_lens, out,
+                             out_stride, TS_DTYPE_F32, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
+                             num_threads);
+}

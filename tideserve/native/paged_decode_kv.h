@@ -1,44 +1,18 @@
 /* The decode-attention kernels for one KV cache element type; included once per type by paged_decode.c
- * with KV_T (the stored type), KV_NAME(x) (x with the type's suffix), KV_LOAD8(p) (eight elements as
- * float32 in an AVX2 register) and KV_LOAD1(p) (one element as float) defined. */
+ * with KV_T (the stored type), KV_IS_BF16 (0 or 1), KV_NAME(x) (x with the type's suffix), KV_LOAD1(p) (one
+ * element as float), and, where the build has those paths, KV_LOAD8(p) / KV_LOAD16(p) (8 / 16 elements as
+ * float32 in an AVX2 / AVX-512 register) defined.
+ *
+ * Every path computes the same two block-level steps, so each can be checked against the scalar one:
+ *   scores[g][s] = q_g . k_s * scale             for the n keys of one block and one KV head
+ *   acc[g] += sum_s p[g][s] v_s                  for the n values of the same block and head
+ * for the ``group`` query heads g that share the KV head (rows head_dim floats apart in q and acc).
+ */
 
-/* scores[g][s] = q_g . k_s * scale for the n keys of one block and one KV head (k: its first key). */
-static void KV_NAME(block_scores)(const float *q, const KV_T *k, int64_t token_stride, int64_t n, int64_t group,
-                         int64_t head_dim, float scale, float *scores, int64_t score_stride) {
-#ifdef TS_AVX2
-    if (head_dim % 32 == 0) {
-        const __m256 vscale = _mm256_set1_ps(scale);
-        for (int64_t g = 0; g < group; g++) {
-            const float *qg = q + g * head_dim;
-            float *sg = scores + g * score_stride;
-            int64_t s = 0;
-            for (; s + 8 <= n; s += 8) { /* eight keys at once: one q load feeds eight FMAs */
-                const KV_T *ks = k + s * token_stride;
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-                for (int64_t j = 0; j < head_dim; j += 8) {
-                    const __m256 qv = _mm256_loadu_ps(qg + j);
-                    a0 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + j), a0);
-                    a1 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + token_stride + j), a1);
-                    a2 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + 2 * token_stride + j), a2);
-                    a3 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + 3 * token_stride + j), a3);
-                    a4 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + 4 * token_stride + j), a4);
-                    a5 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + 5 * token_stride + j), a5);
-                    a6 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + 6 * token_stride + j), a6);
-                    a7 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + 7 * token_stride + j), a7);
-                }
-                _mm256_storeu_ps(sg + s, _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), vscale));
-            }
-            for (; s < n; s++) {
-                const KV_T *ks = k + s * token_stride;
-                __m256 a = _mm256_setzero_ps();
-                for (int64_t j = 0; j < head_dim; j += 8)
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j), KV_LOAD8(ks + j), a);
-                sg[s] = hsum(a) * scale;
-            }
-        }
-        return;
-    }
-#endif
+/* ---------------------------------------------------------------- scalar reference */
+
+static void KV_NAME(scores_scalar)(const float *q, const KV_T *k, int64_t token_stride, int64_t n, int64_t group,
+                                   int64_t head_dim, float scale, float *scores, int64_t score_stride) {
     for (int64_t s = 0; s < n; s++) {
         for (int64_t g = 0; g < group; g++) {
             const float *qg = q + g * head_dim;
@@ -50,34 +24,8 @@ static void KV_NAME(block_scores)(const float *q, const KV_T *k, int64_t token_s
     }
 }
 
-/* acc[g] += sum_s p[g][s] v_s over the n values of one block and one KV head (v: its first value). */
-static void KV_NAME(block_values)(const float *p, int64_t p_stride, const KV_T *v, int64_t token_stride, int64_t n,
-                         int64_t group, int64_t head_dim, float *acc) {
-#ifdef TS_AVX2
-    if (head_dim % 32 == 0) {
-        for (int64_t g = 0; g < group; g++) {
-            const float *pg = p + g * p_stride;
-            for (int64_t j = 0; j < head_dim; j += 32) { /* 32 outputs stay in registers over the block */
-                float *ag = acc + g * head_dim + j;
-                __m256 a0 = _mm256_loadu_ps(ag), a1 = _mm256_loadu_ps(ag + 8);
-                __m256 a2 = _mm256_loadu_ps(ag + 16), a3 = _mm256_loadu_ps(ag + 24);
-                for (int64_t s = 0; s < n; s++) {
-                    const KV_T *vs = v + s * token_stride + j;
-                    const __m256 pv = _mm256_broadcast_ss(pg + s);
-                    a0 = _mm256_fmadd_ps(pv, KV_LOAD8(vs), a0);
-                    a1 = _mm256_fmadd_ps(pv, KV_LOAD8(vs + 8), a1);
-                    a2 = _mm256_fmadd_ps(pv, KV_LOAD8(vs + 16), a2);
-                    a3 = _mm256_fmadd_ps(pv, KV_LOAD8(vs + 24), a3);
-                }
-                _mm256_storeu_ps(ag, a0);
-                _mm256_storeu_ps(ag + 8, a1);
-                _mm256_storeu_ps(ag + 16, a2);
-                _mm256_storeu_ps(ag + 24, a3);
-            }
-        }
-        return;
-    }
-#endif
+static void KV_NAME(values_scalar)(const float *p, int64_t p_stride, const KV_T *v, int64_t token_stride, int64_t n,
+                                   int64_t group, int64_t head_dim, float *acc) {
     for (int64_t s = 0; s < n; s++) {
         for (int64_t g = 0; g < group; g++) {
             const float pgs = p[g * p_stride + s];
@@ -88,18 +36,240 @@ static void KV_NAME(block_values)(const float *p, int64_t p_stride, const KV_T *
     }
 }
 
-/* Attention of one request's query heads of KV heads [kv_lo, kv_hi) over the keys of blocks [blk_lo,
- * blk_hi) of its table, left unnormalized so that several such parts merge exactly: for each query head r,
- * part_max[r] = the largest score, part_sum[r] = sum_t exp(score_t - part_max[r]) and acc[r] = sum_t
- * exp(score_t - part_max[r]) v_t. A block is read head after head while it is hot in cache, and each key
- * and value serves every query head that shares it. An empty range leaves part_sum at 0. */
-static void KV_NAME(attend_part)(const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table,
-                       int64_t context_len, int64_t blk_lo, int64_t blk_hi, int64_t kv_lo, int64_t kv_hi,
-                       int64_t group, int64_t head_dim, int64_t block_size, int64_t num_kv_heads, float scale,
-                       float *scores, float *acc, float *part_max, float *part_sum, int64_t max_context) {
+/* ---------------------------------------------------------------- AVX2 + FMA (head_dim % 32 == 0) */
+#ifdef TS_HAVE_AVX2
+
+static void KV_NAME(scores_avx2)(const float *q, const KV_T *k, int64_t token_stride, int64_t n, int64_t group,
+                                 int64_t head_dim, float scale, float *scores, int64_t score_stride) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t g = 0; g < group; g++) {
+        const float *qg = q + g * head_dim;
+        float *sg = scores + g * score_stride;
+        int64_t s = 0;
+        for (; s + 8 <= n; s += 8) { /* eight keys at once: one q load feeds eight FMAs */
+            const KV_T *ks = k + s * token_stride;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            for (int64_t j = 0; j < head_dim; j += 8) {
+                const __m256 qv = _mm256_loadu_ps(qg + j);
+                a0 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + j), a0);
+                a1 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + token_stride + j), a1);
+                a2 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + 2 * token_stride + j), a2);
+                a3 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + 3 * token_stride + j), a3);
+                a4 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + 4 * token_stride + j), a4);
+                a5 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + 5 * token_stride + j), a5);
+                a6 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + 6 * token_stride + j), a6);
+                a7 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + 7 * token_stride + j), a7);
+            }
+            _mm256_storeu_ps(sg + s, _mm256_mul_ps(ts_hsum256x8(a0, a1, a2, a3, a4, a5, a6, a7), vscale));
+        }
+        for (; s < n; s++) {
+            const KV_T *ks = k + s * token_stride;
+            __m256 a = _mm256_setzero_ps();
+            for (int64_t j = 0; j < head_dim; j += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j), KV_LOAD8(ks + j), a);
+            sg[s] = ts_hsum256(a) * scale;
+        }
+    }
+}
+
+static void KV_NAME(values_avx2)(const float *p, int64_t p_stride, const KV_T *v, int64_t token_stride, int64_t n,
+                                 int64_t group, int64_t head_dim, float *acc) {
+    for (int64_t g = 0; g < group; g++) {
+        const float *pg = p + g * p_stride;
+        for (int64_t j = 0; j < head_dim; j += 32) { /* 32 outputs stay in registers over the block */
+            float *ag = acc + g * head_dim + j;
+            __m256 a0 = _mm256_loadu_ps(ag), a1 = _mm256_loadu_ps(ag + 8);
+            __m256 a2 = _mm256_loadu_ps(ag + 16), a3 = _mm256_loadu_ps(ag + 24);
+            for (int64_t s = 0; s < n; s++) {
+                const KV_T *vs = v + s * token_stride + j;
+                const __m256 pv = _mm256_broadcast_ss(pg + s);
+                a0 = _mm256_fmadd_ps(pv, KV_LOAD8(vs), a0);
+                a1 = _mm256_fmadd_ps(pv, KV_LOAD8(vs + 8), a1);
+                a2 = _mm256_fmadd_ps(pv, KV_LOAD8(vs + 16), a2);
+                a3 = _mm256_fmadd_ps(pv, KV_LOAD8(vs + 24), a3);
+            }
+            _mm256_storeu_ps(ag, a0);
+            _mm256_storeu_ps(ag + 8, a1);
+            _mm256_storeu_ps(ag + 16, a2);
+            _mm256_storeu_ps(ag + 24, a3);
+        }
+    }
+}
+#endif /* TS_HAVE_AVX2 */
+
+/* ---------------------------------------------------------------- AVX-512 (head_dim % 16 == 0) */
+#ifdef TS_HAVE_AVX512
+
+/* Sixteen keys per pass: sixteen accumulators, then one tree of adds gives their sixteen sums at once. */
+static void KV_NAME(scores_avx512)(const float *q, const KV_T *k, int64_t token_stride, int64_t n, int64_t group,
+                                   int64_t head_dim, float scale, float *scores, int64_t score_stride) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t g = 0; g < group; g++) {
+        const float *qg = q + g * head_dim;
+        float *sg = scores + g * score_stride;
+        int64_t s = 0;
+        for (; s + 16 <= n; s += 16) {
+            const KV_T *ks = k + s * token_stride;
+            __m512 a[16];
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < head_dim; j += 16) {
+                const __m512 qv = _mm512_loadu_ps(qg + j);
+#pragma GCC unroll 16
+                for (int i = 0; i < 16; i++) a[i] = _mm512_fmadd_ps(qv, KV_LOAD16(ks + i * token_stride + j), a[i]);
+            }
+            _mm512_storeu_ps(sg + s, _mm512_mul_ps(ts_hsum512x16(a), vscale));
+        }
+        for (; s < n; s++) {
+            const KV_T *ks = k + s * token_stride;
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t j = 0; j < head_dim; j += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + j), KV_LOAD16(ks + j), a);
+            sg[s] = _mm512_reduce_add_ps(a) * scale;
+        }
+    }
+}
+
+/* acc rows [0, NG) x columns of NV vectors at a time, over the n values: each value vector is loaded
+ * (and widened) once for all NG query heads. Constant NG and NV keep the accumulators in registers. */
+TS_ALWAYS_INLINE void KV_NAME(values_tile_avx512)(const float *p, int64_t p_stride, const KV_T *v, int64_t token_stride,
+                                                  int64_t n, int64_t head_dim, float *acc, const int NG, const int NV) {
+    for (int64_t j0 = 0; j0 < head_dim; j0 += 16 * NV) {
+        __m512 a[4][4];
+        for (int g = 0; g < NG; g++)
+            for (int u = 0; u < NV; u++) a[g][u] = _mm512_loadu_ps(acc + g * head_dim + j0 + 16 * u);
+        for (int64_t s = 0; s < n; s++) {
+            const KV_T *vs = v + s * token_stride + j0;
+            __m512 vv[4];
+            for (int u = 0; u < NV; u++) vv[u] = KV_LOAD16(vs + 16 * u);
+            for (int g = 0; g < NG; g++) {
+                const __m512 pv = _mm512_set1_ps(p[g * p_stride + s]);
+                for (int u = 0; u < NV; u++) a[g][u] = _mm512_fmadd_ps(pv, vv[u], a[g][u]);
+            }
+        }
+        for (int g = 0; g < NG; g++)
+            for (int u = 0; u < NV; u++) _mm512_storeu_ps(acc + g * head_dim + j0 + 16 * u, a[g][u]);
+    }
+}
+
+static void KV_NAME(values_avx512)(const float *p, int64_t p_stride, const KV_T *v, int64_t token_stride, int64_t n,
+                                   int64_t group, int64_t head_dim, float *acc) {
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        const int ng = group - g0 < 4 ? (int)(group - g0) : 4;
+        const float *pg = p + g0 * p_stride;
+        float *ag = acc + g0 * head_dim;
+#define TS_VALUES_TILE(NG, NV) KV_NAME(values_tile_avx512)(pg, p_stride, v, token_stride, n, head_dim, ag, NG, NV)
+        if (head_dim % 64 == 0) {
+            switch (ng) {
+            case 1: TS_VALUES_TILE(1, 4); break;
+            case 2: TS_VALUES_TILE(2, 4); break;
+            case 3: TS_VALUES_TILE(3, 4); break;
+            default: TS_VALUES_TILE(4, 4); break;
+            }
+        } else {
+            switch (ng) {
+            case 1: TS_VALUES_TILE(1, 1); break;
+            case 2: TS_VALUES_TILE(2, 1); break;
+            case 3: TS_VALUES_TILE(3, 1); break;
+            default: TS_VALUES_TILE(4, 1); break;
+            }
+        }
+#undef TS_VALUES_TILE
+    }
+}
+#endif /* TS_HAVE_AVX512 */
+
+/* ---------------------------------------------------------------- AVX-512 BF16: bf16 q . bf16 k (head_dim % 32) */
+#if KV_IS_BF16 && defined(TS_HAVE_AVX512BF16)
+static void KV_NAME(scores_dpbf16)(const uint16_t *q, const KV_T *k, int64_t token_stride, int64_t n, int64_t group,
+                                   int64_t head_dim, float scale, float *scores, int64_t score_stride) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t g = 0; g < group; g++) {
+        const uint16_t *qg = q + g * head_dim;
+        float *sg = scores + g * score_stride;
+        int64_t s = 0;
+        for (; s + 16 <= n; s += 16) {
+            const KV_T *ks = k + s * token_stride;
+            __m512 a[16];
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < head_dim; j += 32) {
+                const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + j);
+#pragma GCC unroll 16
+                for (int i = 0; i < 16; i++)
+                    a[i] = _mm512_dpbf16_ps(a[i], qv, (__m512bh)_mm512_loadu_si512(ks + i * token_stride + j));
+            }
+            _mm512_storeu_ps(sg + s, _mm512_mul_ps(ts_hsum512x16(a), vscale));
+        }
+        for (; s < n; s++) {
+            const KV_T *ks = k + s * token_stride;
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t j = 0; j < head_dim; j += 32)
+                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qg + j), (__m512bh)_mm512_loadu_si512(ks + j));
+            sg[s] = _mm512_reduce_add_ps(a) * scale;
+        }
+    }
+}
+#endif
+
+/* ---------------------------------------------------------------- dispatch (one predictable branch per block) */
+
+/* q: the float32 query rows; qb: the same rows in bfloat16 when the query came as bfloat16, else NULL. */
+static inline void KV_NAME(block_scores)(int isa, const float *q, const uint16_t *qb, const KV_T *k,
+                                         int64_t token_stride, int64_t n, int64_t group, int64_t head_dim,
+                                         float scale, float *scores, int64_t score_stride) {
+#if KV_IS_BF16 && defined(TS_HAVE_AVX512BF16)
+    if (isa >= TS_ISA_AVX512_BF16 && qb != NULL && head_dim % 32 == 0) {
+        KV_NAME(scores_dpbf16)(qb, k, token_stride, n, group, head_dim, scale, scores, score_stride);
+        return;
+    }
+#endif
+#ifdef TS_HAVE_AVX512
+    if (isa >= TS_ISA_AVX512 && head_dim % 16 == 0) {
+        KV_NAME(scores_avx512)(q, k, token_stride, n, group, head_dim, scale, scores, score_stride);
+        return;
+    }
+#endif
+#ifdef TS_HAVE_AVX2
+    if (isa >= TS_ISA_AVX2 && head_dim % 32 == 0) {
+        KV_NAME(scores_avx2)(q, k, token_stride, n, group, head_dim, scale, scores, score_stride);
+        return;
+    }
+#endif
+    (void)isa;
+    (void)qb;
+    KV_NAME(scores_scalar)(q, k, token_stride, n, group, head_dim, scale, scores, score_stride);
+}
+
+static inline void KV_NAME(block_values)(int isa, const float *p, int64_t p_stride, const KV_T *v, int64_t token_stride,
+                                         int64_t n, int64_t group, int64_t head_dim, float *acc) {
+#ifdef TS_HAVE_AVX512
+    if (isa >= TS_ISA_AVX512 && head_dim % 16 == 0) {
+        KV_NAME(values_avx512)(p, p_stride, v, token_stride, n, group, head_dim, acc);
+        return;
+    }
+#endif
+#ifdef TS_HAVE_AVX2
+    if (isa >= TS_ISA_AVX2 && head_dim % 32 == 0) {
+        KV_NAME(values_avx2)(p, p_stride, v, token_stride, n, group, head_dim, acc);
+        return;
+    }
+#endif
+    (void)isa;
+    KV_NAME(values_scalar)(p, p_stride, v, token_stride, n, group, head_dim, acc);
+}
+
+/* Attention of one request's query heads over the keys of blocks [blk_lo, blk_hi) of its table, left
+ * unnormalized so that several such parts merge exactly: for each query head r, part_max[r] = the largest
+ * score, part_sum[r] = sum_t exp(score_t - part_max[r]) and acc[r] = sum_t exp(score_t - part_max[r]) v_t.
+ * A block is read head after head while it is hot in cache, and each key and value serves every query
+ * head that shares it. An empty range leaves part_sum at 0. */
+static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, const KV_T *k_cache,
+                                 const KV_T *v_cache, const int64_t *table, int64_t context_len, int64_t blk_lo,
+                                 int64_t blk_hi, int64_t group, int64_t head_dim, int64_t block_size,
+                                 int64_t num_kv_heads, float scale, float *scores, float *acc, float *part_max,
+                                 float *part_sum, int64_t max_context) {
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t block_stride = block_size * token_stride;
-    const int64_t rows = (kv_hi - kv_lo) * group; /* query heads handled here, from q and acc's start */
+    const int64_t rows = num_kv_heads * group; /* every query head */
     const int64_t first = blk_lo * block_size;
     const int64_t last = blk_hi * block_size < context_len ? blk_hi * block_size : context_len;
     memset(acc, 0, sizeof(float) * rows * head_dim);
@@ -113,50 +283,40 @@ static void KV_NAME(attend_part)(const float *q, const KV_T *k_cache, const KV_T
     for (int64_t blk = blk_lo; blk < blk_hi; blk++) {
         const int64_t t0 = blk * block_size;
         const int64_t n = last - t0 < block_size ? last - t0 : block_size;
-        for (int64_t h = kv_lo; h < kv_hi; h++) {
-            const int64_t r0 = (h - kv_lo) * group;
-            KV_NAME(block_scores)(q + r0 * head_dim, k_cache + table[blk] * block_stride + h * head_dim, token_stride, n,
-                         group, head_dim, scale, scores + r0 * max_context + (t0 - first), max_context);
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t r0 = h * group;
+            KV_NAME(block_scores)(isa, q + r0 * head_dim, qb != NULL ? qb + r0 * head_dim : NULL,
+                                  k_cache + table[blk] * block_stride + h * head_dim, token_stride, n, group, head_dim,
+                                  scale, scores + r0 * max_context + (t0 - first), max_context);
         }
     }
 
     /* exp(score - max) per query head, in float32. */
     const int64_t count = last - first;
-    for (int64_t r = 0; r < rows; r++) {
-        float *sr = scores + r * max_context;
-        float m = sr[0];
-        for (int64_t t = 1; t < count; t++) m = sr[t] > m ? sr[t] : m;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < count; t++) {
-            float e = exp_nonpositive(sr[t] - m);
-            sr[t] = e;
-            sum += e;
-        }
-        part_max[r] = m;
-        part_sum[r] = sum;
-    }
+    for (int64_t r = 0; r < rows; r++) softmax(isa, scores + r * max_context, count, part_max + r, part_sum + r);
 
     /* Pass 2: acc_r = sum_t e[r][t] v_t. */
     for (int64_t blk = blk_lo; blk < blk_hi; blk++) {
         const int64_t t0 = blk * block_size;
         const int64_t n = last - t0 < block_size ? last - t0 : block_size;
-        for (int64_t h = kv_lo; h < kv_hi; h++) {
-            const int64_t r0 = (h - kv_lo) * group;
-            KV_NAME(block_values)(scores + r0 * max_context + (t0 - first), max_context,
-                         v_cache + table[blk] * block_stride + h * head_dim, token_stride, n, group, head_dim,
-                         acc + r0 * head_dim);
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t r0 = h * group;
+            KV_NAME(block_values)(isa, scores + r0 * max_context + (t0 - first), max_context,
+                                  v_cache + table[blk] * block_stride + h * head_dim, token_stride, n, group, head_dim,
+                                  acc + r0 * head_dim);
         }
     }
 }
 
 /* Returns 0 on success, 1 when scratch memory could not be had (the caller falls back). */
-int KV_NAME(ts_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cache, const KV_T *v_cache,
-                        const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
-                        float *out, int64_t out_stride, int64_t num_seqs, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                        int num_threads) {
+static int KV_NAME(paged_decode)(const void *q, int64_t q_stride, int q_dtype, const KV_T *k_cache,
+                                 const KV_T *v_cache, const int64_t *block_tables, int64_t table_width,
+                                 const int64_t *context_lens, void *out, int64_t out_stride, int out_dtype,
+                                 int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                 int64_t block_size, float scale, int num_threads) {
+    const int isa = ts_isa_level();
     const int64_t group = num_heads / num_kv_heads;
+    const int64_t row_width = num_heads * head_dim;
     int64_t max_context = 1;
     for (int64_t i = 0; i < num_seqs; i++) max_context = context_lens[i] > max_context ? context_lens[i] : max_context;
     const int64_t max_blocks = (max_context + block_size - 1) / block_size;
@@ -171,7 +331,8 @@ int KV_NAME(ts_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cac
     }
     const int64_t tasks = num_seqs * splits;
     const int64_t part_len = (max_blocks + splits - 1) / splits * block_size; /* keys one part may hold */
-    float *part_acc = (float *)malloc(sizeof(float) * tasks * num_heads * head_dim);
+    const int64_t score_len = splits > 1 ? part_len : max_context;
+    float *part_acc = (float *)malloc(sizeof(float) * tasks * row_width);
     float *part_max = (float *)malloc(sizeof(float) * tasks * num_heads);
     float *part_sum = (float *)malloc(sizeof(float) * tasks * num_heads);
     int failed = 0;
@@ -184,8 +345,12 @@ int KV_NAME(ts_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cac
 
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scores = (float *)malloc(sizeof(float) * num_heads * (splits > 1 ? part_len : max_context));
-        if (scores == NULL) failed = 1;
+        /* Per thread: the scores of one task, a float32 copy of a bfloat16 query, a float32 output row. */
+        float *scratch = (float *)malloc(sizeof(float) * (num_heads * score_len + row_width + head_dim));
+        if (scratch == NULL) failed = 1;
+        float *scores = scratch;
+        float *q32 = scratch + num_heads * score_len;
+        float *o32 = q32 + row_width;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t seq = task / splits, part = task % splits;
@@ -193,18 +358,27 @@ int KV_NAME(ts_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cac
             const int64_t per = (nb + splits - 1) / splits;
             const int64_t lo = part * per < nb ? part * per : nb;
             const int64_t hi = lo + per < nb ? lo + per : nb;
-            if (scores == NULL) continue;
-            KV_NAME(attend_part)(q + seq * q_stride, k_cache, v_cache, block_tables + seq * table_width,
-                       context_lens[seq], lo, hi, 0, num_kv_heads, group, head_dim, block_size, num_kv_heads, scale,
-                       scores, part_acc + task * num_heads * head_dim, part_max + task * num_heads,
-                       part_sum + task * num_heads, splits > 1 ? part_len : max_context);
+            if (scratch == NULL) continue;
+            const float *qf;
+            const uint16_t *qb = NULL;
+            if (q_dtype == TS_DTYPE_BF16) {
+                qb = (const uint16_t *)q + seq * q_stride;
+                for (int64_t i = 0; i < row_width; i++) q32[i] = ts_bf16_to_f32(qb[i]);
+                qf = q32;
+            } else {
+                qf = (const float *)q + seq * q_stride;
+            }
+            KV_NAME(attend_part)(isa, qf, qb, k_cache, v_cache, block_tables + seq * table_width, context_lens[seq],
+                                 lo, hi, group, head_dim, block_size, num_kv_heads, scale, scores,
+                                 part_acc + task * row_width, part_max + task * num_heads, part_sum + task * num_heads,
+                                 score_len);
         }
-        free(scores);
         /* Merge each request's parts: out = sum_p acc_p e^(max_p - M) / sum_p sum_p e^(max_p - M). */
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < num_seqs * num_heads; row++) {
+            if (scratch == NULL) continue;
             const int64_t seq = row / num_heads, r = row % num_heads;
-            float *o = out + seq * out_stride + r * head_dim;
+            float *o = out_dtype == TS_DTYPE_F32 ? (float *)out + seq * out_stride + r * head_dim : o32;
             const int64_t base = seq * splits;
             float m = -INFINITY;
             for (int64_t p = 0; p < splits; p++) {
@@ -216,7 +390,7 @@ int KV_NAME(ts_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cac
             for (int64_t p = 0; p < splits; p++) {
                 const int64_t i = (base + p) * num_heads + r;
                 if (part_sum[i] <= 0.0f) continue;
-                const float w = splits > 1 ? exp_nonpositive(part_max[i] - m) : 1.0f;
+                const float w = splits > 1 ? ts_exp(part_max[i] - m) : 1.0f;
                 total += w * part_sum[i];
                 const float *a = part_acc + i * head_dim;
 #pragma omp simd
@@ -225,7 +399,12 @@ int KV_NAME(ts_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cac
             const float inv = total > 0.0f ? 1.0f / total : 0.0f;
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; d++) o[d] *= inv;
+            if (out_dtype == TS_DTYPE_BF16) {
+                uint16_t *ob = (uint16_t *)out + seq * out_stride + r * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) ob[d] = ts_f32_to_bf16(o[d]);
+            }
         }
+        free(scratch);
     }
     free(part_acc);
     free(part_max);

@@ -1,0 +1,188 @@
+"""Each native kernel on each instruction-set path this machine has, against the torch operators it replaces.
+
+Shapes are the default model's (SmolLM2-135M: 9 query heads, 3 KV heads of 64, hidden 576, 30 layers). Decode
+attention reads a separate KV cache per layer, 30 layers' worth, in turn, as a decode step does, so the cache
+is as cold as in a step. The paths are run in interleaved rounds (every path once per round); the figure is
+the median over rounds, with the spread (min-max), since the machine may be shared. Attention also gets an
+effective bandwidth: the K/V bytes it must read over its time.
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/native_kernels.py --rounds 7 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tideserve import native
+from tideserve.model.layers.attention import AttentionMetadata, paged_attention
+from tideserve.model.layers.rotary import apply_rotary_
+
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS, BLOCK = 9, 3, 64, 576, 30, 16
+
+
+def cpu_description() -> str:
+    model, flags = platform.processor(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not flags:
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                names = line.split(":", 1)[1].split()
+                flags = " ".join(f for f in names if f.startswith(("avx", "amx", "fma", "f16c")))
+                break
+    except OSError:
+        pass
+    return f"{model}; {flags}"
+
+
+def attention_case(batch: int, context: int, dtype: torch.dtype) -> tuple[Callable[[], None], Callable[[], None], int]:
+    """(native call, torch call, K/V bytes read per call) over LAYERS caches used in turn."""
+    gen = torch.Generator().manual_seed(0)
+    blocks = -(-context // BLOCK)
+    caches = [(torch.randn(batch * blocks + 1, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype),
+               torch.randn(batch * blocks + 1, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype))
+              for _ in range(LAYERS)]
+    tables = torch.randperm(batch * blocks, generator=gen)[: batch * blocks].view(batch, blocks).contiguous()
+    lens = torch.full((batch,), context, dtype=torch.int64)
+    qkv = torch.randn(batch, HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    q = qkv[:, :HEADS]
+    out = torch.empty(batch, HEADS, HEAD_DIM, dtype=dtype)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_decode_tokens=batch,
+                             decode_block_tables=tables, decode_context_lens=lens)
+    empty = torch.empty(0, KV_HEADS, HEAD_DIM, dtype=dtype)
+    scale = HEAD_DIM ** -0.5
+
+    def ours() -> None:
+        for k, v in caches:
+            assert native.paged_decode_attention(q, k, v, tables, lens, scale, out)
+
+    def theirs() -> None:
+        real = native.paged_decode_attention
+        native.paged_decode_attention = lambda *a, **kw: False  # the torch path of paged_attention
+        try:
+            for k, v in caches:
+                paged_attention(q, empty, empty, k, v, meta, scale, kv_stored=True)
+        finally:
+            native.paged_decode_attention = real
+
+    kv_bytes = LAYERS * 2 * batch * context * KV_HEADS * HEAD_DIM * caches[0][0].element_size()
+    return ours, theirs, kv_bytes
+
+
+def rms_case(rows: int, dtype: torch.dtype) -> tuple[Callable[[], None], Callable[[], None]]:
+    x = torch.randn(rows, HIDDEN).to(dtype)
+    residual = torch.randn(rows, HIDDEN).to(dtype)
+    weight = torch.randn(HIDDEN).to(dtype)
+
+    def ours() -> None:
+        for _ in range(2 * LAYERS):
+            native.rms_norm(x, weight, 1e-5, residual)
+
+    def theirs() -> None:
+        for _ in range(2 * LAYERS):
+            F.rms_norm(residual.add_(x), (HIDDEN,), weight, 1e-5)
+
+    return ours, theirs
+
+
+def rope_case(tokens: int, dtype: torch.dtype) -> tuple[Callable[[], None], Callable[[], None]]:
+    width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    qkv = torch.randn(tokens, width).to(dtype)
+    positions = torch.arange(tokens) + 100
+    freqs = torch.outer(positions.float(), torch.rand(HEAD_DIM // 2))
+    cos, sin = freqs.cos().to(dtype)[:, None], freqs.sin().to(dtype)[:, None]
+    k_cache = torch.zeros(tokens // BLOCK + 1, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.arange(tokens)
+    k_flat, v_flat = k_cache.view(-1, KV_HEADS, HEAD_DIM), v_cache.view(-1, KV_HEADS, HEAD_DIM)
+
+    def ours() -> None:
+        for _ in range(LAYERS):
+            native.rope_store(qkv, cos, sin, slots, k_cache, v_cache, HEADS, KV_HEADS)
+
+    def theirs() -> None:
+        for _ in range(LAYERS):
+            qk = qkv[:, : (HEADS + KV_HEADS) * HEAD_DIM].view(tokens, HEADS + KV_HEADS, HEAD_DIM)
+            apply_rotary_(qk, cos, sin)
+            k_flat.index_copy_(0, slots, qk[:, HEADS:])
+            v_flat.index_copy_(0, slots, qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:].view(tokens, KV_HEADS, HEAD_DIM))
+
+    return ours, theirs
+
+
+def timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--context", type=int, default=256, help="keys per request for decode attention")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if native.load_library() is None:
+        raise SystemExit("the native kernels could not be built here")
+    paths = native.supported_isas()
+    cases: dict[str, tuple[Callable[[], None], Callable[[], None], int | None]] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        for batch in (1, 64):
+            ours, theirs, nbytes = attention_case(batch, args.context, dtype)
+            cases[f"decode attention {name}, batch {batch} x {args.context} keys, {LAYERS} layers"] = (ours, theirs,
+                                                                                                       nbytes)
+        for rows in (1, 64):
+            cases[f"add + RMSNorm {name}, {rows} x {HIDDEN}, {2 * LAYERS} calls"] = (*rms_case(rows, dtype), None)
+            cases[f"rotary + KV store {name}, {rows} tokens, {LAYERS} calls"] = (*rope_case(rows, dtype), None)
+
+    variants = [*paths, "torch"]
+    times: dict[str, dict[str, list[float]]] = {case: {v: [] for v in variants} for case in cases}
+    for ours, theirs, _ in cases.values():  # warm up every variant once
+        for v in variants:
+            if v == "torch":
+                theirs()
+            else:
+                native.set_isa(v)
+                ours()
+    for _ in range(args.rounds):
+        for case, (ours, theirs, _) in cases.items():
+            for v in variants:
+                if v == "torch":
+                    times[case][v].append(timed(theirs))
+                else:
+                    native.set_isa(v)
+                    times[case][v].append(timed(ours))
+    native.set_isa("auto")
+
+    print(f"CPU: {cpu_description()}; threads {torch.get_num_threads()}; torch {torch.__version__}")
+    result = {"cpu": cpu_description(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "rounds": args.rounds, "cases": {}}
+    for case, per in times.items():
+        nbytes = cases[case][2]
+        print(f"\n{case}")
+        rows = {}
+        for v, ts in per.items():
+            med = statistics.median(ts)
+            line = f"  {v:>11}: {med * 1e3:8.3f} ms (spread {min(ts) * 1e3:.3f}-{max(ts) * 1e3:.3f})"
+            if nbytes:
+                line += f"  {nbytes / med / 1e9:6.1f} GB/s of K/V"
+            print(line)
+            rows[v] = {"median_ms": med * 1e3, "min_ms": min(ts) * 1e3, "max_ms": max(ts) * 1e3,
+                       **({"kv_gb_s": nbytes / med / 1e9} if nbytes else {})}
+        result["cases"][case] = rows
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Engine level: the bfloat16 model (what ``LLM()`` picks on CPUs with native bf16) decodes through the native
+kernels, and its greedy output follows the torch path's; the torch-only path (TIDESERVE_NATIVE=0) still runs.
+
+How close "follows" must be: a bfloat16 model's logits are bfloat16 numbers, 0.125 apart at magnitudes 16-32,
+and two correct implementations whose float32 sums differ in the last bits (the kernel keeps attention
+weights in float32; torch's bf16 attention does not) can move a logit by one such step. Where the best two
+logits are that close, greedy decoding may pick either, and the continuations part. So: the two paths must
+give the same tokens up to their first difference, and at that position each path must rank the other's
+token second, within two bf16 steps (0.25) of its own pick. Anything else is a real disagreement.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from tideserve import LLM, SamplingParams, native
+from tideserve.model.loader import resolve_dtype
+
+pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the kernels")
+
+QUESTIONS = ["What is the boiling point of water?", "Who wrote Hamlet?", "Why is the sky blue?",
+             "Write a haiku about the sea."]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+BF16_TIE = 0.25  # two bf16 steps of a logit in [16, 32)
+
+
+def generate(llm: LLM) -> list:
+    prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    return [o.outputs[0] for o in llm.generate(prompts, GREEDY)]
+
+
+def decode_attention_line(caplog: pytest.LogCaptureFixture) -> str:
+    lines = [r.getMessage() for r in caplog.records if "decode attention:" in r.getMessage()]
+    assert len(lines) == 1
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def torch_path() -> Iterator[tuple[list, str]]:
+    """Greedy outputs of the bf16 model with TIDESERVE_NATIVE=0, and its start-up line."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIDESERVE_NATIVE", "0")
+        native.load_library.cache_clear()
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = records.append  # type: ignore[method-assign]
+        engine_logger = logging.getLogger("tideserve.engine.llm_engine")
+        engine_logger.addHandler(handler)
+        level = engine_logger.level
+        engine_logger.setLevel(logging.INFO)
+        try:
+            assert native.load_library() is None
+            llm = LLM(dtype="bfloat16", enable_prefix_caching=False, max_model_len=256)
+            outputs = generate(llm)
+        finally:
+            engine_logger.removeHandler(handler)
+            engine_logger.setLevel(level)
+            native.load_library.cache_clear()
+    line = next(r.getMessage() for r in records if "decode attention:" in r.getMessage())
+    yield outputs, line
+    native.load_library.cache_clear()
+
+
+def test_torch_only_path_still_runs(torch_path):
+    outputs, line = torch_path
+    assert line.endswith("decode attention: torch")
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outputs)
+
+
+def _record(kernel, results: list[bool], *args, **kwargs):
+    result = kernel(*args, **kwargs)
+    results.append(result is not None and result is not False)
+    return result
+
+
+def test_bf16_native_greedy_follows_the_torch_path(torch_path, caplog, monkeypatch):
+    caplog.set_level(logging.INFO)
+    calls: dict[str, list[bool]] = {"paged_decode_attention": [], "rope_store": [], "rms_norm": []}
+    for name, results in calls.items():  # record the kernels' answers: every call must be taken
+        monkeypatch.setattr(native, name, functools.partial(_record, getattr(native, name), results))
+    llm = LLM(dtype="bfloat16", enable_prefix_caching=False, max_model_len=256)
+    assert llm.engine.dtype == llm.engine.kv_dtype == llm.engine.runner.kv_caches[0][0].dtype
+    assert str(llm.engine.dtype) == "torch.bfloat16"
+    assert "decode attention: native kernel" in decode_attention_line(caplog)
+    ours = generate(llm)
+    assert all(results and all(results) for results in calls.values()), {k: len(v) for k, v in calls.items()}
+
+    theirs, _ = torch_path
+    for mine, other in zip(ours, theirs, strict=True):
+        n = next((i for i, (a, b) in enumerate(zip(mine.token_ids, other.token_ids)) if a != b), None)
+        if n is None:
+            continue
+        a, b = mine.token_ids[n], other.token_ids[n]
+        for top in (mine.logprobs[n], other.logprobs[n]):
+            assert a in top and b in top, f"token {n}: {a} against {b} is not a near tie ({top})"
+            assert abs(top[a].logprob - top[b].logprob) <= BF16_TIE, f"token {n}: {top}"
+
+
+def test_default_dtype_runs_the_native_kernels(caplog):
+    """Whatever ``LLM()`` picks here (bf16 with AMX / AVX512-BF16, else float32), decode is native. (The dtype
+    is passed by name only so the model loaded for the other tests is reused.)"""
+    caplog.set_level(logging.INFO)
+    auto = str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
+    llm = LLM(dtype=auto, enable_prefix_caching=False, max_model_len=256)
+    assert llm.engine.runner.native_decode
+    assert "decode attention: native kernel" in decode_attention_line(caplog)

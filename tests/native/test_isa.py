@@ -1,0 +1,82 @@
+"""Runtime ISA dispatch: what the CPU reports decides the path, TIDESERVE_ISA / set_isa cap it, the choice is
+logged once, and AMX works where it is reported (the permission request included)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tideserve import native
+
+pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the kernels")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def test_the_best_path_follows_the_cpu_flags():
+    """On x86 Linux the levels follow /proc/cpuinfo: a path is offered only where the CPU has its units."""
+    flags = cpu_flags()
+    if not flags or "avx" not in flags:
+        pytest.skip("no x86 /proc/cpuinfo flags here")
+    supported = native.supported_isas()
+    assert supported[0] == "scalar" and supported == list(native.ISA_LEVELS[: len(supported)])
+    assert ("avx2" in supported) == ({"avx2", "fma", "f16c"} <= flags)
+    assert ("avx512" in supported) == ({"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags)
+    assert ("avx512bf16" in supported) == ("avx512" in supported and "avx512_bf16" in flags)
+    if "amx" in supported:
+        assert {"amx_tile", "amx_bf16", "amx_int8"} <= flags
+    features = native.load_library().ts_cpu_features()
+    reported = {name for bit, name in enumerate(native.CPU_FEATURES) if features >> bit & 1}
+    assert reported - {"amx_permitted"} <= flags
+    assert native.isa() == supported[-1]  # no cap: the best
+
+
+def test_set_isa_caps_and_restores():
+    best = native.isa()
+    try:
+        assert native.set_isa("scalar") == "scalar" and native.isa() == "scalar"
+    finally:
+        assert native.set_isa("auto") == best
+    with pytest.raises(ValueError, match="isa 'sse9' is not supported here; supported: auto, scalar"):
+        native.set_isa("sse9")
+    assert native.isa() == best
+
+
+def test_amx_tiles_run_where_amx_is_offered():
+    """The AMX level means the kernel granted the tile state: one bf16 tile product runs and is exact."""
+    if "amx" not in native.supported_isas():
+        pytest.skip(f"this CPU or build has no amx path (supported: {', '.join(native.supported_isas())})")
+    assert native.load_library().ts_amx_probe() == 1
+
+
+def _fresh_process(env_isa: str) -> subprocess.CompletedProcess:
+    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+            "from tideserve import native\n"
+            "print('ISA', native.isa())\n")
+    env = dict(os.environ, TIDESERVE_ISA=env_isa)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                          check=False)
+
+
+def test_tideserve_isa_caps_the_path_and_is_logged_once():
+    proc = _fresh_process("scalar")
+    assert proc.returncode == 0, proc.stderr
+    assert "ISA scalar" in proc.stdout
+    lines = [line for line in proc.stderr.splitlines() if "native kernels:" in line]
+    assert len(lines) == 1 and "scalar path" in lines[0]
+    if native.isa() != "scalar":
+        assert f"best here: {native.isa()}" in lines[0]
+    bad = _fresh_process("avx1024")
+    assert bad.returncode != 0 and "TIDESERVE_ISA='avx1024' is not one of auto, scalar" in bad.stderr

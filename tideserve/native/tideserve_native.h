@@ -1,0 +1,139 @@
+/* The ABI of the tideserve kernel library: every exported function, in one place. Each C file includes
+ * this header, so a definition that drifts from its declaration fails to compile; the ctypes argtypes in
+ * tideserve/native/__init__.py are the Python side of the same list (tests/native/test_abi.py checks that
+ * every function declared here has them, with as many arguments).
+ *
+ * Conventions: tensors are passed as a data pointer plus strides in elements; int64_t for sizes and
+ * indices; ``num_threads`` is the OpenMP team size (torch's intra-op thread count). Functions that can
+ * fail (scratch memory) return int: 0 on success.
+ */
+#ifndef TIDESERVE_NATIVE_H
+#define TIDESERVE_NATIVE_H
+
+#include <stdint.h>
+
+/* ---------------------------------------------------------------- isa.c: which kernel path runs */
+
+/* Instruction-set levels, ordered: a level implies the ones below it. Kernels whose code has no path of
+ * their own for a level run the highest path they have below it (AMX is used by GEMMs only). */
+#define TS_ISA_SCALAR 0
+#define TS_ISA_AVX2 1       /* AVX2 + FMA + F16C */
+#define TS_ISA_AVX512 2     /* AVX-512 F/BW/VL/DQ */
+#define TS_ISA_AVX512_BF16 3 /* + AVX512_BF16 (vdpbf16ps, vcvtneps2bf16) */
+#define TS_ISA_AMX 4        /* + AMX-TILE/BF16/INT8, with the kernel's permission granted */
+
+/* CPU features, as reported by ts_cpu_features(): present on this CPU and compiled into this build. */
+#define TS_CPU_AVX2 (1u << 0)
+#define TS_CPU_FMA (1u << 1)
+#define TS_CPU_F16C (1u << 2)
+#define TS_CPU_AVX512F (1u << 3)
+#define TS_CPU_AVX512BW (1u << 4)
+#define TS_CPU_AVX512VL (1u << 5)
+#define TS_CPU_AVX512DQ (1u << 6)
+#define TS_CPU_AVX512_BF16 (1u << 7)
+#define TS_CPU_AVX512_VNNI (1u << 8)
+#define TS_CPU_AMX_TILE (1u << 9)
+#define TS_CPU_AMX_BF16 (1u << 10)
+#define TS_CPU_AMX_INT8 (1u << 11)
+#define TS_CPU_AMX_PERMITTED (1u << 12) /* arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) succeeded */
+
+/* The best level this build and this CPU support (detected once). */
+int ts_isa_best(void);
+/* The level kernels use now: the best one, or lower when capped by ts_set_isa_level. */
+int ts_isa_level(void);
+/* Cap the level (a negative value removes the cap); returns the level now in use. Not for use while
+ * kernels run on other threads: tests and start-up only. */
+int ts_set_isa_level(int level);
+/* TS_CPU_* bits of this CPU that this build can use. */
+uint32_t ts_cpu_features(void);
+/* Runs one AMX bf16 tile product and checks it: 1 when AMX works in this process, 0 when it is not there. */
+int ts_amx_probe(void);
+
+/* ---------------------------------------------------------------- element types */
+#define TS_DTYPE_F32 0
+#define TS_DTYPE_BF16 1
+
+/* ---------------------------------------------------------------- paged_decode.c: decode attention */
+
+/* out[i] = attention of q[i] ([num_heads, head_dim]) over request i's first context_lens[i] keys of the
+ * paged cache ([num_blocks, block_size, num_kv_heads, head_dim]). q, out: float32 or bfloat16 (q_dtype,
+ * out_dtype), rows q_stride / out_stride elements apart; caches: kv_dtype. Returns 0, or 1 when scratch
+ * memory could not be had or a dtype code is unknown (out is then undefined: the caller falls back). */
+int ts_paged_decode(const void *q, int64_t q_stride, int q_dtype, const void *k_cache, const void *v_cache,
+                    int kv_dtype, const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
+                    void *out, int64_t out_stride, int out_dtype, int64_t num_seqs, int64_t num_heads,
+                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads);
+/* float32 q and out over a float32 / bfloat16 cache (the entry points decode_forward.c calls). */
+int ts_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                        const int64_t *block_tables, int64_t table_width, const int64_t *context_lens, float *out,
+                        int64_t out_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, float scale, int num_threads);
+int ts_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                         const int64_t *block_tables, int64_t table_width, const int64_t *context_lens, float *out,
+                         int64_t out_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t block_size, float scale, int num_threads);
+
+/* ---------------------------------------------------------------- rows.c: row-wise kernels */
+
+/* out = x / rms(x) * weight, rows of cols elements. */
+void ts_rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t cols, float eps,
+                     int num_threads);
+/* residual += x, then out = residual / rms(residual) * weight. */
+void ts_add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t rows,
+                         int64_t cols, float eps, int num_threads);
+/* The same over bfloat16 x, residual, weight and out; statistics and products in float32, each stored
+ * value rounded once, as torch's bfloat16 operators do. */
+void ts_rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows, int64_t cols,
+                      float eps, int num_threads);
+void ts_add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out,
+                          int64_t rows, int64_t cols, float eps, int num_threads);
+/* The int8 GEMM's input rows and the scaling of its output (see rows.c). */
+void ts_int8_rows_f32(const float *x, const float *inv_smooth, float *out, float *row_max, int64_t rows,
+                      int64_t cols, int num_threads);
+void ts_scale_rows_f32(const float *y, const float *row_max, const float *bias, float *out, int64_t rows,
+                       int64_t cols, int num_threads);
+
+/* ---------------------------------------------------------------- rope_store.c: rotary + KV store */
+
+/* Rotate q and k of qkv [tokens, (num_heads + 2 num_kv_heads) head_dim] in place and store k, v at slots
+ * of the caches (float32 when kv_bf16 = 0, bfloat16 when 1). cos, sin: [tokens, head_dim / 2]. */
+void ts_rope_store_f32(float *qkv, int64_t qkv_stride, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, const float *cos, const float *sin, const int64_t *slots, void *k_cache,
+                       void *v_cache, int kv_bf16, int num_threads);
+/* The same with bfloat16 qkv, cos and sin, rounding as torch's bfloat16 operators do. */
+void ts_rope_store_bf16(uint16_t *qkv, int64_t qkv_stride, int64_t tokens, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, const uint16_t *cos, const uint16_t *sin,
+                        const int64_t *slots, void *k_cache, void *v_cache, int kv_bf16, int num_threads);
+
+/* ---------------------------------------------------------------- qgemm.c: block-quantized linear layers */
+
+int ts_qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, int format, int act, const void *wq,
+                   const uint16_t *wd, const uint16_t *wm, const float *bias, int64_t n, float *out,
+                   int64_t out_stride, int num_threads);
+
+/* ---------------------------------------------------------------- decode_forward.c: one-call decode step */
+
+/* decode_forward.c still defines its own copies of these two types; it drops them when it includes this
+ * header. */
+typedef struct {
+    int64_t format; /* 4 (q4) or 8 (q8) */
+    const void *qs;
+    const uint16_t *d;
+    const uint16_t *m; /* NULL for q8 */
+    const float *bias; /* NULL when none */
+    int64_t n, k;
+} ts_qweight;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    ts_qweight qkv, o, gate_up, down;    /* gate_up: 2 * intermediate rows, gate first */
+} ts_decoder_layer;
+
+int ts_decode_forward_f32(const ts_decoder_layer *layers, void *const *k_caches, void *const *v_caches,
+                          int64_t num_layers, float *hidden, const float *final_norm, int64_t tokens,
+                          int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t intermediate, float eps, const float *cos, const float *sin, const int64_t *slots,
+                          const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
+                          int64_t block_size, int kv_bf16, float scale, int num_threads);
+
+#endif /* TIDESERVE_NATIVE_H */

@@ -1,0 +1,245 @@
+/* SIMD helpers shared by the kernels: which instruction sets this build has, horizontal sums, bfloat16 <->
+ * float32 conversion and exp, for each ISA path. One copy here instead of one per kernel file, so every
+ * path of every kernel rounds and sums the same way.
+ *
+ * Compile-time: a path exists only when the compiler's -march=native enables it (TS_HAVE_* below). Run
+ * time: ts_isa_level() (isa.c) says which of the compiled paths may run; kernels pick theirs once per call.
+ * Every name here starts with ts_ so qgemm.c and decode_forward.c can include this header next to their own
+ * helpers.
+ */
+#ifndef TS_SIMD_H
+#define TS_SIMD_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "tideserve_native.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TS_HAVE_AVX2 1
+#endif
+#if defined(TS_HAVE_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
+#define TS_HAVE_AVX512 1
+#endif
+#if defined(TS_HAVE_AVX512) && defined(__AVX512BF16__)
+#define TS_HAVE_AVX512BF16 1
+#endif
+#if defined(TS_HAVE_AVX512) && defined(__AVX512VNNI__)
+#define TS_HAVE_AVX512VNNI 1
+#endif
+#if defined(TS_HAVE_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
+#define TS_HAVE_AMX 1
+#endif
+
+#define TS_ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* ---------------------------------------------------------------- scalar */
+
+/* bfloat16 is the top half of a float32: widening is a shift. */
+TS_ALWAYS_INLINE float ts_bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* float32 -> bfloat16, rounding to nearest even as torch does (subnormals kept); NaN stays a quiet NaN. */
+TS_ALWAYS_INLINE uint16_t ts_f32_to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* x rounded to the nearest bfloat16, as a float32 (what torch's bf16 operators keep between two ops). */
+TS_ALWAYS_INLINE float ts_round_bf16(float x) { return ts_bf16_to_f32(ts_f32_to_bf16(x)); }
+
+/* exp(x), clamped to [-87, 88] (the float32 range), written so loops that call it vectorize: range
+ * reduction by ln 2 and a degree-6 polynomial (about 2 ulp), no libm call. The vector versions below
+ * compute the same polynomial. */
+TS_ALWAYS_INLINE float ts_exp(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+
+/* ---------------------------------------------------------------- AVX2 */
+#ifdef TS_HAVE_AVX2
+
+TS_ALWAYS_INLINE float ts_hsum256(__m256 a) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+TS_ALWAYS_INLINE float ts_hmax256(__m256 a) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+/* The eight horizontal sums of a0..a7, as one vector [sum(a0), ..., sum(a7)]. */
+TS_ALWAYS_INLINE __m256 ts_hsum256x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                                     __m256 a7) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* Eight bfloat16 values -> float32. */
+TS_ALWAYS_INLINE __m256 ts_load_bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* The bfloat16 bit patterns (in the low half of each 32-bit lane) of x, rounded as ts_f32_to_bf16. */
+TS_ALWAYS_INLINE __m256i ts_bf16_bits256(__m256 x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb),
+                                              16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+    return _mm256_blendv_epi8(rounded, quiet, nan);
+}
+
+/* Eight float32 -> bfloat16 at p. */
+TS_ALWAYS_INLINE void ts_store_bf16x8(uint16_t *p, __m256 x) {
+    const __m256i b = ts_bf16_bits256(x);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+
+/* x rounded to the nearest bfloat16, kept as float32. */
+TS_ALWAYS_INLINE __m256 ts_round_bf16_256(__m256 x) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(ts_bf16_bits256(x), 16));
+}
+
+TS_ALWAYS_INLINE __m256 ts_exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(scale));
+}
+#endif /* TS_HAVE_AVX2 */
+
+/* ---------------------------------------------------------------- AVX-512 (F, BW, VL, DQ) */
+#ifdef TS_HAVE_AVX512
+
+/* Sixteen bfloat16 values -> float32 (the masked form reads only the lanes in m; the rest are 0). */
+TS_ALWAYS_INLINE __m512 ts_load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+TS_ALWAYS_INLINE __m512 ts_maskz_load_bf16x16(__mmask16 m, const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+/* The bfloat16 bit patterns of x, rounded as ts_f32_to_bf16 (integer arithmetic: no AVX512-BF16 needed). */
+TS_ALWAYS_INLINE __m256i ts_bf16_bits512(__m512 x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+
+TS_ALWAYS_INLINE void ts_store_bf16x16(uint16_t *p, __m512 x) {
+    _mm256_storeu_si256((__m256i *)p, ts_bf16_bits512(x));
+}
+
+TS_ALWAYS_INLINE void ts_mask_store_bf16x16(uint16_t *p, __mmask16 m, __m512 x) {
+    _mm256_mask_storeu_epi16(p, m, ts_bf16_bits512(x));
+}
+
+TS_ALWAYS_INLINE __m512 ts_round_bf16_512(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(ts_bf16_bits512(x)), 16));
+}
+
+/* The sixteen horizontal sums of a[0..15], as one vector [sum(a[0]), ..., sum(a[15])]: a tree of
+ * 15 adds (each halving the lanes that still need summing), so a dot product per lane costs about one add. */
+TS_ALWAYS_INLINE __m512 ts_hsum512x16(const __m512 a[16]) {
+    __m512 b[8], c[4], d[2];
+    /* Level 1: pairs of vectors -> lanes interleaved in pairs of 2 (within 128-bit lanes). */
+    for (int i = 0; i < 8; i++) {
+        const __m512 lo = _mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]);
+        const __m512 hi = _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]);
+        b[i] = _mm512_add_ps(lo, hi); /* per 128-bit lane: two partial sums for each of 2 vectors */
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512 lo = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1])));
+        const __m512 hi = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1])));
+        c[i] = _mm512_add_ps(lo, hi); /* per 128-bit lane: one partial sum for each of 4 vectors */
+    }
+    for (int i = 0; i < 2; i++) {
+        const __m512 lo = _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88); /* lanes 0, 2 of each */
+        const __m512 hi = _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xdd); /* lanes 1, 3 of each */
+        d[i] = _mm512_add_ps(lo, hi);
+    }
+    const __m512 lo = _mm512_shuffle_f32x4(d[0], d[1], 0x88);
+    const __m512 hi = _mm512_shuffle_f32x4(d[0], d[1], 0xdd);
+    return _mm512_add_ps(lo, hi); /* 128-bit lane j holds the sums of a[4j .. 4j + 3], in order */
+}
+
+TS_ALWAYS_INLINE __m512 ts_exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n); /* y * 2^n */
+}
+#endif /* TS_HAVE_AVX512 */
+
+/* ---------------------------------------------------------------- AVX-512 BF16 */
+#ifdef TS_HAVE_AVX512BF16
+/* float32 -> bfloat16 with vcvtneps2bf16: round to nearest even like ts_f32_to_bf16, except that the
+ * instruction flushes subnormal inputs (|x| < 1.2e-38) to zero. */
+TS_ALWAYS_INLINE void ts_store_bf16x16_bf16(uint16_t *p, __m512 x) {
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+TS_ALWAYS_INLINE void ts_mask_store_bf16x16_bf16(uint16_t *p, __mmask16 m, __m512 x) {
+    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+TS_ALWAYS_INLINE __m512 ts_round_bf16_512_bf16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+#endif /* TS_HAVE_AVX512BF16 */
+
+#endif /* TS_SIMD_H */
