@@ -30,11 +30,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="GGUF file, HF directory or hub id (default: embedded SmolLM2)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto")
-    g.add_argument("--quantization", "-q", default="none", choices=["none", "int8", "int4"],
-                   help="int8: int8 GEMMs for every linear layer and the LM head (CPU, fbgemm), about 2x "
-                        "faster batched decode on CPUs without AMX; int4: 4-bit weight blocks (the LM head "
-                        "8-bit) through native kernels, the fastest single-stream decode; both cost a "
-                        "little accuracy")
+    g.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "gguf", "int8", "int4"],
+                   help="auto (default): a quantized GGUF runs on its own blocks (gguf), anything else in float; "
+                        "gguf: keep a GGUF file's blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K) for the native "
+                        "kernels; none: dequantize to --dtype (the float reference); int8: int8 GEMMs for every "
+                        "linear layer (CPU, fbgemm); int4: 4-bit blocks for every linear layer, quantized at load")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--allow-long-max-model-len", action="store_true")
     g.add_argument("--max-num-seqs", type=int, default=128)

@@ -33,6 +33,8 @@ def parse_size(value: int | float | str | None, name: str) -> int | None:
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --quantization (model/layers/quantization.py; "gguf" keeps a GGUF file's own blocks)
+QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
 
 
 @dataclass
@@ -106,15 +108,18 @@ class ModelConfig:
     max_model_len: int | None = None  # None = the model's trained context
     allow_long_max_model_len: bool = False  # accept max_model_len beyond the trained context
     seed: int = 0
-    quantization: str = "none"  # "int8" or "int4": quantized linear layers (see model/layers/quantization)
+    # auto: a quantized GGUF runs on its own blocks ("gguf"), anything else in float ("none"); int8, int4:
+    # quantized linear layers (see model/layers/quantization.py)
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}."
             )
-        if self.quantization not in ("none", "int8", "int4"):
-            raise ValueError(f"quantization must be one of none, int8, int4, got {self.quantization!r}.")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                             f"got {self.quantization!r}.")
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int) or self.max_model_len < 1
         ):
