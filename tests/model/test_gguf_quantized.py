@@ -84,7 +84,8 @@ def test_gguf_blocks_follow_the_dequantized_reference(variant, tmp_path, mixed_b
     qkv = model.model.layers[0].self_attn.qkv_proj.qweight
     assert qkv.qtypes == [qtypes["q_proj"], qtypes["v_proj"]]
     assert model.model.layers[1].mlp.down_proj.qweight.qtypes == [qtypes["down_proj"]]
-    assert all(m.weight is None and isinstance(m.qweight, QuantWeight) for m in model.modules() if isinstance(m, Linear))
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.weight is None and isinstance(m.qweight, QuantWeight) for m in linears)
     assert model.model.embed_tokens.weight is None and model.lm_head_q is not None
     assert model_weight_bytes(model) < 0.3 * model_weight_bytes(ref)
     assert model.native_decode is not None
@@ -99,7 +100,8 @@ def test_gguf_blocks_follow_the_dequantized_reference(variant, tmp_path, mixed_b
     prompt = list(range(5, 17))
     want = greedy(ref, paged_cache, prompt, 24)
     assert greedy(model, paged_cache, prompt, 4) == want[:4]
-    agreement = sum(a == b for a, b in zip(top1(model, paged_cache, prompt + want), top1(ref, paged_cache, prompt + want)))
+    ours, reference = top1(model, paged_cache, prompt + want), top1(ref, paged_cache, prompt + want)
+    agreement = sum(a == b for a, b in zip(ours, reference))
     assert agreement >= 0.8 * (len(prompt) + len(want)), agreement
 
 

@@ -11,7 +11,7 @@
  *   a block's dot product is 32 byte products summed in integers and one float multiply-add per
  *   16-value half. AVX2 (vpmaddubsw) or AVX-512 VNNI (vpdpbusd), from one source (qgemm_simd.h); a
  *   weight block is decoded once for up to TS_QGEMM_ROWS rows of x;
- * - tiles (AMX, from TS_AMX_MIN_ROWS rows: batched decode, prefill): each thread decodes a panel of 32
+ * - tiles (AMX, from ts_amx_min_rows rows: batched decode, prefill): each thread decodes a panel of 32
  *   weight rows once to bfloat16 and multiplies it with the whole batch through tdpbf16ps, 16x16 output
  *   tiles accumulated in float over all of K. The input is rounded to bfloat16 (8 bits of mantissa,
  *   like the row kernels' 8-bit codes, but with no block scale to share).
@@ -44,8 +44,9 @@
 #define TS_QGEMM_PARALLEL_MIN 65536
 /* Rows of x that share one decode of a weight row in the row kernels. */
 #define TS_QGEMM_ROWS 4
-/* From this many rows of x, the AMX tiles beat the row kernels (measured: docs/benchmarks.md). */
-#define TS_AMX_MIN_ROWS 16
+/* From this many rows of x, the AMX tiles beat the row kernels (measured: docs/benchmarks.md);
+ * ts_qgemm_set_amx_min_rows changes it (benchmarks). */
+static int ts_amx_min_rows = 16;
 
 enum { TS_ISA_SCALAR = 0, TS_ISA_AVX2 = 1, TS_ISA_AVX512 = 2, TS_ISA_AMX = 3 };
 
@@ -341,6 +342,13 @@ int ts_qgemm_set_isa(int cap) {
     return previous;
 }
 
+/* Row count from which AMX tiles are used instead of the row kernels; returns the previous one. */
+int ts_qgemm_set_amx_min_rows(int rows) {
+    const int previous = ts_amx_min_rows;
+    ts_amx_min_rows = rows < 1 ? 1 : rows;
+    return previous;
+}
+
 /* The path the kernels take now: the CPU's best, capped. */
 int ts_qgemm_active_isa(void) {
     const int best = ts_qgemm_isa();
@@ -416,7 +424,7 @@ int ts_qmatmul_f32(const ts_qmat *w, const float *x, int64_t x_stride, int64_t m
     if (n != w->n) return -1;
     const int isa = ts_qgemm_active_isa();
 #ifdef TS_QGEMM_HAVE_AMX
-    if (isa >= TS_ISA_AMX && m >= TS_AMX_MIN_ROWS) return amx_matmul(w, x, x_stride, m, act, out, out_stride, num_threads);
+    if (isa >= TS_ISA_AMX && m >= ts_amx_min_rows) return amx_matmul(w, x, x_stride, m, act, out, out_stride, num_threads);
 #endif
 #ifdef TS_QGEMM_X86
     if (isa >= TS_ISA_AVX512)

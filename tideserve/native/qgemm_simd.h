@@ -60,14 +60,18 @@ static inline __attribute__((always_inline)) __m256i TS_SIMD(decode)(int type, c
         const int64_t bytes = type == TS_Q4_K ? 144 : 176;
         const uint8_t *u = row + (b / 8) * bytes;
         const int j = (int)(b % 8);
-        if (j == 0) {
-            const float d = _cvtsh_ss(ts_load_u16(u)), dmin = _cvtsh_ss(ts_load_u16(u + 2));
-            for (int i = 0; i < 8; i++) {
-                uint8_t sc, mn;
-                ts_k_scale_min(i, u + 4, &sc, &mn);
-                unit_s[i] = d * (float)sc;
-                unit_o[i] = -dmin * (float)mn;
-            }
+        if (j == 0) { /* the unit's eight 6-bit scales and mins, unpacked with word masks (llama.cpp's trick) */
+            uint32_t w[4];
+            memcpy(w, u + 4, 12);
+            w[3] = ((w[2] >> 4) & 0x0f0f0f0f) | (((w[1] >> 6) & 0x03030303) << 4);
+            const uint32_t mins_low = w[1] & 0x3f3f3f3f;
+            w[1] = (w[2] & 0x0f0f0f0f) | (((w[0] >> 6) & 0x03030303) << 4);
+            w[2] = mins_low;
+            w[0] &= 0x3f3f3f3f; /* bytes of w[0..1]: scales 0-7; of w[2..3]: mins 0-7 */
+            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2))));
+            _mm256_storeu_ps(unit_s, _mm256_mul_ps(sc, _mm256_set1_ps(_cvtsh_ss(ts_load_u16(u)))));
+            _mm256_storeu_ps(unit_o, _mm256_mul_ps(mn, _mm256_set1_ps(-_cvtsh_ss(ts_load_u16(u + 2)))));
         }
         s[0] = s[1] = unit_s[j];
         o[0] = o[1] = unit_o[j];
@@ -85,12 +89,14 @@ static inline __attribute__((always_inline)) __m256i TS_SIMD(decode)(int type, c
         const uint8_t *u = row + (b / 8) * 210;
         const int j = (int)(b % 8), half = j / 4, t = j % 4;
         if (j == 0) {
-            const float d = _cvtsh_ss(ts_load_u16(u + 208));
-            const int8_t *scales = (const int8_t *)(u + 192);
-            for (int i = 0; i < 16; i++) {
-                unit_s[i] = d * (float)scales[i];
-                unit_o[i] = -32.0f * unit_s[i];
-            }
+            const __m256 d = _mm256_set1_ps(_cvtsh_ss(ts_load_u16(u + 208)));
+            const __m128i scales = _mm_loadu_si128((const __m128i *)(u + 192));
+            const __m256 lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales)));
+            const __m256 hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8))));
+            _mm256_storeu_ps(unit_s, lo);
+            _mm256_storeu_ps(unit_s + 8, hi);
+            _mm256_storeu_ps(unit_o, _mm256_mul_ps(lo, _mm256_set1_ps(-32.0f)));
+            _mm256_storeu_ps(unit_o + 8, _mm256_mul_ps(hi, _mm256_set1_ps(-32.0f)));
         }
         s[0] = unit_s[2 * j];
         s[1] = unit_s[2 * j + 1];

@@ -62,6 +62,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.ts_qgemm_set_isa.argtypes = [cint]
     lib.ts_qgemm_active_isa.restype = cint
     lib.ts_qgemm_active_isa.argtypes = []
+    lib.ts_qgemm_set_amx_min_rows.restype = cint
+    lib.ts_qgemm_set_amx_min_rows.argtypes = [cint]
     forced = os.environ.get("TIDESERVE_QGEMM_ISA", "").strip().lower()
     if forced:
         if forced not in ISA_NAMES:
@@ -99,6 +101,15 @@ def forced_isa(name: str) -> Iterator[str]:
         yield ISA_NAMES[lib.ts_qgemm_active_isa()]
     finally:
         lib.ts_qgemm_set_isa(previous)
+
+
+def set_amx_min_rows(rows: int) -> int:
+    """From how many input rows the AMX tiles replace the row kernels (a tuning knob for benchmarks);
+    returns the previous value."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the native kernels are not available")
+    return lib.ts_qgemm_set_amx_min_rows(rows)
 
 
 def make_qmat(segments: list[tuple[str, torch.Tensor]], in_features: int, bias: torch.Tensor | None) -> QMat:

@@ -196,6 +196,14 @@ class QuantWeight:
         self.nbytes = sum(d.numel() for _, d in merged) + (self.bias.numel() * 4 if self.bias is not None else 0)
         self.mat = quant.make_qmat(merged, in_features, self.bias)  # points into the tensors above
 
+    def __deepcopy__(self, memo: dict) -> QuantWeight:
+        """A copy owns copies of the blocks and a kernel struct pointing at them (ctypes pointers cannot be
+        copied, and must never point at the original's tensors)."""
+        import copy
+
+        bias = copy.deepcopy(self.bias, memo)
+        return type(self)([(q, d.clone()) for q, d in self.segments], self.in_features, bias)
+
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, qtype: str = "q4_1") -> QuantWeight:
         return cls([(qtype, quantize_blocks(weight, qtype))], weight.shape[1], bias)
