@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # peers.py, when run from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # peers.py, machine.py, when run from anywhere
+import machine
 import peers
 
 from tideserve.bench.datasets import SampleRequest, mixed_requests, random_requests
@@ -191,7 +192,10 @@ def run_tideserve_serve(args: argparse.Namespace, workloads: dict, levels: list[
     args.commands.append(" ".join(cmd))
     with ServerProcess(cmd, port, env=_thread_env(args.threads), name="tideserve-serve") as srv:
         runner = _http_runner(srv.base_url, discover_model(srv.base_url))
-        measure("tideserve-serve", runner, workloads, levels, rows, args)
+        for c in levels:  # one server for all levels: its peak RSS is noted after each (cumulative)
+            start = len(rows)
+            measure("tideserve-serve", runner, workloads, [c], rows, args)
+            note_rss(rows, start, srv)
 
 
 def run_llama_server(args: argparse.Namespace, workloads: dict, levels: list[int], rows: list,
@@ -214,10 +218,31 @@ def run_llama_server(args: argparse.Namespace, workloads: dict, levels: list[int
     ctx = max(r.prompt_len + r.output_len for reqs in workloads.values() for r in reqs) + 16
     for c in levels:  # slots are fixed at start, so one server per concurrency level
         port = free_port()
-        cmd = peers.llama_server_command(binary, args.model, port, c, ctx, args.threads)
+        cmd = peers.llama_server_command(binary, args.model, port, c, ctx, args.threads,
+                                         no_repack="amx_tile" in args.machine["flags"])
         args.commands.append(" ".join(cmd))
         with ServerProcess(cmd, port, ready_path="/health", name="llama-server") as srv:
+            start = len(rows)
             measure("llama-server", _http_runner(srv.base_url, "llama"), workloads, [c], rows, args)
+            note_rss(rows, start, srv)
+
+
+def peak_rss_mib(pid: int) -> float | None:
+    """A process's peak resident memory so far (VmHWM), in MiB; None when it cannot be read."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def note_rss(rows: list[dict[str, Any]], start: int, srv: Any) -> None:
+    """Record the server's peak RSS so far on the rows measured since ``start`` (the server is still up)."""
+    rss = peak_rss_mib(srv.proc.pid) if srv.proc is not None else None
+    for r in rows[start:]:
+        r["server_peak_rss_mib"] = rss
 
 
 def _thread_env(threads: int) -> dict[str, str]:
@@ -234,8 +259,8 @@ def build_table(rows: list[dict[str, Any]]) -> str:
     """One markdown table: every engine at every workload and concurrency, with the ratio to tideserve."""
     ref = {(r["workload"], r["concurrency"], r["engine"]): r["metrics"]["output_throughput"] for r in rows}
     header = ("| workload | conc. | engine | output tok/s | vs tideserve | TTFT p50 (ms) | TTFT p99 (ms) "
-              "| E2E p50 (ms) | E2E p99 (ms) | ok / failed |\n"
-              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+              "| E2E p50 (ms) | E2E p99 (ms) | TPOT p50 (ms) | server peak RSS (MiB) | ok / failed |\n"
+              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [header]
     order = {e: i for i, e in enumerate(ENGINES)}
     rows = sorted(rows, key=lambda r: (WORKLOADS.index(r["workload"]), r["concurrency"], order[r["engine"]]))
@@ -247,6 +272,7 @@ def build_table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['workload']} | {r['concurrency']} | {r['engine']} | {m['output_throughput']:.1f} "
                      f"| {ratio} | {_ms(m['ttft_ms'], 'median')} | {_ms(m['ttft_ms'], 'p99')} "
                      f"| {_ms(m['e2el_ms'], 'median')} | {_ms(m['e2el_ms'], 'p99')} "
+                     f"| {_ms(m.get('tpot_ms', {}), 'median')} | {_ms(r, 'server_peak_rss_mib')} "
                      f"| {m['completed']} / {m['failed']} |")
     return "\n".join(lines)
 
@@ -310,6 +336,7 @@ def write_report(args: argparse.Namespace, rows: list, notes: list[str], workloa
     text = [title + (" — quick smoke run, numbers not meaningful" if args.quick else ""), "",
             f"Command: `{' '.join(sys.argv)}`", "", setup, "",
             "Machine and versions: " + ", ".join(f"{k} {v}" for k, v in env.items()), "",
+            "Machine summary: " + machine.markdown(args.machine), "",
             "Workloads:", *shapes, "", DEFINITIONS, "", build_table(rows), ""]
     if notes:
         text += ["Notes:", *[f"- {n}" for n in notes], ""]
@@ -338,7 +365,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded SmolLM2)")
     ap.add_argument("--dtype", default="auto", help="one dtype for every engine (auto: what tideserve picks)")
-    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"],
                     help="tideserve's --quantization (peers keep their own weights)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="tideserve's --kv-cache-dtype")
     ap.add_argument("--hf-dtype", default=None, help="transformers' dtype (default: --dtype's)")
@@ -377,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     args.threads = torch.get_num_threads()
     args.commands, args.versions = [], {}
+    hidden, intermediate = machine.model_shape(args.model)
+    args.machine = machine.describe(hidden, intermediate, args.threads)  # CPU flags, measured matmul ceiling
+    logger.info("%s", machine.markdown(args.machine))
     import transformers
 
     args.versions["transformers"] = transformers.__version__
@@ -420,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(report)
     out.with_suffix(".json").write_text(json.dumps({
         "command": sys.argv, "model": args.model, "dtype": args.dtype, "threads": args.threads,
+        "machine": args.machine,
         "environment": environment() | {k: str(v) for k, v in args.versions.items()},
         "levels": levels, "notes": notes, "rows": rows}, indent=2, default=str))
     if rows:

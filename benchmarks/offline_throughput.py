@@ -81,7 +81,8 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=None, help="default: all prompts in one batch")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--quantization", default="none", help="comma-separated tideserve variants: none,int8")
+    ap.add_argument("--quantization", default="auto",
+                    help="comma-separated tideserve variants: auto,none,gguf,int8,int4")
     ap.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated KV cache dtypes: auto,bfloat16")
     ap.add_argument("--hf-dtypes", default=None, help="comma-separated transformers dtypes (default: --dtype's)")
     ap.add_argument("--hf-repeats", type=int, default=None, help="transformers runs (default: --repeats)")

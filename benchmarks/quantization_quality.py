@@ -1,4 +1,4 @@
-"""What ``--quantization int8`` or ``int4`` costs in accuracy, beside what it buys in speed.
+"""What ``--quantization gguf``, ``int4`` or ``int8`` costs in accuracy, beside what it buys in speed.
 
 Three measures against the float model on the same file:
 - perplexity on a fixed text (prose, code, numbers; written for this benchmark, not a public corpus),
@@ -9,7 +9,8 @@ Three measures against the float model on the same file:
   differ, over 8 chat prompts x 64 tokens (small models diverge early on near-ties, so this is the
   harshest of the three).
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/quantization_quality.py --json docs/quantization-quality.json
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/quantization_quality.py --quantization gguf,int4,int8 \
+        --json docs/quantization-quality.json
 """
 
 from __future__ import annotations
@@ -64,36 +65,40 @@ def greedy(llm, max_tokens: int) -> list[list[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--quantization", default="int8")
+    ap.add_argument("--quantization", default="gguf",
+                    help="comma-separated tideserve modes to score against the float model (gguf,int4,int8)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
     from tideserve import LLM
 
-    ref_llm = LLM(args.model, dtype="float32", max_model_len=1024)
+    ref_llm = LLM(args.model, dtype="float32", max_model_len=1024, quantization="none")
     ids = ref_llm.tokenizer.encode(EVAL_TEXT)
     ref_ppl, ref_top1 = score_text(ref_llm, ids)
     ref_greedy = greedy(ref_llm, args.max_tokens)
     del ref_llm
-    q_llm = LLM(args.model, dtype="float32", max_model_len=1024, quantization=args.quantization)
-    ppl, top1 = score_text(q_llm, ids)
-    runs = greedy(q_llm, args.max_tokens)
-    shared = [next((i for i, (a, b) in enumerate(zip(r, q)) if a != b), len(r)) for r, q in zip(ref_greedy, runs)]
-    result = {
-        "quantization": args.quantization, "eval_tokens": len(ids),
-        "perplexity_float32": ref_ppl, "perplexity_quantized": ppl,
-        "perplexity_change_pct": (ppl / ref_ppl - 1) * 100,
-        "teacher_forced_top1_agreement": sum(a == b for a, b in zip(top1, ref_top1)) / len(ref_top1),
-        "greedy_shared_prefix_tokens": shared,
-        "greedy_shared_prefix_median": statistics.median(shared),
-        "greedy_identical_generations": sum(s == args.max_tokens for s in shared),
-        "greedy_max_tokens": args.max_tokens,
-    }
-    print(json.dumps(result, indent=2))
+    results = []
+    for method in args.quantization.split(","):
+        q_llm = LLM(args.model, dtype="float32", max_model_len=1024, quantization=method)
+        ppl, top1 = score_text(q_llm, ids)
+        runs = greedy(q_llm, args.max_tokens)
+        del q_llm
+        shared = [next((i for i, (a, b) in enumerate(zip(r, q)) if a != b), len(r)) for r, q in zip(ref_greedy, runs)]
+        results.append({
+            "quantization": method, "model": args.model, "eval_tokens": len(ids),
+            "perplexity_float32": ref_ppl, "perplexity_quantized": ppl,
+            "perplexity_change_pct": (ppl / ref_ppl - 1) * 100,
+            "teacher_forced_top1_agreement": sum(a == b for a, b in zip(top1, ref_top1)) / len(ref_top1),
+            "greedy_shared_prefix_tokens": shared,
+            "greedy_shared_prefix_median": statistics.median(shared),
+            "greedy_identical_generations": sum(s == args.max_tokens for s in shared),
+            "greedy_max_tokens": args.max_tokens,
+        })
+        print(json.dumps(results[-1], indent=2), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(results if len(results) > 1 else results[0], f, indent=2)
 
 
 if __name__ == "__main__":

@@ -60,11 +60,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: bfloat16 where the device computes it fast, else float32 (half = float16, "
                         "float = float32)")
     g.add_argument("--device", default="auto")
-    g.add_argument("--quantization", "-q", default="none", metavar="{" + ",".join(QUANTIZATIONS) + "}",
-                   help="int8: int8 GEMMs for every linear layer and the LM head (CPU, fbgemm), about 2x "
-                        "faster batched decode on CPUs without AMX; int4: 4-bit weight blocks (the LM head "
-                        "8-bit) through native kernels, the fastest single-stream decode; both cost a "
-                        "little accuracy. GGUF files keep their own quantization (vLLM's 'gguf' means that); "
+    g.add_argument("--quantization", "-q", default="auto", metavar="{" + ",".join(QUANTIZATIONS) + "}",
+                   help="auto (default): a quantized GGUF runs on its own blocks (gguf), anything else in float; "
+                        "gguf: keep a GGUF file's blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K) for the native "
+                        "kernels; none: dequantize to --dtype (the float reference); int8: int8 GEMMs for every "
+                        "linear layer (CPU, fbgemm); int4: 4-bit blocks for every linear layer, quantized at load. "
                         "awq/gptq/fp8 checkpoints cannot be read")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="max_model_len: context length in tokens, prompt plus output (default: the model's "

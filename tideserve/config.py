@@ -136,7 +136,9 @@ class SchedulerConfig:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-QUANTIZATIONS = ("none", "int8", "int4")
+# --quantization (model/layers/quantization.py): auto, the file's own blocks for a quantized GGUF ("gguf"),
+# float ("none"), or quantized linear layers ("int8", "int4").
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 # vLLM's names for checkpoint formats tideserve cannot read (its GGUF and float loaders cover the rest).
 VLLM_CHECKPOINT_QUANTIZATIONS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "marlin", "fp8", "fbgemm_fp8",
                                  "bitsandbytes", "squeezellm", "compressed-tensors", "aqlm", "hqq", "modelopt",
@@ -151,7 +153,9 @@ class ModelConfig:
     max_model_len: int | None = None  # None = the model's trained context
     allow_long_max_model_len: bool = False  # accept max_model_len beyond the trained context
     seed: int = 0
-    quantization: str | None = "none"  # "int8" or "int4": quantized linear layers (model/layers/quantization)
+    # auto: a quantized GGUF runs on its own blocks ("gguf"), anything else in float ("none"); int8, int4:
+    # quantized linear layers (see model/layers/quantization.py)
+    quantization: str | None = "auto"
     # Accepted for vLLM's scripts. There are no CUDA graphs yet, so every step already runs eagerly; once
     # graph capture exists on CUDA, this turns it off (as vLLM's --enforce-eager does).
     enforce_eager: bool = False
@@ -168,9 +172,9 @@ class ModelConfig:
 
 
 def _check_quantization(method: str | None) -> str:
-    """The quantization to run: None and vLLM's "gguf" mean the weights as the file stores them."""
-    if method is None or method == "gguf":  # GGUF files are read natively whatever this says
-        return "none"
+    """The quantization to run; None (vLLM's default) means "auto": the weights as the file stores them."""
+    if method is None:
+        return "auto"
     if method in QUANTIZATIONS:
         return method
     if method in VLLM_CHECKPOINT_QUANTIZATIONS:

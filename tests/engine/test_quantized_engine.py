@@ -24,11 +24,11 @@ def scored(llm: LLM, ids: list[int]) -> tuple[float, list[int]]:
     return math.exp(-sum(logprobs) / len(logprobs)), top1
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "gguf"])
 def test_quantized_engine_stays_close_to_float_and_leaves_the_shared_model_alone(method):
     if unavailable_reason(method, torch.device("cpu")):
         pytest.skip(unavailable_reason(method, torch.device("cpu")))
-    float_llm = LLM(dtype="float32", max_model_len=256)
+    float_llm = LLM(dtype="float32", max_model_len=256, quantization="none")
     ids = float_llm.tokenizer.encode(TEXT)
     ref_ppl, ref_top1 = scored(float_llm, ids)
 
@@ -46,5 +46,5 @@ def test_quantized_engine_stays_close_to_float_and_leaves_the_shared_model_alone
 
 
 def test_quantization_is_validated():
-    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4, got 'fp4'"):
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, gguf, int8, int4, got 'fp4'"):
         LLM(dtype="float32", max_model_len=256, quantization="fp4")

@@ -63,7 +63,7 @@ def test_foreign_checkpoint_quantization_is_explained():
     with pytest.raises(ValueError, match=r"quantization='awq' is not supported: tideserve cannot read awq "
                                          r"checkpoints.*use a GGUF export of the model"):
         LLM(model="meta-llama/Llama-2-70b-chat-hf", quantization="awq", enforce_eager=True)
-    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4, got 'int3'"):
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, gguf, int8, int4, got 'int3'"):
         LLM(quantization="int3")
 
 

@@ -1,108 +1,180 @@
-"""The block-quantized linear kernels (qgemm.c) against the same arithmetic written in torch: the input
-quantized to 8 bits per block of 32, integer dot products, then each block's scales."""
+"""The quantized linear kernels (qgemm.c) on every GGUF format they take and every ISA path this CPU has:
+- the scalar path computes exactly the arithmetic it documents (activations rounded to 8 bits per block
+  of 32, integer dot products, each block's scales), written here in float64;
+- each SIMD row path (AVX2, AVX-512 VNNI) gives the scalar path's numbers, and the AMX tile path the
+  float product with bfloat16-rounded inputs;
+- all of them are the float product of the gguf package's own dequantization, up to the input rounding.
+Paths the CPU lacks are skipped with their name."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from gguf_blocks import quantize, quantized_pair
 
-from tideserve import native
-from tideserve.model.layers.quantization import BLOCK, BlockQuantWeight, dequantize_blocks, quantize_blocks
+from tideserve.model.layers.quantization import QuantWeight, dequantize_blocks, quantize_blocks
+from tideserve.native import quant
 
-pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the kernels")
+pytestmark = pytest.mark.skipif(not quant.available(), reason="no C compiler to build the kernels")
 
-
-def quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (codes [M, K/32, 32] float64, scales [M, K/32] float64), as qgemm.c's quantize_row_q8."""
-    blocks = x.float().reshape(x.shape[0], -1, BLOCK)
-    scale = blocks.abs().amax(dim=-1) / 127
-    inv = torch.where(scale > 0, 1 / scale, torch.zeros(()))
-    codes = (blocks * inv[..., None]).round()  # half to even, as lrintf
-    return codes.double(), scale.double()
+FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]
+ROW_PATHS = ["avx2", "avx512"]
 
 
-def reference(x: torch.Tensor, weight: BlockQuantWeight) -> torch.Tensor:
-    codes, scale = quantize_input(x)
-    n = weight.out_features
-    d = weight.d.double()
-    if weight.fmt == "q4":
-        packed = weight.qs.reshape(n, -1, BLOCK // 2)
-        w_codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).double()
-    else:
-        w_codes = weight.qs.reshape(n, -1, BLOCK).double()
-    dots = torch.einsum("mbj,nbj->mnb", codes, w_codes)  # exact integers
-    out = (dots * d[None] * scale[:, None]).sum(-1)
-    if weight.fmt == "q4":
-        out += (weight.m.double()[None] * (scale * codes.sum(-1))[:, None]).sum(-1)
-    if weight.bias is not None:
-        out += weight.bias.double()
-    return out.float()
+def need(path: str) -> None:
+    if quant.ISA_NAMES.index(quant.cpu_isa()) < quant.ISA_NAMES.index(path):
+        pytest.skip(f"this CPU has no {path} path (best: {quant.cpu_isa()})")
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 64])
-@pytest.mark.parametrize("bias", [False, True])
-def test_qlinear_matches_the_arithmetic_it_implements(fmt, rows, bias):
-    gen = torch.Generator().manual_seed(rows)
-    w = torch.randn(200, 96, generator=gen)
-    b = torch.randn(200, generator=gen) if bias else None
-    weight = BlockQuantWeight(w, b, fmt)
-    x = torch.randn(rows, 96, generator=gen) * 2
-    out = native.qlinear(x, fmt, weight.qs, weight.d, weight.m, weight.bias)
-    torch.testing.assert_close(out, reference(x, weight), rtol=1e-5, atol=1e-4)
+def weight(qtype: str, n: int = 80, k: int = 512, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = np.random.default_rng(seed)
+    w = (gen.standard_normal((n, k)) * np.linspace(0.05, 2.0, k)).astype(np.float32)
+    return quantized_pair(torch.from_numpy(w), qtype)
+
+
+def reference_scalar(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The row kernels' arithmetic in float64: x rounded to int8 per block of 32 (half to even, as
+    lrintf), then exact products with the weight's values."""
+    blocks = x.double().reshape(x.shape[0], -1, 32)
+    scale = (blocks.float().abs().amax(dim=-1) / 127).double()
+    inv = torch.where(scale > 0, 1 / scale.float().double(), torch.zeros((), dtype=torch.float64))
+    codes = (blocks.float() * inv.float()[..., None]).round().double()
+    xq = (codes * scale[..., None]).reshape(x.shape)
+    return xq @ values.double().T
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 6, 40])
+def test_scalar_path_is_the_documented_arithmetic(qtype, rows):
+    data, values = weight(qtype)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)) * 2
+    mat = quant.make_qmat([(qtype, data)], 512, None)
+    with quant.forced_isa("scalar") as path:
+        assert path == "scalar"
+        out = quant.qmatmul(x, mat)
+    want = reference_scalar(x, values)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-3 * float(want.abs().max()))
     # ... which is the float product up to the 8-bit rounding of x.
-    want = torch.nn.functional.linear(x, weight.dequantize(), b)
-    assert (out - want).abs().max() < 0.02 * want.abs().max()
+    exact = x.double() @ values.double().T
+    assert (out.double() - exact).norm() < 0.01 * exact.norm()
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
-def test_qlinear_applies_swiglu_on_the_way_in(fmt, monkeypatch):
-    gen = torch.Generator().manual_seed(11)
-    weight = BlockQuantWeight(torch.randn(40, 64, generator=gen), fmt=fmt)
-    gate_up = torch.randn(5, 128, generator=gen) * 3
-    out = native.qlinear(gate_up, fmt, weight.qs, weight.d, weight.m, None, swiglu=True)
-    activated = torch.nn.functional.silu(gate_up[:, :64]) * gate_up[:, 64:]
-    torch.testing.assert_close(out, reference(activated, weight), rtol=1e-3, atol=2e-2)
-    assert native.qlinear(gate_up[:, :127], fmt, weight.qs, weight.d, weight.m, None, swiglu=True) is None
-    # The layer's torch fallback (float input, dequantized weight) computes the same product.
-    monkeypatch.setattr(native, "qlinear", lambda *a: None)
-    torch.testing.assert_close(weight(gate_up, swiglu=True), out, rtol=1e-3, atol=0.02 * float(out.abs().max()))
+@pytest.mark.parametrize("path", ROW_PATHS)
+@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 4, 7])
+def test_simd_row_paths_equal_the_scalar_path(path, qtype, rows):
+    need(path)
+    data, _ = weight(qtype, seed=1)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(7)) * 3
+    bias = torch.randn(80)
+    mat = quant.make_qmat([(qtype, data)], 512, bias)
+    with quant.forced_isa("scalar"):
+        want = quant.qmatmul(x, mat)
+    with quant.forced_isa(path) as used:
+        assert used == path
+        got = quant.qmatmul(x, mat)
+    # Same integer dot products; only the float summation order differs.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
 
 
-def test_qlinear_takes_strided_rows_and_zero_blocks():
-    gen = torch.Generator().manual_seed(7)
-    w = torch.randn(64, 128, generator=gen)
-    w[:, :32] = 0.0  # a block whose scale is zero
-    weight = BlockQuantWeight(w, fmt="q4")
-    base = torch.randn(6, 160, generator=gen)
-    base[:, :32] = 0.0
-    x = base[:, :128]  # rows 160 apart
-    assert not x.is_contiguous()
-    out = native.qlinear(x, "q4", weight.qs, weight.d, weight.m, None)
-    torch.testing.assert_close(out, reference(x.contiguous(), weight), rtol=1e-5, atol=1e-4)
+@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("rows", [16, 37, 70])
+def test_amx_tiles_are_the_float_product_of_bf16_inputs(qtype, rows):
+    need("amx")
+    data, values = weight(qtype, n=100, seed=2)  # 100 rows: the last 32-row panel is partly empty
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(100)
+    mat = quant.make_qmat([(qtype, data)], 512, bias)
+    with quant.forced_isa("amx"):
+        got = quant.qmatmul(x, mat)
+    want = x.bfloat16().double() @ values.bfloat16().double().T + bias.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
-def test_qlinear_declines_what_it_cannot_take():
-    weight = BlockQuantWeight(torch.randn(8, 64), fmt="q8")
-    assert native.qlinear(torch.randn(2, 64).double(), "q8", weight.qs, weight.d, None, None) is None
-    assert native.qlinear(torch.randn(2, 64), "q5", weight.qs, weight.d, None, None) is None
-    assert native.qlinear(torch.randn(2, 60), "q8", weight.qs, weight.d, None, None) is None  # not blocks of 32
-    assert native.qlinear(torch.randn(2, 64).t(), "q8", weight.qs, weight.d, None, None) is None
+@pytest.mark.parametrize("path", ["scalar", *ROW_PATHS, "amx"])
+def test_mixed_segments_swiglu_and_strided_rows(path):
+    """A fused layer whose shards differ in format (Q5_0 | Q8_0, as llama.cpp's Q4_K_M stores q|k|v), with
+    SwiGLU applied on the way in and input rows that are not contiguous."""
+    need(path)
+    gen = torch.Generator().manual_seed(5)
+    a, a_values = quantized_pair(torch.randn(48, 256, generator=gen), "q5_0")
+    b, b_values = quantized_pair(torch.randn(24, 256, generator=gen), "q6_k")
+    w = QuantWeight([("q5_0", a), ("q6_k", b)], 256)
+    assert w.qtypes == ["q5_0", "q6_k"] and w.out_features == 72
+    base = torch.randn(20, 600, generator=gen)
+    gate_up = base[:, :512]  # rows 600 apart
+    activated = torch.nn.functional.silu(gate_up[:, :256]) * gate_up[:, 256:]
+    values = torch.cat([a_values, b_values])
+    with quant.forced_isa(path):
+        got = w(gate_up, swiglu=True)
+        plain = w(activated)
+    exact = activated @ values.T
+    assert (got - exact).norm() < 0.01 * exact.norm()
+    torch.testing.assert_close(got, plain, rtol=1e-4, atol=1e-4 * float(exact.abs().max()))
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
-def test_block_quantization_is_close_and_idempotent(fmt):
+def test_segments_of_one_format_are_merged_and_rows_stay_independent():
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(96, 256, generator=gen)
+    q = QuantWeight([("q4_k", quantized_pair(w[:64], "q4_k")[0]), ("q4_k", quantized_pair(w[64:], "q4_k")[0])], 256)
+    assert q.qtypes == ["q4_k"]
+    x = torch.randn(5, 256, generator=gen)
+    loud = torch.randn(3, 256, generator=gen) * 1000
+    # Row kernels quantize each row alone: a loud batch-mate does not change a row's result.
+    assert torch.equal(q(x)[2:3], q(torch.cat([loud[:2], x[2:3], loud[2:]]))[2:3])
+
+
+def test_dequantized_rows_are_the_gguf_values():
+    for qtype in FORMATS:
+        data, values = weight(qtype, n=12, k=256)
+        ids = torch.tensor([3, 0, 11, 3])
+        torch.testing.assert_close(quant.dequant_rows(qtype, data, 256, ids), values[ids], rtol=0, atol=0)
+        torch.testing.assert_close(QuantWeight([(qtype, data)], 256).embed(ids.reshape(2, 2)),
+                                   values[ids].reshape(2, 2, 256), rtol=0, atol=0)
+
+
+def test_qmatmul_declines_what_it_cannot_take():
+    data, _ = weight("q8_0", n=8, k=64)
+    mat = quant.make_qmat([("q8_0", data)], 64, None)
+    assert quant.qmatmul(torch.randn(2, 64).double(), mat) is None
+    assert quant.qmatmul(torch.randn(2, 60), mat) is None
+    assert quant.qmatmul(torch.randn(2, 64).t(), mat) is None
+    assert quant.qmatmul(torch.randn(0, 64), mat) is None
+    with pytest.raises(ValueError, match="a q4_k row needs a multiple of 256 values, got 64"):
+        QuantWeight([("q4_k", data)], 64)
+    with pytest.raises(ValueError, match="no kernel for block format 'q2_k'"):
+        QuantWeight([("q2_k", data)], 64)
+
+
+def test_the_torch_fallback_computes_the_same_product(monkeypatch):
+    data, values = weight("q6_k", n=16, k=256)
+    w = QuantWeight([("q6_k", data)], 256)
+    x = torch.randn(3, 256)
+    native_out = w(x)
+    monkeypatch.setattr(quant, "qmatmul", lambda *a: None)
+    torch.testing.assert_close(w(x), x @ values.T, rtol=1e-5, atol=1e-5)
+    assert (native_out - x @ values.T).norm() < 0.01 * (x @ values.T).norm()
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
+def test_float_quantization_is_close_and_idempotent(qtype):
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(48, 256, generator=gen) * torch.linspace(0.01, 3, 256)
-    qs, d, m = quantize_blocks(w, fmt)
-    back = dequantize_blocks(qs, d, m, fmt)
-    step = d.float().repeat_interleave(BLOCK, dim=1)
-    assert ((back - w).abs() <= step * 0.51 + 1e-3 * w.abs()).all()
+    data = quantize_blocks(w, qtype)
+    back = dequantize_blocks(data, qtype, 256)
+    step = (w.reshape(48, -1, 32).amax(-1) - w.reshape(48, -1, 32).amin(-1)).repeat_interleave(32, dim=1)
+    assert ((back - w).abs() <= step / (15 if qtype == "q4_1" else 127) + 1e-3 * w.abs()).all()
     # Quantizing dequantized weights gives the same blocks back: GGUF Q4_1/Q8_0 weights stay as they were.
-    again = dequantize_blocks(*quantize_blocks(back, fmt), fmt)
-    torch.testing.assert_close(again, back, rtol=0, atol=1e-3 * float(d.float().max()))
+    assert torch.equal(quantize_blocks(back, qtype), data)
+    # ... and the bytes are the gguf package's own layout.
+    np.testing.assert_array_equal(dequantize_blocks(torch.from_numpy(quantize(back.numpy(), qtype)), qtype, 256),
+                                  back.numpy())
 
 
-def test_block_quantization_needs_whole_blocks():
-    with pytest.raises(ValueError, match="divisible by 32, got 48"):
-        BlockQuantWeight(torch.randn(4, 48))
+def test_k_quant_reference_quantizer_matches_gguf_dequantize():
+    """tests/gguf_blocks.py writes Q4_K/Q5_K/Q6_K itself; gguf reads them back within each format's step."""
+    w = torch.randn(16, 512, generator=torch.Generator().manual_seed(4))
+    for qtype, tol in (("q4_k", 0.25), ("q5_k", 0.12), ("q6_k", 0.06)):
+        _, values = quantized_pair(w, qtype)
+        assert (values - w).abs().max() < tol * w.abs().max(), qtype

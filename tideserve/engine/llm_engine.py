@@ -70,7 +70,7 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     swap_space: float | str = 4.0  # GiB; "16G", "512MiB" too
     seed: int = 0
-    quantization: str | None = "none"
+    quantization: str | None = "auto"  # a quantized GGUF runs on its own blocks; anything else in float
     enforce_eager: bool = False  # no CUDA graphs exist yet, so steps already run eagerly (see ModelConfig)
     tensor_parallel_size: int = 1  # only 1 today: ParallelConfig explains what to do instead
     pipeline_parallel_size: int = 1
@@ -133,22 +133,27 @@ class LLMEngine:
         self.args = args
         self.device = resolve_device(model_config.device)
         torch.manual_seed(model_config.seed)
-        loaded = load_model(model_config.model, model_config.dtype, self.device)
+        loaded = load_model(model_config.model, model_config.dtype, self.device, model_config.quantization)
         self.model = loaded.model
         self.arch = loaded.arch
         self.dtype = loaded.dtype
         self.model_path = loaded.path
         self.model_name = loaded.name
         self.tokenizer: Tokenizer = load_tokenizer(loaded.path)
-        self.quantization = model_config.quantization
-        if self.quantization != "none":
-            act_max = (calibrate(self.model, self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False),
-                                 self.device) if self.quantization == "int8" else None)
+        self.quantization = loaded.quantization  # "auto" resolved by the loader
+        if self.quantization == "int8":
+            act_max = calibrate(self.model, self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False),
+                                self.device)
             self.model, saved = quantize_model(self.model, self.quantization, self.device, act_max)
-            how = ("per-token activations, SmoothQuant-calibrated" if self.quantization == "int8"
-                   else "4-bit blocks of 32, LM head 8-bit")
-            logger.info("quantization %s (%s): weights now %.2f GiB (%.2f GiB saved)", self.quantization, how,
-                        model_weight_bytes(self.model) / GiB, saved / GiB)
+            logger.info("quantization int8 (per-token activations, SmoothQuant-calibrated): weights now %.2f GiB "
+                        "(%.2f GiB saved)", model_weight_bytes(self.model) / GiB, saved / GiB)
+        elif self.quantization != "none":
+            from tideserve.native.quant import qgemm_isa
+
+            how = ("the GGUF file's own blocks" if self.quantization == "gguf"
+                   else "4-bit blocks, tables 8-bit")
+            logger.info("quantization %s (%s, kernels: %s): weights %.2f GiB", self.quantization, how, qgemm_isa(),
+                        model_weight_bytes(self.model) / GiB)
         self.max_model_len = resolve_max_model_len(
             model_config.max_model_len, self.arch.max_position_embeddings,
             model_config.allow_long_max_model_len)

@@ -107,14 +107,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token embedding table without nn.Embedding's random init (weights always come from a checkpoint)."""
+    """Token embedding table without nn.Embedding's random init (weights always come from a checkpoint).
+
+    A quantized load keeps the table as GGUF blocks (``qweight``) and dequantizes only the rows a step
+    looks up; a tied LM head multiplies by the same blocks.
+    """
 
     def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype, device=device),
                                    requires_grad=False)
+        self.qweight: Any = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight.embed(input_ids)  # float32, the dtype of quantized models
         return F.embedding(input_ids, self.weight)
 
 
@@ -149,6 +156,7 @@ class LlamaForCausalLM(nn.Module):
         # Every decoder layer of a decode-only step in one native call (model/native_decode.py); set by
         # enable_native_decode once the layers are block-quantized.
         self.native_decode: Any = None
+        self._quantize_table: Callable[[torch.Tensor], tuple[str, torch.Tensor]] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -194,6 +202,8 @@ class LlamaForCausalLM(nn.Module):
         Every parameter, and every shard of a fused one, must be loaded exactly as the model expects;
         anything missing, unknown or of the wrong shape raises ValueError naming it.
         """
+        from tideserve.model.layers.quantization import QuantTensor, QuantWeight
+
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
@@ -211,7 +221,19 @@ class LlamaForCausalLM(nn.Module):
             except AttributeError:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model") from None
             if isinstance(module, Linear):
-                module.load(param_name, tensor, shard_id)
+                try:
+                    module.load(param_name, tensor, shard_id)
+                except ValueError as exc:
+                    raise ValueError(f"{module_path}: {exc}") from None
+            elif isinstance(module, Embedding) and (isinstance(tensor, QuantTensor) or self._quantize_table):
+                shape = tuple(module.weight.shape)
+                if tuple(tensor.shape) != shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not match the "
+                                     f"model's {shape}")
+                block = ((tensor.qtype, tensor.data) if isinstance(tensor, QuantTensor)
+                         else self._quantize_table(tensor.float()))
+                module.qweight = QuantWeight([block], shape[1])
+                module.weight = None
             else:
                 param = getattr(module, param_name, None)
                 if not isinstance(param, nn.Parameter):
@@ -226,6 +248,20 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+        if self._quantize_table is not None:  # a quantized load: the LM head multiplies by the table's blocks
+            self.lm_head_q = self.lm_head.qweight
+            self._quantize_table = None
+            self.enable_native_decode()
+
+    def begin_quantized_load(self, linear: Callable[[torch.Tensor], tuple[str, torch.Tensor]],
+                             table: Callable[[torch.Tensor], tuple[str, torch.Tensor]]) -> None:
+        """Make the next ``load_weights`` keep GGUF blocks (QuantTensor) as they are and quantize float
+        tensors one layer at a time: ``linear`` for the projections, ``table`` for the embedding table and
+        LM head (each float [rows, in] -> (qtype, uint8 blocks)). The float weights are never written."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.quantize_on_load = linear
+        self._quantize_table = table
 
     def _expected_weights(self) -> set[str]:
         expected: set[str] = set()

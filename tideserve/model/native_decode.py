@@ -15,26 +15,18 @@ import torch
 
 from tideserve import native
 from tideserve.model.layers.attention import AttentionMetadata
-from tideserve.model.layers.quantization import BlockQuantWeight
-
-
-class _QWeight(ctypes.Structure):
-    _fields_ = [("format", ctypes.c_int64), ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p),
-                ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+from tideserve.model.layers.quantization import QuantWeight
+from tideserve.native.quant import QMat
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _QWeight),
-                ("o", _QWeight), ("gate_up", _QWeight), ("down", _QWeight)]
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", QMat),
+                ("o", QMat), ("gate_up", QMat), ("down", QMat)]
 
 
-def _qweight(linear: torch.nn.Module) -> _QWeight | None:
+def _qweight(linear: torch.nn.Module) -> QMat | None:
     q = linear.qweight
-    if not isinstance(q, BlockQuantWeight) or q.fmt not in native.QUANT_FORMATS:
-        return None
-    return _QWeight(native.QUANT_FORMATS[q.fmt], q.qs.data_ptr(), q.d.data_ptr(),
-                    None if q.m is None else q.m.data_ptr(), None if q.bias is None else q.bias.data_ptr(),
-                    q.out_features, q.in_features)
+    return q.mat if isinstance(q, QuantWeight) else None
 
 
 def _plain_f32(t: torch.Tensor) -> bool:

@@ -49,6 +49,8 @@ ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512bf16", "amx")
 CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
                 "amx_tile", "amx_bf16", "amx_int8", "amx_permitted")
 _TS_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TS_DTYPE_* codes
+# qgemm.c's block formats and SIMD row kernels (its ctypes front is tideserve/native/quant.py)
+HEADERS += tuple(Path(__file__).with_name(name) for name in ("qgemm_formats.h", "qgemm_simd.h"))
 
 
 def cache_dir() -> Path:
@@ -129,11 +131,27 @@ def load_library() -> ctypes.CDLL | None:
     lib.ts_decode_forward_f32.restype = cint
     lib.ts_decode_forward_f32.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, ptr, ptr,
                                           ptr, ptr, i64, ptr, i64, cint, f32, cint]
-    lib.ts_qlinear_f32.restype = cint
-    lib.ts_qlinear_f32.argtypes = [ptr, i64, i64, i64, cint, cint, ptr, ptr, ptr, ptr, i64, ptr, i64, cint]
     _declare_isa_exports(lib)
+    _declare_qgemm_exports(lib)
     _select_isa(lib)
     return lib
+
+
+def _declare_qgemm_exports(lib: ctypes.CDLL) -> None:
+    """argtypes of qgemm.c's exports (tideserve/native/quant.py, their caller, narrows the weight pointer to
+    its QMat structure)."""
+    i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    signatures: dict[str, tuple[type | None, list[type]]] = {
+        "ts_qmatmul_f32": (cint, [ptr, ptr, i64, i64, cint, ptr, i64, cint]),
+        "ts_qdequant_rows_f32": (cint, [i64, ptr, i64, ptr, i64, ptr, cint]),
+        "ts_qgemm_isa": (cint, []),
+        "ts_qgemm_set_isa": (cint, [cint]),
+        "ts_qgemm_set_amx_min_rows": (cint, [cint]),
+        "ts_qgemm_active_isa": (cint, []),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        getattr(lib, name).restype = restype
+        getattr(lib, name).argtypes = argtypes
 
 
 def _declare_isa_exports(lib: ctypes.CDLL) -> None:
@@ -325,29 +343,3 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: t
            slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
            torch.get_num_threads())
     return True
-
-
-QUANT_FORMATS = {"q4": 4, "q8": 8}  # block-quantized weight formats with a kernel (see qgemm.c)
-
-
-def qlinear(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
-            bias: torch.Tensor | None, swiglu: bool = False) -> torch.Tensor | None:
-    """x [M, K] float32 times a block-quantized weight [N, K] (``fmt`` "q4" or "q8", laid out as qgemm.c
-    says), plus bias: [M, N] float32. With ``swiglu``, x is [M, 2K] (gate | up) and the product is taken
-    with silu(gate) * up. None, computing nothing, when the inputs do not fit the kernel."""
-    lib = load_library()
-    if (lib is None or fmt not in QUANT_FORMATS or x.dim() != 2 or x.shape[0] == 0 or x.stride(1) != 1
-            or x.dtype != torch.float32 or x.device.type != "cpu" or not _plain_f32(bias)):
-        return None
-    rows, k = x.shape
-    if swiglu:
-        k //= 2
-    n = qs.shape[0]
-    if qs.shape[1] * (2 if fmt == "q4" else 1) != k or (bias is not None and bias.numel() != n):
-        return None
-    out = torch.empty(rows, n)
-    failed = lib.ts_qlinear_f32(x.data_ptr(), x.stride(0), rows, k, QUANT_FORMATS[fmt], int(swiglu), qs.data_ptr(),
-                                d.data_ptr(), None if m is None else m.data_ptr(),
-                                None if bias is None else bias.data_ptr(), n, out.data_ptr(), n,
-                                torch.get_num_threads())
-    return None if failed else out

@@ -6,49 +6,16 @@
  * in C over the same kernels the Python path calls (rows.c, qgemm.c, rope_store.c, paged_decode.c), in
  * the same order, so both paths give the same numbers.
  *
- * Scope: float32 activations, block-quantized projections (--quantization int4), a float32 or bfloat16
+ * Scope: float32 activations, block-quantized projections (GGUF formats, qgemm.c), a float32 or bfloat16
  * paged cache, and a batch of single-token queries (decodes) only; callers take the Python path otherwise.
  */
 #include <stdint.h>
 #include <stdlib.h>
 
-/* One block-quantized weight, as qgemm.c takes it. */
-typedef struct {
-    int64_t format; /* 4 (q4) or 8 (q8) */
-    const void *qs;
-    const uint16_t *d;
-    const uint16_t *m; /* NULL for q8 */
-    const float *bias; /* NULL when none */
-    int64_t n, k;
-} ts_qweight;
+#include "tideserve_native.h" /* every kernel this calls, and ts_decoder_layer */
 
-typedef struct {
-    const float *input_norm, *post_norm; /* [hidden] */
-    ts_qweight qkv, o, gate_up, down;    /* gate_up: 2 * intermediate rows, gate first */
-} ts_decoder_layer;
-
-void ts_rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t cols, float eps,
-                     int num_threads);
-void ts_add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t rows,
-                         int64_t cols, float eps, int num_threads);
-int ts_qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, int format, int act, const void *wq,
-                   const uint16_t *wd, const uint16_t *wm, const float *bias, int64_t n, float *out,
-                   int64_t out_stride, int num_threads);
-void ts_rope_store_f32(float *qkv, int64_t qkv_stride, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t head_dim, const float *cos, const float *sin, const int64_t *slots, void *k_cache,
-                       void *v_cache, int kv_bf16, int num_threads);
-int ts_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                        const int64_t *block_tables, int64_t table_width, const int64_t *context_lens, float *out,
-                        int64_t out_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t head_dim, int64_t block_size, float scale, int num_threads);
-int ts_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
-                         const int64_t *block_tables, int64_t table_width, const int64_t *context_lens, float *out,
-                         int64_t out_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, int64_t block_size, float scale, int num_threads);
-
-static int project(const ts_qweight *w, const float *x, int64_t tokens, int act, float *out, int threads) {
-    return ts_qlinear_f32(x, act ? 2 * w->k : w->k, tokens, w->k, (int)w->format, act, w->qs, w->d, w->m, w->bias,
-                          w->n, out, w->n, threads);
+static int project(const ts_qmat *w, const float *x, int64_t tokens, int act, float *out, int threads) {
+    return ts_qmatmul_f32(w, x, act ? 2 * w->k : w->k, tokens, act, out, w->n, threads);
 }
 
 /* hidden [tokens, hidden_size]: the embeddings in, the final-normed hidden states out. Returns 0, or -1

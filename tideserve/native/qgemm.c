@@ -1,60 +1,60 @@
-/* Linear layers over block-quantized weights: y = x W^T (+ bias) with W stored in blocks of 32 values.
+/* Linear layers over block-quantized weights, y = x W^T (+ bias), with W kept in its GGUF block format
+ * (qgemm_formats.h: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
  *
- * Why: a single decode stream multiplies each weight once per token, so its speed is the speed at which
- * weights stream from memory. Four bits per weight (plus two fp16 numbers per block) read about a
- * quarter of float32's bytes and half of int8's. Each call first quantizes x to 8 bits per block of 32
- * (one float scale per block), so a block's dot product is 32 byte products summed in integers
- * (AVX2's vpmaddubsw) and one float multiply-add, instead of 32 float conversions.
+ * Why: a decode step multiplies each weight once per token, so at small batches its speed is the speed
+ * at which weights stream from memory, and 4-6 bits per weight read a fifth to a seventh of float32's
+ * bytes. Keeping the file's own blocks also means loading a GGUF costs its size in memory, not four times
+ * that, and nothing is lost to a second rounding.
  *
- * Formats, for W [n, k] with k a multiple of 32, block b of row r covering columns 32b .. 32b+31:
- *   q4: qs  uint8 [n, k/2]: byte j of a block holds value j in its low nibble and value j+16 in its high
- *                           nibble (GGUF's Q4_1 layout); value = d * q + m, q in 0..15;
- *       d, m fp16 [n, k/32].
- *   q8: qs  int8  [n, k]:   value = d * q, q in -127..127;
- *       d    fp16 [n, k/32].
- * x and out are float32 rows (with strides); threads split the output columns.
+ * Two ways to multiply, picked per call by the batch size and at run time by what the CPU has:
+ * - row kernels (few rows: decode, short prefills): each call quantizes x to 8 bits per block of 32, so
+ *   a block's dot product is 32 byte products summed in integers and one float multiply-add per
+ *   16-value half. AVX2 (vpmaddubsw) or AVX-512 VNNI (vpdpbusd), from one source (qgemm_simd.h); a
+ *   weight block is decoded once for up to TS_QGEMM_ROWS rows of x;
+ * - tiles (AMX, from ts_amx_min_rows rows: batched decode, prefill): each thread decodes a panel of 32
+ *   weight rows once to bfloat16 and multiplies it with the whole batch through tdpbf16ps, 16x16 output
+ *   tiles accumulated in float over all of K. The input is rounded to bfloat16 (8 bits of mantissa,
+ *   like the row kernels' 8-bit codes, but with no block scale to share).
+ * A scalar path computes the same arithmetic as the row kernels in plain C: the reference in tests and
+ * the path on CPUs with neither. ts_qgemm_set_isa caps the choice so tests can run every path.
+ *
+ * A layer may hold several segments of different formats (a fused q|k|v whose v rows are Q8_0 while q
+ * and k are Q5_0, as llama.cpp's Q4_K_M mixes them); each writes its own range of output columns.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "tideserve_native.h" /* includes qgemm_formats.h */
+
+#if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
-#define TS_QGEMM_AVX2 1
+#define TS_QGEMM_X86 1
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define TS_QGEMM_HAVE_AMX 1
+#endif
 #endif
 
-#define TS_QBLOCK 32
 /* Below this many weight bytes read per call, a single thread beats waking the others. */
 #define TS_QGEMM_PARALLEL_MIN 65536
-/* Rows of x that share one pass over a weight row. */
+/* Rows of x that share one decode of a weight row in the row kernels. */
 #define TS_QGEMM_ROWS 4
+/* From this many rows of x, the AMX tiles beat the row kernels (measured: docs/benchmarks.md);
+ * ts_qgemm_set_amx_min_rows changes it (benchmarks). */
+static int ts_amx_min_rows = 16;
 
-static inline float fp16_to_float(uint16_t h) {
-#ifdef TS_QGEMM_AVX2
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    const uint32_t exponent = (h >> 10) & 0x1f;
-    const uint32_t mantissa = h & 0x3ff;
-    float value;
-    if (exponent == 0) {
-        value = ldexpf((float)mantissa, -24); /* zero or subnormal */
-    } else if (exponent == 31) {
-        value = mantissa ? NAN : INFINITY;
-    } else {
-        value = ldexpf((float)(mantissa | 0x400), (int)exponent - 25);
-    }
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    bits |= sign;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-#endif
-}
+enum { TS_QG_SCALAR = 0, TS_QG_AVX2 = 1, TS_QG_AVX512 = 2, TS_QG_AMX = 3 };
 
-/* Row r of x -> q[k] int8, scale[k/32] (value = scale * q) and sum[k/32] = scale * (sum of the block's q). */
-static void quantize_row_q8(const float *x, int64_t k, int8_t *q, float *scale, float *sum) {
+/* x quantized per block of 32: q int8 [m][k], d [m][kb] (x = d * q), s [m][kb][2] = d * (sum of q over
+ * each 16-value half), for the offsets' terms. */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+    int64_t k, kb;
+} ts_act;
+
+static void quantize_row_q8(const float *x, int64_t k, int8_t *q, float *scale, float *sums) {
     for (int64_t b = 0; b < k / TS_QBLOCK; b++) {
         const float *xb = x + b * TS_QBLOCK;
         float amax = 0.0f;
@@ -64,108 +64,16 @@ static void quantize_row_q8(const float *x, int64_t k, int8_t *q, float *scale, 
         }
         const float d = amax / 127.0f;
         const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-        int total = 0;
+        int total[2] = {0, 0};
         for (int i = 0; i < TS_QBLOCK; i++) {
             const int v = (int)lrintf(xb[i] * inv);
             q[b * TS_QBLOCK + i] = (int8_t)v;
-            total += v;
+            total[i >= 16] += v;
         }
         scale[b] = d;
-        sum[b] = d * (float)total;
+        sums[2 * b] = d * (float)total[0];
+        sums[2 * b + 1] = d * (float)total[1];
     }
-}
-
-#ifdef TS_QGEMM_AVX2
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* 32 unsigned 4-bit values of a q4 block, in column order, one per byte. */
-static inline __m256i load_q4(const uint8_t *p) {
-    const __m128i packed = _mm_loadu_si128((const __m128i *)p);
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(packed, mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-    return _mm256_set_m128i(hi, lo);
-}
-#endif
-
-/* out[i][col] for the rows i < rows (at most TS_QGEMM_ROWS) of quantized x, one q4 weight row. Inlined
- * into callers that pass a constant ``rows``, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void dot_q4(const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t nblocks, const int8_t *xq,
-                   const float *xd, const float *xs, int64_t kx, int64_t kb, int rows, float *acc_out) {
-#ifdef TS_QGEMM_AVX2
-    __m256 acc[TS_QGEMM_ROWS];
-    float min_term[TS_QGEMM_ROWS];
-    for (int i = 0; i < rows; i++) {
-        acc[i] = _mm256_setzero_ps();
-        min_term[i] = 0.0f;
-    }
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < nblocks; b++) {
-        const __m256i w = load_q4(wq + b * (TS_QBLOCK / 2));
-        const float d = _cvtsh_ss(wd[b]);
-        const float m = _cvtsh_ss(wm[b]);
-        for (int i = 0; i < rows; i++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * kx + b * TS_QBLOCK));
-            const __m256i pairs = _mm256_maddubs_epi16(w, x); /* |15 * 127 * 2| fits int16 */
-            const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-            acc[i] = _mm256_fmadd_ps(sums, _mm256_set1_ps(d * xd[i * kb + b]), acc[i]);
-            min_term[i] += m * xs[i * kb + b];
-        }
-    }
-    for (int i = 0; i < rows; i++) acc_out[i] = hsum(acc[i]) + min_term[i];
-#else
-    for (int i = 0; i < rows; i++) {
-        float total = 0.0f;
-        for (int64_t b = 0; b < nblocks; b++) {
-            const uint8_t *qb = wq + b * (TS_QBLOCK / 2);
-            const int8_t *x = xq + i * kx + b * TS_QBLOCK;
-            int dot = 0;
-            for (int j = 0; j < TS_QBLOCK / 2; j++) dot += (qb[j] & 0x0f) * x[j] + (qb[j] >> 4) * x[j + 16];
-            total += fp16_to_float(wd[b]) * xd[i * kb + b] * (float)dot + fp16_to_float(wm[b]) * xs[i * kb + b];
-        }
-        acc_out[i] = total;
-    }
-#endif
-}
-
-/* As dot_q4, for one q8 weight row. */
-static inline __attribute__((always_inline)) void dot_q8(const int8_t *wq, const uint16_t *wd, int64_t nblocks, const int8_t *xq, const float *xd,
-                   int64_t kx, int64_t kb, int rows, float *acc_out) {
-#ifdef TS_QGEMM_AVX2
-    __m256 acc[TS_QGEMM_ROWS];
-    for (int i = 0; i < rows; i++) acc[i] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < nblocks; b++) {
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(wq + b * TS_QBLOCK));
-        const __m256i w_abs = _mm256_sign_epi8(w, w);
-        const float d = _cvtsh_ss(wd[b]);
-        for (int i = 0; i < rows; i++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * kx + b * TS_QBLOCK));
-            /* |w| * (x with w's sign): unsigned times signed, as vpmaddubsw needs; 127 * 127 * 2 fits int16 */
-            const __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w));
-            const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-            acc[i] = _mm256_fmadd_ps(sums, _mm256_set1_ps(d * xd[i * kb + b]), acc[i]);
-        }
-    }
-    for (int i = 0; i < rows; i++) acc_out[i] = hsum(acc[i]);
-#else
-    for (int i = 0; i < rows; i++) {
-        float total = 0.0f;
-        for (int64_t b = 0; b < nblocks; b++) {
-            const int8_t *qb = wq + b * TS_QBLOCK;
-            const int8_t *x = xq + i * kx + b * TS_QBLOCK;
-            int dot = 0;
-            for (int j = 0; j < TS_QBLOCK; j++) dot += qb[j] * x[j];
-            total += fp16_to_float(wd[b]) * xd[i * kb + b] * (float)dot;
-        }
-        acc_out[i] = total;
-    }
-#endif
 }
 
 /* silu(gate) * up for one row whose first k values are the gate and next k the up projection. */
@@ -176,29 +84,270 @@ static void swiglu_row(const float *x, int64_t k, float *out) {
     }
 }
 
-/* out[i, c] = sum_j a(x)[i, j] * W[c, j] (+ bias[c]) for i < m, c < n; format 4 (q4: wq, wd, wm) or 8 (q8: wq,
- * wd). act 0: a(x) = x, rows of k values; act 1 (SwiGLU, the MLP's down projection): rows of 2k values, and
- * a(x) = silu(first half) * second half, so the gate/up product never goes through memory as a tensor.
- * Returns 0, or -1 when k is not a multiple of 32 or scratch memory cannot be had (out untouched). */
-int ts_qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, int format, int act, const void *wq,
-                   const uint16_t *wd, const uint16_t *wm, const float *bias, int64_t n, float *out,
-                   int64_t out_stride, int num_threads) {
-    if (k % TS_QBLOCK != 0 || (format != 4 && format != 8) || (act != 0 && act != 1) || m <= 0 || n <= 0)
-        return -1;
+/* ------------------------------------------------------------------------------------------ scalar */
+static void dot_row_group_scalar(int type, const uint8_t *row, int64_t kb, const ts_act *a, int64_t r0, int rows,
+                                 float *res) {
+    for (int i = 0; i < rows; i++) res[i] = 0.0f;
+    for (int64_t b = 0; b < kb; b++) {
+        uint8_t codes[32];
+        float s[2], o[2];
+        ts_block_decode(type, row, b, codes, s, o);
+        for (int i = 0; i < rows; i++) {
+            const int64_t r = r0 + i;
+            const int8_t *x = a->q + r * a->k + b * TS_QBLOCK;
+            int dot[2] = {0, 0};
+            for (int j = 0; j < 32; j++) {
+                const int w = type == TS_Q8_0 ? (int)(int8_t)codes[j] : (int)codes[j];
+                dot[j >= 16] += w * x[j];
+            }
+            const float xd = a->d[r * a->kb + b];
+            const float *xs = a->s + 2 * (r * a->kb + b);
+            res[i] += xd * (s[0] * (float)dot[0] + s[1] * (float)dot[1]) + o[0] * xs[0] + o[1] * xs[1];
+        }
+    }
+}
+
+/* --------------------------------------------------------------------------------- AVX2, AVX-512 */
+#ifdef TS_QGEMM_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define TS_SIMD(name) name##_avx2
+#define TS_SIMD_VNNI 0
+#include "qgemm_simd.h"
+#undef TS_SIMD
+#undef TS_SIMD_VNNI
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+#define TS_SIMD(name) name##_avx512
+#define TS_SIMD_VNNI 1
+#include "qgemm_simd.h"
+#undef TS_SIMD
+#undef TS_SIMD_VNNI
+#pragma GCC pop_options
+#endif
+
+/* ------------------------------------------------------------------------------------ AMX tiles */
+#ifdef TS_QGEMM_HAVE_AMX
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,amx-tile,amx-bf16")
+
+typedef struct __attribute__((packed)) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} ts_tilecfg;
+
+#define TS_PANEL 32 /* weight rows decoded together: two A tiles */
+
+/* Weight rows [n0, n0 + 32) of a segment, decoded to bfloat16 [32][k]; rows past the segment are zero. */
+static void decode_panel_bf16(int type, const uint8_t *data, int64_t row_bytes, int64_t n, int64_t n0, int64_t k,
+                              uint16_t *panel) {
     const int64_t kb = k / TS_QBLOCK;
-    int8_t *xq = malloc((size_t)(m * k));
-    float *xd = malloc(sizeof(float) * (size_t)(m * kb));
-    float *xs = malloc(sizeof(float) * (size_t)(m * kb));
+    for (int64_t r = 0; r < TS_PANEL; r++) {
+        uint16_t *dst = panel + r * k;
+        if (n0 + r >= n) {
+            memset(dst, 0, sizeof(uint16_t) * (size_t)k);
+            continue;
+        }
+        const uint8_t *row = data + (n0 + r) * row_bytes;
+        float unit_s[16], unit_o[16];
+        for (int64_t b = 0; b < kb; b++) {
+            float s[2], o[2];
+            const __m256i codes = decode_avx512(type, row, b, s, o, unit_s, unit_o);
+            const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+            const __m512i lo32 = type == TS_Q8_0 ? _mm512_cvtepi8_epi32(lo) : _mm512_cvtepu8_epi32(lo);
+            const __m512i hi32 = type == TS_Q8_0 ? _mm512_cvtepi8_epi32(hi) : _mm512_cvtepu8_epi32(hi);
+            const __m512 vlo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo32), _mm512_set1_ps(s[0]), _mm512_set1_ps(o[0]));
+            const __m512 vhi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi32), _mm512_set1_ps(s[1]), _mm512_set1_ps(o[1]));
+            _mm512_storeu_si512((void *)(dst + b * TS_QBLOCK), (__m512i)_mm512_cvtne2ps_pbh(vhi, vlo));
+        }
+    }
+}
+
+static void decode_panel_bf16_any(int type, const uint8_t *data, int64_t row_bytes, int64_t n, int64_t n0,
+                                  int64_t k, uint16_t *panel) {
+#define TS_CASE(T) case T: decode_panel_bf16(T, data, row_bytes, n, n0, k, panel); break;
+    switch (type) {
+        TS_CASE(TS_Q4_0)
+        TS_CASE(TS_Q4_1)
+        TS_CASE(TS_Q5_0)
+        TS_CASE(TS_Q5_1)
+        TS_CASE(TS_Q8_0)
+        TS_CASE(TS_Q4_K)
+        TS_CASE(TS_Q5_K)
+        TS_CASE(TS_Q6_K)
+    default: memset(panel, 0, sizeof(uint16_t) * (size_t)(TS_PANEL * k));
+    }
+#undef TS_CASE
+}
+
+/* x rows -> bfloat16 in AMX B-tile order: tile (mt, kb) holds rows 16 mt.. and columns 32 kb..; its row
+ * p is the pairs (x[m][32 kb + 2p], x[m][32 kb + 2p + 1]) for the tile's 16 m. Rows past m are zero. */
+static void pack_rows_bf16(const float *row, int64_t m_index, int64_t k, uint32_t *packed) {
+    const int64_t kb = k / TS_QBLOCK, mt = m_index / 16, c = m_index % 16;
+    for (int64_t b = 0; b < kb; b++) {
+        const __m512 lo = _mm512_loadu_ps(row + b * 32), hi = _mm512_loadu_ps(row + b * 32 + 16);
+        uint32_t pairs[16];
+        _mm512_storeu_si512((void *)pairs, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        uint32_t *tile = packed + (mt * kb + b) * 256;
+        for (int p = 0; p < 16; p++) tile[p * 16 + c] = pairs[p];
+    }
+}
+
+static int amx_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_t m, int act, float *out,
+                      int64_t out_stride, int num_threads) {
+    const int64_t k = w->k, kb = k / TS_QBLOCK, mp = (m + 31) / 32 * 32;
+    uint32_t *packed = aligned_alloc(64, sizeof(uint32_t) * (size_t)(mp * k / 2));
+    if (packed == NULL) return -1;
+    memset(packed + (m / 16) * kb * 256, 0, sizeof(uint32_t) * (size_t)((mp - m / 16 * 16) * k / 2));
+    int64_t panels = 0;
+    for (int64_t s = 0; s < w->num_segs; s++) panels += (w->seg[s].n + TS_PANEL - 1) / TS_PANEL;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        float *activated = act ? malloc(sizeof(float) * (size_t)k) : NULL;
+        uint16_t *panel = aligned_alloc(64, sizeof(uint16_t) * (size_t)(TS_PANEL * k));
+        if ((act && activated == NULL) || panel == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) {
+            const float *row = x + i * x_stride;
+            if (act && activated != NULL) {
+                swiglu_row(row, k, activated);
+                row = activated;
+            }
+            pack_rows_bf16(row, i, k, packed);
+        }
+        if (!failed) {
+            ts_tilecfg cfg;
+            memset(&cfg, 0, sizeof cfg);
+            cfg.palette = 1;
+            for (int t = 0; t < 8; t++) {
+                cfg.rows[t] = 16;
+                cfg.colsb[t] = 64;
+            }
+            _tile_loadconfig(&cfg);
+            float tile_out[4][16 * 16];
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; p++) {
+                int64_t s = 0, first = p, col0 = 0;
+                while (first >= (w->seg[s].n + TS_PANEL - 1) / TS_PANEL) {
+                    first -= (w->seg[s].n + TS_PANEL - 1) / TS_PANEL;
+                    col0 += w->seg[s].n;
+                    s++;
+                }
+                const ts_qseg *seg = w->seg + s;
+                const int64_t n0 = first * TS_PANEL;
+                decode_panel_bf16_any((int)seg->type, seg->data, ts_qrow_bytes(seg->type, k), seg->n, n0, k, panel);
+                for (int64_t mt = 0; mt < mp / 16; mt += 2) {
+                    _tile_zero(4);
+                    _tile_zero(5);
+                    _tile_zero(6);
+                    _tile_zero(7);
+                    for (int64_t b = 0; b < kb; b++) {
+                        _tile_loadd(0, panel + b * 32, k * 2);
+                        _tile_loadd(1, panel + 16 * k + b * 32, k * 2);
+                        _tile_loadd(2, packed + (mt * kb + b) * 256, 64);
+                        _tile_loadd(3, packed + ((mt + 1) * kb + b) * 256, 64);
+                        _tile_dpbf16ps(4, 0, 2);
+                        _tile_dpbf16ps(5, 0, 3);
+                        _tile_dpbf16ps(6, 1, 2);
+                        _tile_dpbf16ps(7, 1, 3);
+                    }
+                    _tile_stored(4, tile_out[0], 64);
+                    _tile_stored(5, tile_out[1], 64);
+                    _tile_stored(6, tile_out[2], 64);
+                    _tile_stored(7, tile_out[3], 64);
+                    /* tile_out[t][r][c]: weight row n0 + 16 (t / 2) + r, x row 16 (mt + t % 2) + c */
+                    for (int t = 0; t < 4; t++) {
+                        const int64_t nbase = n0 + 16 * (t / 2), mbase = 16 * (mt + t % 2);
+                        const int64_t nvalid = seg->n - nbase < 16 ? seg->n - nbase : 16;
+                        const int64_t mvalid = m - mbase < 16 ? m - mbase : 16;
+                        for (int64_t c = 0; c < mvalid; c++) {
+                            float *dst = out + (mbase + c) * out_stride + col0 + nbase;
+                            const float *bias = w->bias != NULL ? w->bias + col0 + nbase : NULL;
+                            for (int64_t r = 0; r < nvalid; r++)
+                                dst[r] = tile_out[t][r * 16 + c] + (bias != NULL ? bias[r] : 0.0f);
+                        }
+                    }
+                }
+            }
+            _tile_release();
+        }
+        free(activated);
+        free(panel);
+    }
+    free(packed);
+    return failed ? -1 : 0;
+}
+#pragma GCC pop_options
+#endif
+
+/* ------------------------------------------------------------------------------------- dispatch */
+static int ts_isa_detected = -1;
+static int ts_isa_cap = TS_QG_AMX;
+
+/* qgemm's paths from isa.c's level (one detection for every kernel, one cap: TIDESERVE_ISA): the AVX-512
+ * row kernels need VNNI (vpdpbusd) besides AVX-512 F/BW/VL/DQ, the tiles need the AMX level. */
+static int qgemm_path(int level) {
+#ifdef TS_QGEMM_HAVE_AMX
+    if (level >= TS_ISA_AMX) return TS_QG_AMX;
+#endif
+    if (level >= TS_ISA_AVX512 && (ts_cpu_features() & TS_CPU_AVX512_VNNI)) return TS_QG_AVX512;
+    if (level >= TS_ISA_AVX2) return TS_QG_AVX2;
+    return TS_QG_SCALAR;
+}
+
+static int detect_isa(void) { return qgemm_path(ts_isa_best()); }
+
+/* The best path this CPU (and this build) has: 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AMX. */
+int ts_qgemm_isa(void) {
+    if (ts_isa_detected < 0) ts_isa_detected = detect_isa();
+    return ts_isa_detected;
+}
+
+/* Use at most path ``cap`` from now on (tests run each path this way); returns the previous cap. */
+int ts_qgemm_set_isa(int cap) {
+    const int previous = ts_isa_cap;
+    ts_isa_cap = cap < 0 ? TS_QG_AMX : cap;
+    return previous;
+}
+
+/* Row count from which AMX tiles are used instead of the row kernels; returns the previous one. */
+int ts_qgemm_set_amx_min_rows(int rows) {
+    const int previous = ts_amx_min_rows;
+    ts_amx_min_rows = rows < 1 ? 1 : rows;
+    return previous;
+}
+
+/* The path the kernels take now: the CPU's best, capped by isa.c's level and by ts_qgemm_set_isa. */
+int ts_qgemm_active_isa(void) {
+    const int level = qgemm_path(ts_isa_level());
+    return level < ts_isa_cap ? level : ts_isa_cap;
+}
+
+typedef void (*ts_row_kernel)(int, const uint8_t *, int64_t, const ts_act *, int64_t, int, float *);
+
+static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_t m, int act, float *out,
+                       int64_t out_stride, int num_threads, ts_row_kernel kernel) {
+    const int64_t k = w->k, kb = k / TS_QBLOCK;
+    ts_act a = {malloc((size_t)(m * k)), malloc(sizeof(float) * (size_t)(m * kb)),
+                malloc(sizeof(float) * (size_t)(2 * m * kb)), k, kb};
     float *activated = act ? malloc(sizeof(float) * (size_t)(m * k)) : NULL;
-    if (xq == NULL || xd == NULL || xs == NULL || (act && activated == NULL)) {
-        free(xq);
-        free(xd);
-        free(xs);
+    if (a.q == NULL || a.d == NULL || a.s == NULL || (act && activated == NULL)) {
+        free(a.q);
+        free(a.d);
+        free(a.s);
         free(activated);
         return -1;
     }
-    const int64_t row_bytes = format == 4 ? k / 2 : k;
-    const int parallel = n * row_bytes * (m < 8 ? 1 : m / 8) >= TS_QGEMM_PARALLEL_MIN && num_threads > 1;
+    int64_t bytes = 0;
+    for (int64_t s = 0; s < w->num_segs; s++) bytes += w->seg[s].n * ts_qrow_bytes(w->seg[s].type, k);
+    const int parallel = bytes * (m < 8 ? 1 : m / 8) >= TS_QGEMM_PARALLEL_MIN && num_threads > 1;
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
 #pragma omp for schedule(static)
@@ -208,42 +357,77 @@ int ts_qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, int f
                 swiglu_row(row, k, activated + i * k);
                 row = activated + i * k;
             }
-            quantize_row_q8(row, k, xq + i * k, xd + i * kb, xs + i * kb);
+            quantize_row_q8(row, k, a.q + i * k, a.d + i * kb, a.s + 2 * i * kb);
         }
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < n; c++) {
-            float acc[TS_QGEMM_ROWS];
-            for (int64_t i0 = 0; i0 < m; i0 += TS_QGEMM_ROWS) {
-                const int rows = (int)(m - i0 < TS_QGEMM_ROWS ? m - i0 : TS_QGEMM_ROWS);
-                if (format == 4) {
-                    const uint8_t *w = (const uint8_t *)wq + c * row_bytes;
-#define TS_DOT_Q4(R) dot_q4(w, wd + c * kb, wm + c * kb, kb, xq + i0 * k, xd + i0 * kb, xs + i0 * kb, k, kb, R, acc)
-                    switch (rows) {
-                    case 1: TS_DOT_Q4(1); break;
-                    case 2: TS_DOT_Q4(2); break;
-                    case 3: TS_DOT_Q4(3); break;
-                    default: TS_DOT_Q4(4); break;
-                    }
-#undef TS_DOT_Q4
-                } else {
-                    const int8_t *w = (const int8_t *)wq + c * row_bytes;
-#define TS_DOT_Q8(R) dot_q8(w, wd + c * kb, kb, xq + i0 * k, xd + i0 * kb, k, kb, R, acc)
-                    switch (rows) {
-                    case 1: TS_DOT_Q8(1); break;
-                    case 2: TS_DOT_Q8(2); break;
-                    case 3: TS_DOT_Q8(3); break;
-                    default: TS_DOT_Q8(4); break;
-                    }
-#undef TS_DOT_Q8
+        for (int64_t s = 0; s < w->num_segs; s++) {
+            const ts_qseg *seg = w->seg + s;
+            int64_t col0 = 0;
+            for (int64_t t = 0; t < s; t++) col0 += w->seg[t].n;
+            const int64_t row_bytes = ts_qrow_bytes(seg->type, k);
+#pragma omp for schedule(static) nowait
+            for (int64_t c = 0; c < seg->n; c++) {
+                float res[TS_QGEMM_ROWS];
+                const float add = w->bias != NULL ? w->bias[col0 + c] : 0.0f;
+                for (int64_t i0 = 0; i0 < m; i0 += TS_QGEMM_ROWS) {
+                    const int rows = (int)(m - i0 < TS_QGEMM_ROWS ? m - i0 : TS_QGEMM_ROWS);
+                    kernel((int)seg->type, seg->data + c * row_bytes, kb, &a, i0, rows, res);
+                    for (int i = 0; i < rows; i++) out[(i0 + i) * out_stride + col0 + c] = res[i] + add;
                 }
-                const float add = bias != NULL ? bias[c] : 0.0f;
-                for (int i = 0; i < rows; i++) out[(i0 + i) * out_stride + c] = acc[i] + add;
             }
         }
     }
-    free(xq);
-    free(xd);
-    free(xs);
+    free(a.q);
+    free(a.d);
+    free(a.s);
     free(activated);
+    return 0;
+}
+
+/* out[i, c] = sum_j a(x)[i, j] * W[c, j] (+ bias[c]) for i < m, c < w->n. act 0: a(x) = x, rows of k values;
+ * act 1 (SwiGLU, the MLP's down projection): rows of 2k values, a(x) = silu(first half) * second half, so
+ * the gate/up product never goes through memory as a tensor. Returns 0, or -1 when the weight is not one
+ * the kernels take (k not a multiple of the formats' units, an unknown format) or scratch memory cannot
+ * be had (out untouched). */
+int ts_qmatmul_f32(const ts_qmat *w, const float *x, int64_t x_stride, int64_t m, int act, float *out,
+                   int64_t out_stride, int num_threads) {
+    if (m <= 0 || w->n <= 0 || w->num_segs < 1 || w->num_segs > TS_QMAT_SEGS || (act != 0 && act != 1)) return -1;
+    int64_t n = 0;
+    for (int64_t s = 0; s < w->num_segs; s++) {
+        if (!ts_qtype_known(w->seg[s].type) || w->k % ts_qunit(w->seg[s].type) != 0 || w->seg[s].n <= 0) return -1;
+        n += w->seg[s].n;
+    }
+    if (n != w->n) return -1;
+    const int isa = ts_qgemm_active_isa();
+#ifdef TS_QGEMM_HAVE_AMX
+    if (isa >= TS_QG_AMX && m >= ts_amx_min_rows) return amx_matmul(w, x, x_stride, m, act, out, out_stride, num_threads);
+#endif
+#ifdef TS_QGEMM_X86
+    if (isa >= TS_QG_AVX512)
+        return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_avx512);
+    if (isa >= TS_QG_AVX2) return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_avx2);
+#endif
+    return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_scalar);
+}
+
+/* out[i] = the dequantized row ids[i] of a [rows, k] weight in format ``type`` (embedding lookups on a
+ * quantized table). Returns 0, or -1 for a format or k the kernels do not take. */
+int ts_qdequant_rows_f32(int64_t type, const uint8_t *data, int64_t k, const int64_t *ids, int64_t count, float *out,
+                         int num_threads) {
+    if (!ts_qtype_known(type) || k % ts_qunit(type) != 0) return -1;
+    const int64_t row_bytes = ts_qrow_bytes(type, k), kb = k / TS_QBLOCK;
+#pragma omp parallel for num_threads(num_threads) if (count * k >= 65536 && num_threads > 1)
+    for (int64_t i = 0; i < count; i++) {
+        const uint8_t *row = data + ids[i] * row_bytes;
+        for (int64_t b = 0; b < kb; b++) {
+            uint8_t codes[32];
+            float s[2], o[2];
+            ts_block_decode(type, row, b, codes, s, o);
+            float *dst = out + i * k + b * TS_QBLOCK;
+            for (int j = 0; j < 32; j++) {
+                const float c = type == TS_Q8_0 ? (float)(int8_t)codes[j] : (float)codes[j];
+                dst[j] = s[j >= 16] * c + o[j >= 16];
+            }
+        }
+    }
     return 0;
 }

@@ -107,26 +107,27 @@ void ts_rope_store_bf16(uint16_t *qkv, int64_t qkv_stride, int64_t tokens, int64
 
 /* ---------------------------------------------------------------- qgemm.c: block-quantized linear layers */
 
-int ts_qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, int format, int act, const void *wq,
-                   const uint16_t *wd, const uint16_t *wm, const float *bias, int64_t n, float *out,
+/* ts_qmat (a weight in GGUF block formats, by segments) and the formats themselves. */
+#include "qgemm_formats.h"
+
+/* qgemm's paths: 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AMX tiles; derived from isa.c's level. */
+int ts_qgemm_isa(void);                      /* the best this CPU and build have */
+int ts_qgemm_set_isa(int cap);               /* cap the path (tests); returns the previous cap */
+int ts_qgemm_set_amx_min_rows(int rows);     /* rows from which tiles replace row kernels; returns previous */
+int ts_qgemm_active_isa(void);               /* the path taken now */
+/* out[m, n] = act(x)[m, k] @ w^T (+ bias); act 1: x is [m, 2k] (gate | up) and silu(gate) * up is used.
+ * Returns 0, or -1 for a shape or format it cannot take. */
+int ts_qmatmul_f32(const ts_qmat *w, const float *x, int64_t x_stride, int64_t m, int act, float *out,
                    int64_t out_stride, int num_threads);
+/* Rows ``ids`` of a weight in one format, dequantized to float32 out [count, k]. */
+int ts_qdequant_rows_f32(int64_t type, const uint8_t *data, int64_t k, const int64_t *ids, int64_t count, float *out,
+                         int num_threads);
 
 /* ---------------------------------------------------------------- decode_forward.c: one-call decode step */
 
-/* decode_forward.c still defines its own copies of these two types; it drops them when it includes this
- * header. */
-typedef struct {
-    int64_t format; /* 4 (q4) or 8 (q8) */
-    const void *qs;
-    const uint16_t *d;
-    const uint16_t *m; /* NULL for q8 */
-    const float *bias; /* NULL when none */
-    int64_t n, k;
-} ts_qweight;
-
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
-    ts_qweight qkv, o, gate_up, down;    /* gate_up: 2 * intermediate rows, gate first */
+    ts_qmat qkv, o, gate_up, down;       /* gate_up: 2 * intermediate rows, gate first */
 } ts_decoder_layer;
 
 int ts_decode_forward_f32(const ts_decoder_layer *layers, void *const *k_caches, void *const *v_caches,

@@ -9,8 +9,8 @@ import torch
 from tideserve.model.arch_config import ArchConfig
 from tideserve.model.layers.linear import Linear
 from tideserve.model.layers.quantization import (
-    BlockQuantWeight,
     Int8Weight,
+    QuantWeight,
     int8_unavailable_reason,
     model_weight_bytes,
     quantize_model,
@@ -88,13 +88,15 @@ def test_quantize_model_copies_and_leaves_the_float_model_alone():
 
 def test_quantize_model_rejects_what_it_cannot_do():
     model = tiny_llama()
-    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4, got 'int2'"):
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, gguf, int8, int4, got 'int2'"):
         quantize_model(model, "int2", torch.device("cpu"))
     with pytest.raises(ValueError, match="does not run on cuda"):
         quantize_model(model, "int8", torch.device("cuda"))
     with pytest.raises(ValueError, match="does not run on cuda"):
         quantize_model(model, "int4", torch.device("cuda"))
     assert quantize_model(model, "none", torch.device("cpu")) == (model, 0)
+    with pytest.raises(ValueError, match="applied while the file loads"):
+        quantize_model(model, "gguf", torch.device("cpu"))
 
 
 @pytest.mark.skipif(unavailable_reason("int4", torch.device("cpu")) is not None, reason="no native kernels")
@@ -102,8 +104,8 @@ def test_int4_model_uses_4_bit_layers_and_an_8_bit_head_and_keeps_rows_independe
     model = tiny_llama()
     qmodel, saved = quantize_model(model, "int4", torch.device("cpu"))
     layers = [m.qweight for m in qmodel.modules() if isinstance(m, Linear)]
-    assert layers and all(isinstance(q, BlockQuantWeight) and q.fmt == "q4" for q in layers)
-    assert isinstance(qmodel.lm_head_q, BlockQuantWeight) and qmodel.lm_head_q.fmt == "q8"
+    assert layers and all(isinstance(q, QuantWeight) and q.qtypes == ["q4_1"] for q in layers)
+    assert isinstance(qmodel.lm_head_q, QuantWeight) and qmodel.lm_head_q.qtypes == ["q8_0"]
     assert saved > 0
     hidden = torch.randn(5, 64)
     assert rel_err(qmodel.compute_logits(hidden), model.compute_logits(hidden)) < 0.03
@@ -123,7 +125,7 @@ def test_int4_reproduces_the_gguf_q4_1_weights(smollm2_gguf_path):
     tensor = next(t for t in reader.tensors if t.name == "blk.3.ffn_down.weight")
     assert tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1
     weight = dequantize_tensor(tensor)
-    back = BlockQuantWeight(weight, fmt="q4").dequantize()
+    back = QuantWeight.from_float(weight, qtype="q4_1").dequantize()
     torch.testing.assert_close(back, weight, rtol=0, atol=1e-6 * float(weight.abs().max()))
 
 

@@ -3,9 +3,17 @@
 One matmul over the fused weight replaces two or three small ones; on CPU that is most of the win for
 small models, whose per-call overhead dominates. Checkpoints store the projections separately, so each
 layer knows its shards and copies each loaded tensor into its row range.
+
+Quantized loading (``quantize_on_load``): shards may arrive as GGUF blocks (kept as they are) or as
+floats (quantized by the hook); once every shard of the layer is in, the layer becomes a QuantWeight
+and its float weight, never written to when all shards came as blocks, is dropped. So a checkpoint
+is quantized one layer at a time and the float model never exists as a whole.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +39,10 @@ class Linear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.zeros(offset, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
-        self.qweight = None  # an Int8Weight once the model is quantized (the float weight is then dropped)
+        self.qweight: Any = None  # Int8Weight / QuantWeight once quantized (the float weight is then dropped)
+        # Set by the loader for quantized loading: float shard [rows, in] -> (qtype, uint8 blocks).
+        self.quantize_on_load: Callable[[torch.Tensor], tuple[str, torch.Tensor]] | None = None
+        self._pending: dict[tuple[str, str | None], Any] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
@@ -46,8 +57,9 @@ class Linear(nn.Module):
         gate, up = gate_up.split(self.in_features, dim=-1)
         return self(F.silu(gate).mul_(up))
 
-    def load(self, param_name: str, tensor: torch.Tensor, shard_id: str | None = None) -> None:
-        """Copy a checkpoint tensor ("weight" or "bias") into the rows of ``shard_id``; shapes must match."""
+    def load(self, param_name: str, tensor: Any, shard_id: str | None = None) -> None:
+        """Copy a checkpoint tensor ("weight" or "bias") into the rows of ``shard_id``; shapes must match.
+        ``tensor`` may be a QuantTensor (GGUF blocks) when the loader set ``quantize_on_load``."""
         if self.qweight is not None:
             raise ValueError("weights cannot be loaded into a quantized layer; load, then quantize")
         param = self.weight if param_name == "weight" else self.bias
@@ -56,10 +68,34 @@ class Linear(nn.Module):
         if shard_id not in self.shard_offsets:
             raise ValueError(f"unknown shard {shard_id!r}; this layer has {list(self.shard_offsets)}")
         offset, size = self.shard_offsets[shard_id]
-        target = param.data.narrow(0, offset, size)
-        if tuple(target.shape) != tuple(tensor.shape):
+        target_shape = (size, self.in_features) if param_name == "weight" else (size,)
+        if tuple(target_shape) != tuple(tensor.shape):
             raise ValueError(
                 f"{param_name} shard {shard_id!r}: checkpoint shape {tuple(tensor.shape)} does not match the "
-                f"model's {tuple(target.shape)}"
+                f"model's {tuple(target_shape)}"
             )
-        target.copy_(tensor)
+        if self.quantize_on_load is not None:  # weights wait for their layer's other shards, untouched
+            if param_name == "bias":
+                param.data.narrow(0, offset, size).copy_(tensor)
+            self._pending[(param_name, shard_id)] = tensor
+            if len(self._pending) == len(self.shard_offsets) * (2 if self.bias is not None else 1):
+                self._finish_quantized_load()
+            return
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{param_name} shard {shard_id!r}: GGUF blocks need a quantized load")
+        param.data.narrow(0, offset, size).copy_(tensor)
+
+    def _finish_quantized_load(self) -> None:
+        """Every shard is in: assemble the QuantWeight (blocks kept, floats quantized) and drop the floats."""
+        from tideserve.model.layers.quantization import QuantTensor, QuantWeight
+
+        segments = []
+        for shard_id in self.shard_offsets:
+            shard = self._pending[("weight", shard_id)]
+            segments.append((shard.qtype, shard.data) if isinstance(shard, QuantTensor)
+                            else self.quantize_on_load(shard.float()))
+        self.qweight = QuantWeight(segments, self.in_features, self.bias)
+        self.weight = None
+        self.bias = None
+        self._pending.clear()
+        self.quantize_on_load = None

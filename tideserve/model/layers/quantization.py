@@ -26,14 +26,18 @@ from __future__ import annotations
 
 import copy
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tideserve import native
+from tideserve.config import QUANTIZATIONS
+from tideserve.native import quant
 
-QUANTIZATION_METHODS = ("none", "int8", "int4")
+# methods applied while the checkpoint loads (model/loader), the rest to a loaded float model
+LOAD_TIME_METHODS = ("gguf", "int4")
 BLOCK = 32  # weights per block of the block-quantized formats
 
 
@@ -41,12 +45,12 @@ def unavailable_reason(method: str, device: torch.device) -> str | None:
     """Why ``method`` cannot run here, or None when it can."""
     if method == "int8":
         return int8_unavailable_reason(device)
-    if method == "int4":
+    if method in ("int4", "gguf"):
         if device.type != "cpu":
-            return f"--quantization int4 uses tideserve's CPU kernels and does not run on {device.type}"
-        if native.load_library() is None:
-            return ("--quantization int4 needs tideserve's native kernels, which need a C compiler (cc or $CC) "
-                    "and TIDESERVE_NATIVE unset or 1")
+            return f"--quantization {method} uses tideserve's CPU kernels and does not run on {device.type}"
+        if not quant.available():
+            return (f"--quantization {method} needs tideserve's native kernels, which need a C compiler (cc or "
+                    "$CC) and TIDESERVE_NATIVE unset or 1")
     return None
 
 
@@ -113,61 +117,103 @@ class Int8Weight:
         return y.to(out_dtype).reshape(*shape[:-1], self.out_features)
 
 
-def quantize_blocks(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """weight [N, K] -> (qs, d, m) in the layout of tideserve/native/qgemm.c (m is None for "q8").
+@dataclass
+class QuantTensor:
+    """A checkpoint weight kept in its GGUF block format: ``data`` uint8 [rows, row_bytes] holds ``shape``
+    ([out, in]) values as ggml's blocks of ``qtype`` (a name of native.quant.QTYPES)."""
 
-    q4: per block of 32, m = the block's minimum and d = its range / 15, both rounded to fp16 before the
-    4-bit codes are computed, so the codes fit the stored numbers. q8: d = the largest magnitude / 127.
+    qtype: str
+    data: torch.Tensor
+    shape: tuple[int, int]
+
+
+def quantize_blocks(weight: torch.Tensor, qtype: str) -> torch.Tensor:
+    """weight [N, K] -> uint8 [N, row_bytes] of GGUF ``q4_1`` or ``q8_0`` blocks.
+
+    q4_1: per block of 32, m = the block's minimum and d = its range / 15, both rounded to fp16 before the
+    4-bit codes are computed, so the codes fit the stored numbers (and a Q4_1 file's dequantized values
+    give its own blocks back). q8_0: d = the largest magnitude / 127.
     """
     n, k = weight.shape
     if k % BLOCK:
         raise ValueError(f"block-quantized weights need in_features divisible by {BLOCK}, got {k}")
     blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
-    if fmt == "q4":
+    if qtype == "q4_1":
         low = blocks.amin(dim=-1).clamp(-65504, 65504).half()
         d = ((blocks.amax(dim=-1) - low.float()) / 15).clamp(max=65504).half()
         inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros(()))
         codes = ((blocks - low.float()[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
         qs = codes[..., : BLOCK // 2] | (codes[..., BLOCK // 2:] << 4)
-        return qs.reshape(n, k // 2).contiguous(), d.contiguous(), low.contiguous()
-    if fmt == "q8":
+        parts = [d.view(torch.uint8).reshape(n, -1, 2), low.view(torch.uint8).reshape(n, -1, 2), qs]
+    elif qtype == "q8_0":
         d = (blocks.abs().amax(dim=-1) / 127).clamp(max=65504).half()
         inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros(()))
         codes = (blocks * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
-        return codes.reshape(n, k).contiguous(), d.contiguous(), None
-    raise ValueError(f"unknown block format {fmt!r}")
+        parts = [d.view(torch.uint8).reshape(n, -1, 2), codes.view(torch.uint8)]
+    else:
+        raise ValueError(f"weights can be quantized to q4_1 or q8_0 here, not {qtype!r}")
+    return torch.cat(parts, dim=-1).reshape(n, -1).contiguous()
 
 
-def dequantize_blocks(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, fmt: str) -> torch.Tensor:
-    """The float32 weight [N, K] that ``quantize_blocks``' output stands for."""
-    n = qs.shape[0]
-    if fmt == "q4":
-        packed = qs.reshape(n, -1, BLOCK // 2)
-        codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
-        return (codes * d.float()[..., None] + m.float()[..., None]).reshape(n, -1)
-    return (qs.reshape(n, -1, BLOCK).float() * d.float()[..., None]).reshape(n, -1)
+def dequantize_blocks(data: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
+    """The float32 [N, K] values of GGUF blocks (the gguf package's own dequantization)."""
+    import gguf
+
+    values = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType[qtype.upper()])
+    return torch.from_numpy(values.astype("float32", copy=False).reshape(data.shape[0], in_features))
 
 
-class BlockQuantWeight:
-    """One weight matrix [out, in] in blocks of 32 ("q4": 4-bit codes with an fp16 scale and minimum per
-    block; "q8": 8-bit codes with an fp16 scale), multiplied by tideserve/native/qgemm.c.
+class QuantWeight:
+    """One weight matrix [out, in] in GGUF block formats, multiplied by tideserve/native/qgemm.c.
 
-    Each call quantizes its input to 8 bits per block of 32, row by row, so a row's result never depends
-    on its batch-mates. Without the native library (inputs it cannot take) the weight is dequantized and
-    multiplied in float: slow, but the same numbers up to the activation rounding.
+    ``segments`` are row ranges in output order, each (qtype, uint8 [rows, row_bytes]); consecutive ones
+    of one format are merged, so a fused q|k|v is one segment unless its shards differ (llama.cpp's
+    Q4_K_M stores some layers' v rows as Q8_0 beside Q5_0 q and k). Each call quantizes its input to 8
+    bits per block of 32, row by row (or, on AMX at 16 rows and more, rounds it to bfloat16), so a row's
+    result never depends on its batch-mates. Without the native library the weight is dequantized and
+    multiplied in float: slow, but the same numbers up to the input rounding.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, fmt: str = "q4") -> None:
-        self.fmt = fmt
-        self.qs, self.d, self.m = quantize_blocks(weight, fmt)
+    takes_swiglu = True  # __call__ can apply silu(gate) * up to its input on the way in
+
+    def __init__(self, segments: list[tuple[str, torch.Tensor]], in_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        merged: list[tuple[str, torch.Tensor]] = []
+        for qtype, data in segments:
+            if qtype not in quant.QTYPES:
+                raise ValueError(f"no kernel for block format {qtype!r}; formats: {', '.join(quant.QTYPES)}")
+            if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != quant.row_bytes(qtype, in_features):
+                raise ValueError(f"{qtype} rows of {in_features} values are {quant.row_bytes(qtype, in_features)} "
+                                 f"bytes, got a {data.dtype} tensor of shape {tuple(data.shape)}")
+            if merged and merged[-1][0] == qtype:
+                merged[-1] = (qtype, torch.cat([merged[-1][1], data]))
+            else:
+                merged.append((qtype, data.contiguous()))
+        self.segments = merged
+        self.in_features = in_features
+        self.out_features = sum(d.shape[0] for _, d in merged)
         self.bias = bias.detach().float().contiguous() if bias is not None else None
-        self.out_features, self.in_features = weight.shape
-        self.nbytes = sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+        self.nbytes = sum(d.numel() for _, d in merged) + (self.bias.numel() * 4 if self.bias is not None else 0)
+        self.mat = quant.make_qmat(merged, in_features, self.bias)  # points into the tensors above
+
+    def __deepcopy__(self, memo: dict) -> QuantWeight:
+        """A copy owns copies of the blocks and a kernel struct pointing at them (ctypes pointers cannot be
+        copied, and must never point at the original's tensors)."""
+        import copy
+
+        bias = copy.deepcopy(self.bias, memo)
+        return type(self)([(q, d.clone()) for q, d in self.segments], self.in_features, bias)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, qtype: str = "q4_1") -> QuantWeight:
+        return cls([(qtype, quantize_blocks(weight, qtype))], weight.shape[1], bias)
+
+    @property
+    def qtypes(self) -> list[str]:
+        return [q for q, _ in self.segments]
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize_blocks(self.qs, self.d, self.m, self.fmt)
-
-    takes_swiglu = True  # __call__ can apply silu(gate) * up to its input on the way in
+        return torch.cat([dequantize_blocks(d, q, self.in_features) for q, d in self.segments])
 
     def __call__(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
         """x [..., in] -> [..., out]; with ``swiglu``, x is [..., 2 * in] (gate | up) and the product is
@@ -176,13 +222,23 @@ class BlockQuantWeight:
         x2 = x.reshape(-1, shape[-1])
         out_dtype = x2.dtype
         x2 = x2.float()
-        y = native.qlinear(x2, self.fmt, self.qs, self.d, self.m, self.bias, swiglu)
+        y = quant.qmatmul(x2, self.mat, swiglu)
         if y is None:
             if swiglu:
                 gate, up = x2.split(self.in_features, dim=-1)
                 x2 = F.silu(gate) * up
             y = F.linear(x2, self.dequantize(), self.bias)
         return y.to(out_dtype).reshape(*shape[:-1], self.out_features)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the matrix (an embedding table kept quantized), float32 [*ids.shape, in]."""
+        flat = ids.reshape(-1)
+        if len(self.segments) == 1:
+            qtype, data = self.segments[0]
+            rows = quant.dequant_rows(qtype, data, self.in_features, flat)
+            if rows is not None:
+                return rows.reshape(*ids.shape, self.in_features)
+        return F.embedding(ids, self.dequantize())
 
 
 def quantize_model(model: nn.Module, method: str, device: torch.device,
@@ -195,10 +251,13 @@ def quantize_model(model: nn.Module, method: str, device: torch.device,
     embedding lookups stay in float. ``act_max`` (per linear layer name, the largest input magnitude
     per channel, from ``calibrate``) turns on SmoothQuant with migration strength ``alpha``.
     """
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}.")
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}.")
     if method == "none":
         return model, 0
+    if method in ("auto", "gguf"):
+        raise ValueError(f"quantization {method!r} keeps a GGUF file's own blocks and is applied while the file "
+                         "loads (load_model), not to a loaded float model")
     reason = unavailable_reason(method, device)
     if reason:
         raise ValueError(reason + "; use --quantization none.")
@@ -217,7 +276,7 @@ def quantize_model(model: nn.Module, method: str, device: torch.device,
                 if module.in_features % BLOCK:
                     raise ValueError(f"--quantization int4 needs every linear layer's input size to be divisible "
                                      f"by {BLOCK}; {name} takes {module.in_features}. Use --quantization int8.")
-                module.qweight = BlockQuantWeight(module.weight, module.bias, "q4")
+                module.qweight = QuantWeight.from_float(module.weight, module.bias, "q4_1")
             else:
                 module.qweight = Int8Weight(module.weight, module.bias, smooth)
             saved += module.weight.numel() * module.weight.element_size() - module.qweight.nbytes
@@ -225,7 +284,7 @@ def quantize_model(model: nn.Module, method: str, device: torch.device,
             module.bias = None
     if hasattr(model, "quantize_lm_head"):
         saved += model.quantize_lm_head(
-            (lambda w: BlockQuantWeight(w, fmt="q8")) if method == "int4" else Int8Weight)
+            (lambda w: QuantWeight.from_float(w, qtype="q8_0")) if method == "int4" else Int8Weight)
     if method == "int4" and hasattr(model, "enable_native_decode"):
         model.enable_native_decode()
     return model, saved
@@ -234,13 +293,11 @@ def quantize_model(model: nn.Module, method: str, device: torch.device,
 def model_weight_bytes(model: nn.Module) -> int:
     """Bytes the model's weights occupy: float tensors plus quantized ones (not in the state dict)."""
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    for module in model.modules():
-        q = getattr(module, "qweight", None)
-        if isinstance(q, (Int8Weight, BlockQuantWeight)):
+    seen: set[int] = set()  # a tied LM head is the embedding's own quantized table
+    for q in [getattr(m, "qweight", None) for m in model.modules()] + [getattr(model, "lm_head_q", None)]:
+        if isinstance(q, (Int8Weight, QuantWeight)) and id(q) not in seen:
+            seen.add(id(q))
             total += q.nbytes
-    head = getattr(model, "lm_head_q", None)
-    if isinstance(head, (Int8Weight, BlockQuantWeight)):
-        total += head.nbytes
     return total
 
 

@@ -30,7 +30,7 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 
-__all__ = ["LoadedModel", "default_model_path", "load_model", "resolve_dtype"]
+__all__ = ["LoadedModel", "default_model_path", "load_model", "resolve_dtype", "resolve_quantization"]
 
 
 @dataclass
@@ -40,6 +40,7 @@ class LoadedModel:
     dtype: torch.dtype
     path: str  # the resolved local .gguf file or HF directory
     name: str  # served model name: file stem, directory name, or the hub id
+    quantization: str = "none"  # as resolved ("auto" never stays): what the weights are now, or will be
 
 
 def default_model_path() -> str:
@@ -128,16 +129,63 @@ def resolve_model_path(model: str | None) -> tuple[Path, str]:
                      f"{'several' if ggufs else 'no'} .gguf files; pass the file itself")
 
 
-def load_model(model: str | None, dtype: str = "auto", device: str | torch.device = "cpu") -> LoadedModel:
-    """Resolve ``model``, build the matching architecture and load its weights on ``device``."""
+# A GGUF file runs on its own blocks under --quantization auto when at least this share of its matrix
+# bytes is in formats the kernels take (a quantized file; an F16/F32 file stays float).
+AUTO_GGUF_MIN_SHARE = 0.5
+
+
+def resolve_quantization(quantization: str, path: Path, device: torch.device, dtype: str = "auto") -> str:
+    """"auto" -> "gguf" for a quantized GGUF file on a CPU with the native kernels, else "none"; other
+    methods as given, checked against the checkpoint and the machine. A float ``dtype`` asked for
+    explicitly means "none" under auto: the weights are dequantized to it (the float reference, and the
+    numbers a request gets whatever its batch: the block kernels' AMX path rounds batches of 16 rows and
+    more to bfloat16, so there a request's tokens can depend on its batch-mates)."""
+    from tideserve.model.layers.quantization import unavailable_reason
+    from tideserve.native.quant import QTYPES
+
+    is_gguf = path.is_file()
+    if quantization == "auto":
+        if not is_gguf or unavailable_reason("gguf", device) is not None or dtype != "auto":
+            return "none"
+        import gguf
+
+        from tideserve.model.loader.gguf import quantized_share
+
+        share = quantized_share(gguf.GGUFReader(str(path)), QTYPES)
+        return "gguf" if share >= AUTO_GGUF_MIN_SHARE else "none"
+    if quantization == "gguf" and not is_gguf:
+        raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks, and {str(path)!r} is an HF directory; "
+                         "use --quantization int4, int8 or none")
+    return quantization
+
+
+def load_model(model: str | None, dtype: str = "auto", device: str | torch.device = "cpu",
+               quantization: str = "none") -> LoadedModel:
+    """Resolve ``model``, build the matching architecture and load its weights on ``device``.
+
+    ``quantization`` "gguf" and "int4" are applied while loading (the float weights are never all in
+    memory); "auto" picks "gguf" for quantized GGUF files (see ``resolve_quantization``). Quantized
+    models compute in float32 (their kernels take float32 rows), so ``dtype`` "auto" means float32 then.
+    """
+    from tideserve.model.layers.quantization import LOAD_TIME_METHODS, unavailable_reason
+
     device = torch.device(device)
-    torch_dtype = resolve_dtype(dtype, device)
     path, name = resolve_model_path(model)
+    quantization = resolve_quantization(quantization, path, device, dtype)
+    at_load = quantization if quantization in LOAD_TIME_METHODS else "none"
+    if at_load != "none":
+        reason = unavailable_reason(at_load, device)
+        if reason:
+            raise ValueError(reason + "; use --quantization none.")
+    torch_dtype = torch.float32 if at_load != "none" and dtype == "auto" else resolve_dtype(dtype, device)
+    if at_load != "none" and torch_dtype != torch.float32:
+        raise ValueError(f"quantization {at_load!r} computes in float32; got dtype {dtype!r} (use auto or float32)")
     start = time.perf_counter()
     loader = load_gguf if path.is_file() else load_hf
-    net, arch = loader(str(path), torch_dtype, device)
+    net, arch = loader(str(path), torch_dtype, device, at_load)
     num_params = sum(p.numel() for p in net.parameters())
-    logger.info("loaded %s (%s, %.1fM parameters, %s on %s) in %.1f s", name, arch.architecture,
-                num_params / 1e6, str(torch_dtype).removeprefix("torch."), device,
+    logger.info("loaded %s (%s, %.1fM float parameters, %s on %s, quantization %s) in %.1f s", name,
+                arch.architecture, num_params / 1e6, str(torch_dtype).removeprefix("torch."), device, quantization,
                 time.perf_counter() - start)
-    return LoadedModel(model=net, arch=arch, dtype=torch_dtype, path=str(path), name=name)
+    return LoadedModel(model=net, arch=arch, dtype=torch_dtype, path=str(path), name=name,
+                       quantization=quantization)

@@ -59,13 +59,23 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_hf(path: str, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.nn.Module, ArchConfig]:
-    """Build the model for an HF directory and load its safetensors weights."""
+def load_hf(path: str, dtype: torch.dtype, device: torch.device | str, quantization: str = "none"
+            ) -> tuple[torch.nn.Module, ArchConfig]:
+    """Build the model for an HF directory and load its safetensors weights; with quantization "int4" each
+    projection becomes q4_1 blocks (the embedding table and LM head q8_0) as soon as its tensors are read,
+    so the float model is never whole in memory."""
     root = Path(path)
     arch = read_arch_config(root)
     files = safetensors_files(root)
     logger.info("HF checkpoint %s: %s, %d layers, %d safetensors file(s)", path, arch.architecture,
                 arch.num_hidden_layers, len(files))
     model = resolve_model_class(arch.architecture)(arch, dtype=dtype, device=device)
+    if quantization == "int4":
+        from tideserve.model.layers.quantization import quantize_blocks
+
+        model.begin_quantized_load(lambda w: ("q4_1", quantize_blocks(w, "q4_1")),
+                                   lambda w: ("q8_0", quantize_blocks(w, "q8_0")))
+    elif quantization != "none":
+        raise ValueError(f"quantization {quantization!r} is not applied while loading an HF checkpoint")
     model.load_weights(iter_safetensors(files))
     return model.eval(), arch

@@ -1,0 +1,160 @@
+"""Test helpers: GGUF block quantizers for every format tideserve's kernels take, and tiny GGUF files.
+
+The gguf package quantizes the legacy formats (Q4_0 ... Q8_0) but not the K-quants, so Q4_K, Q5_K and
+Q6_K are written here in numpy from ggml's block layouts (a plain min/max fit, not llama.cpp's search:
+any valid blocks will do for tests) and checked against ``gguf.quants.dequantize`` in the tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+
+QTYPE_NAMES = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q8_0": Q.Q8_0,
+               "q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
+
+
+def _f16_bytes(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float16).view(np.uint8).reshape(*a.shape, 2)
+
+
+def _k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Eight 6-bit scales and mins per unit -> ggml's 12 packed bytes (the inverse of get_scale_min_k4)."""
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    out = np.zeros((sc.shape[0], 12), dtype=np.uint8)
+    out[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    out[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:] & 0xF) | ((mn[:, 4:] & 0xF) << 4)
+    return out
+
+
+def _quantize_k_minmax(x: np.ndarray, levels: int) -> tuple[np.ndarray, ...]:
+    """Units [U, 256] -> (d, dmin, sc [U, 8], mn [U, 8], q [U, 256]) with value = d sc q - dmin mn."""
+    sub = x.reshape(-1, 8, 32)
+    lo = np.minimum(sub.min(-1), 0.0)
+    scale = (sub.max(-1) - lo) / levels
+    d = scale.max(-1) / 63
+    dmin = (-lo).max(-1) / 63
+    d16, dmin16 = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d16[:, None] > 0, np.rint(scale / d16[:, None]), 0).clip(0, 63)
+        mn = np.where(dmin16[:, None] > 0, np.rint(-lo / dmin16[:, None]), 0).clip(0, 63)
+        step = d16[:, None] * sc
+        q = np.where(step[..., None] > 0, np.rint((sub + (dmin16[:, None] * mn)[..., None]) / step[..., None]), 0)
+    return d, dmin, sc, mn, q.clip(0, levels).astype(np.uint8).reshape(-1, 256)
+
+
+def quantize_k(x: np.ndarray, qtype: str) -> np.ndarray:
+    """float32 [rows, k] (k a multiple of 256) -> uint8 [rows, row_bytes] of Q4_K, Q5_K or Q6_K blocks."""
+    rows, k = x.shape
+    units = x.astype(np.float32).reshape(-1, 256)
+    if qtype in ("q4_k", "q5_k"):
+        d, dmin, sc, mn, q = _quantize_k_minmax(units, 15 if qtype == "q4_k" else 31)
+        pairs = q.reshape(-1, 4, 2, 32)
+        qs = ((pairs[:, :, 0] & 0xF) | ((pairs[:, :, 1] & 0xF) << 4)).reshape(-1, 128)
+        parts = [_f16_bytes(d), _f16_bytes(dmin), _k_scales(sc, mn)]
+        if qtype == "q5_k":
+            high = (q.reshape(-1, 8, 32) >> 4) & 1
+            qh = (high << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1).astype(np.uint8)
+            parts.append(qh)
+        parts.append(qs)
+    elif qtype == "q6_k":
+        sub = units.reshape(-1, 16, 16)
+        scale = np.abs(sub).max(-1) / 31
+        d = scale.max(-1) / 127
+        d16 = d.astype(np.float16).astype(np.float32)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sc = np.where(d16[:, None] > 0, np.rint(scale / d16[:, None]), 0).clip(0, 127)
+            step = (d16[:, None] * sc)[..., None]
+            q = np.where(step > 0, np.rint(sub / step), 0).clip(-32, 31) + 32
+        q = q.astype(np.uint8).reshape(-1, 2, 4, 32)  # half, group of 32, value
+        ql = np.concatenate([(q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4),
+                             (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)], axis=-1).reshape(-1, 128)
+        qh = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4)
+              | ((q[:, :, 3] >> 4) << 6)).reshape(-1, 64)
+        parts = [ql, qh, sc.astype(np.int8).view(np.uint8), _f16_bytes(d)]
+    else:
+        raise ValueError(qtype)
+    flat = [p.reshape(units.shape[0], -1) for p in parts]
+    return np.concatenate(flat, axis=1).reshape(rows, -1)
+
+
+def quantize(x: np.ndarray, qtype: str) -> np.ndarray:
+    """float32 [rows, k] -> uint8 [rows, row_bytes] in ``qtype`` (any format tideserve's kernels take)."""
+    if qtype in ("q4_k", "q5_k", "q6_k"):
+        return quantize_k(x, qtype)
+    return gguf.quants.quantize(x.astype(np.float32), QTYPE_NAMES[qtype])
+
+
+def dequantize(data: np.ndarray, qtype: str) -> np.ndarray:
+    """The gguf package's own dequantization: the reference the kernels are checked against."""
+    return gguf.quants.dequantize(data, QTYPE_NAMES[qtype]).astype(np.float32)
+
+
+def quantized_pair(x: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 blocks [rows, row_bytes], their float32 values per gguf) for a float weight."""
+    data = quantize(x.numpy(), qtype)
+    return torch.from_numpy(data.copy()), torch.from_numpy(dequantize(data, qtype))
+
+
+# ------------------------------------------------------------------------------------ tiny GGUF files
+GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+              "lm_head.weight": "output.weight"}
+GGUF_BLOCK_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(name: str) -> str:
+    if name in GGUF_NAMES:
+        return GGUF_NAMES[name]
+    _, _, layer, rest = name.split(".", 3)
+    module, param = rest.rsplit(".", 1)
+    return f"blk.{layer}.{GGUF_BLOCK_NAMES[module]}.{param}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(hf_model: Any, config: Any, path: Path, arch: str, qtypes: dict[str, str]) -> None:
+    """Export ``hf_model`` as llama.cpp would, each 2-D tensor in ``qtypes[module suffix]`` (e.g.
+    {"q_proj": "q4_k", ...}; "f32" keeps it float). The HF model's weights are replaced by their
+    dequantized values, so it becomes the exact float reference of the file."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            w = param.numpy()
+            qtype = qtypes.get(name.split(".")[-2], "f32") if w.ndim == 2 else "f32"
+            if qtype == "f32":
+                writer.add_tensor(gguf_name(name), w.astype(np.float32))
+                continue
+            param.copy_(torch.from_numpy(dequantize(quantize(w, qtype), qtype)))
+            w = param.numpy()
+            if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+                w = llama_cpp_permute(w, heads)
+            writer.add_tensor(gguf_name(name), quantize(w, qtype), raw_dtype=QTYPE_NAMES[qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -1,0 +1,188 @@
+/* The SIMD row kernels of qgemm.c, written once and compiled twice: for AVX2 (vpmaddubsw byte products)
+ * and for AVX-512 VNNI (vpdpbusd), each under its own target attribute so one library carries both and
+ * qgemm.c picks at run time. Included with TS_SIMD(name) (the suffix) and TS_SIMD_VNNI (0 or 1) defined.
+ *
+ * Every kernel decodes a weight block to 32 byte codes exactly as ts_block_decode does (tested), takes
+ * its integer dot products with up to TS_QGEMM_ROWS activation rows at once, and applies the block's
+ * scales in float. A block is decoded once per group of rows, not once per row.
+ */
+
+/* 32 bytes, 0xFF where bit i of bits is set (llama.cpp's bytes_from_bits_32). */
+static inline __m256i TS_SIMD(bits_to_bytes)(uint32_t bits) {
+    const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuffle);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+/* 16 bytes of packed nibbles -> 32 codes: low nibbles first, then high ones. */
+static inline __m256i TS_SIMD(nibbles)(const uint8_t *p) {
+    const __m128i packed = _mm_loadu_si128((const __m128i *)p);
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), _mm_and_si128(packed, mask));
+}
+
+/* Block b of a row: its 32 codes, and the scale and offset of each 16-value half. For K-quants the unit's
+ * scales are decoded when b enters a new unit (sc, mn keep them between calls). */
+static inline __attribute__((always_inline)) __m256i TS_SIMD(decode)(int type, const uint8_t *row, int64_t b,
+                                                                   float s[2], float o[2], float *unit_s,
+                                                                   float *unit_o) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    switch (type) {
+    case TS_Q4_0:
+    case TS_Q4_1: {
+        const uint8_t *u = row + b * (type == TS_Q4_0 ? 18 : 20);
+        const float d = _cvtsh_ss(ts_load_u16(u));
+        s[0] = s[1] = d;
+        o[0] = o[1] = type == TS_Q4_0 ? -8.0f * d : _cvtsh_ss(ts_load_u16(u + 2));
+        return TS_SIMD(nibbles)(u + (type == TS_Q4_0 ? 2 : 4));
+    }
+    case TS_Q5_0:
+    case TS_Q5_1: {
+        const int off = type == TS_Q5_0 ? 2 : 4;
+        const uint8_t *u = row + b * (type == TS_Q5_0 ? 22 : 24);
+        const float d = _cvtsh_ss(ts_load_u16(u));
+        s[0] = s[1] = d;
+        o[0] = o[1] = type == TS_Q5_0 ? -16.0f * d : _cvtsh_ss(ts_load_u16(u + 2));
+        uint32_t qh;
+        memcpy(&qh, u + off, 4);
+        const __m256i high = _mm256_and_si256(TS_SIMD(bits_to_bytes)(qh), _mm256_set1_epi8(0x10));
+        return _mm256_or_si256(TS_SIMD(nibbles)(u + off + 4), high);
+    }
+    case TS_Q8_0: {
+        const uint8_t *u = row + b * 34;
+        s[0] = s[1] = _cvtsh_ss(ts_load_u16(u));
+        o[0] = o[1] = 0.0f;
+        return _mm256_loadu_si256((const __m256i *)(u + 2));
+    }
+    case TS_Q4_K:
+    case TS_Q5_K: {
+        const int64_t bytes = type == TS_Q4_K ? 144 : 176;
+        const uint8_t *u = row + (b / 8) * bytes;
+        const int j = (int)(b % 8);
+        if (j == 0) { /* the unit's eight 6-bit scales and mins, unpacked with word masks (llama.cpp's trick) */
+            uint32_t w[4];
+            memcpy(w, u + 4, 12);
+            w[3] = ((w[2] >> 4) & 0x0f0f0f0f) | (((w[1] >> 6) & 0x03030303) << 4);
+            const uint32_t mins_low = w[1] & 0x3f3f3f3f;
+            w[1] = (w[2] & 0x0f0f0f0f) | (((w[0] >> 6) & 0x03030303) << 4);
+            w[2] = mins_low;
+            w[0] &= 0x3f3f3f3f; /* bytes of w[0..1]: scales 0-7; of w[2..3]: mins 0-7 */
+            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2))));
+            _mm256_storeu_ps(unit_s, _mm256_mul_ps(sc, _mm256_set1_ps(_cvtsh_ss(ts_load_u16(u)))));
+            _mm256_storeu_ps(unit_o, _mm256_mul_ps(mn, _mm256_set1_ps(-_cvtsh_ss(ts_load_u16(u + 2)))));
+        }
+        s[0] = s[1] = unit_s[j];
+        o[0] = o[1] = unit_o[j];
+        const int qs_off = type == TS_Q5_K ? 48 : 16;
+        __m256i q = _mm256_loadu_si256((const __m256i *)(u + qs_off + 32 * (j / 2)));
+        q = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(q, 4) : q, low4);
+        if (type == TS_Q5_K) {
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(u + 16));
+            const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), _mm256_set1_epi8(1));
+            q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+        }
+        return q;
+    }
+    case TS_Q6_K: {
+        const uint8_t *u = row + (b / 8) * 210;
+        const int j = (int)(b % 8), half = j / 4, t = j % 4;
+        if (j == 0) {
+            const __m256 d = _mm256_set1_ps(_cvtsh_ss(ts_load_u16(u + 208)));
+            const __m128i scales = _mm_loadu_si128((const __m128i *)(u + 192));
+            const __m256 lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales)));
+            const __m256 hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8))));
+            _mm256_storeu_ps(unit_s, lo);
+            _mm256_storeu_ps(unit_s + 8, hi);
+            _mm256_storeu_ps(unit_o, _mm256_mul_ps(lo, _mm256_set1_ps(-32.0f)));
+            _mm256_storeu_ps(unit_o + 8, _mm256_mul_ps(hi, _mm256_set1_ps(-32.0f)));
+        }
+        s[0] = unit_s[2 * j];
+        s[1] = unit_s[2 * j + 1];
+        o[0] = unit_o[2 * j];
+        o[1] = unit_o[2 * j + 1];
+        __m256i low = _mm256_loadu_si256((const __m256i *)(u + 64 * half + 32 * (t & 1)));
+        low = _mm256_and_si256(_mm256_srl_epi16(low, _mm_cvtsi32_si128(4 * (t >> 1))), low4);
+        __m256i high = _mm256_loadu_si256((const __m256i *)(u + 128 + 32 * half));
+        high = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi8(3));
+        return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+    }
+    default:
+        s[0] = s[1] = o[0] = o[1] = 0.0f;
+        return _mm256_setzero_si256();
+    }
+}
+
+/* Sums of 4 adjacent byte products u8 x s8, as 8 int32 lanes (lanes 0-3: bytes 0-15). */
+static inline __m256i TS_SIMD(dot)(__m256i u, __m256i x) {
+#if TS_SIMD_VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)); /* |63*127*2| fits int16 */
+#endif
+}
+
+static inline float TS_SIMD(hsum)(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* res[i] = dot(weight row, activation row i) for i < rows; see ts_act in qgemm.c for xq, xd, xs. */
+static inline __attribute__((always_inline)) void TS_SIMD(dot_rows)(int type, const uint8_t *row, int64_t kb,
+                                                                  const ts_act *a, int64_t r0, int rows,
+                                                                  float *res) {
+    __m256 acc[TS_QGEMM_ROWS];
+    float offsets[TS_QGEMM_ROWS];
+    for (int i = 0; i < rows; i++) {
+        acc[i] = _mm256_setzero_ps();
+        offsets[i] = 0.0f;
+    }
+    float unit_s[16], unit_o[16];
+    for (int64_t b = 0; b < kb; b++) {
+        float s[2], o[2];
+        const __m256i w = TS_SIMD(decode)(type, row, b, s, o, unit_s, unit_o);
+        const __m256 scale = _mm256_set_m128(_mm_set1_ps(s[1]), _mm_set1_ps(s[0]));
+        const __m256i w_abs = type == TS_Q8_0 ? _mm256_sign_epi8(w, w) : w;
+        for (int i = 0; i < rows; i++) {
+            const int64_t r = r0 + i;
+            __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + r * a->k + b * TS_QBLOCK));
+            if (type == TS_Q8_0) x = _mm256_sign_epi8(x, w); /* |w| * (x with w's sign): u8 x s8 */
+            const __m256 sums = _mm256_cvtepi32_ps(TS_SIMD(dot)(w_abs, x));
+            const float xd = a->d[r * a->kb + b];
+            acc[i] = _mm256_fmadd_ps(sums, _mm256_mul_ps(scale, _mm256_set1_ps(xd)), acc[i]);
+            const float *xs = a->s + 2 * (r * a->kb + b);
+            offsets[i] += o[0] * xs[0] + o[1] * xs[1];
+        }
+    }
+    for (int i = 0; i < rows; i++) res[i] = TS_SIMD(hsum)(acc[i]) + offsets[i];
+}
+
+/* One weight row against rows [r0, r0 + rows) of the activations, rows <= TS_QGEMM_ROWS, with the
+ * format and row count as constants so each combination gets its own loop. */
+static void TS_SIMD(dot_row_group)(int type, const uint8_t *row, int64_t kb, const ts_act *a, int64_t r0,
+                                   int rows, float *res) {
+#define TS_CASE(T)                                                                                  \
+    case T:                                                                                         \
+        switch (rows) {                                                                             \
+        case 1: TS_SIMD(dot_rows)(T, row, kb, a, r0, 1, res); break;                                \
+        case 2: TS_SIMD(dot_rows)(T, row, kb, a, r0, 2, res); break;                                \
+        case 3: TS_SIMD(dot_rows)(T, row, kb, a, r0, 3, res); break;                                \
+        default: TS_SIMD(dot_rows)(T, row, kb, a, r0, 4, res); break;                               \
+        }                                                                                           \
+        break;
+    switch (type) {
+        TS_CASE(TS_Q4_0)
+        TS_CASE(TS_Q4_1)
+        TS_CASE(TS_Q5_0)
+        TS_CASE(TS_Q5_1)
+        TS_CASE(TS_Q8_0)
+        TS_CASE(TS_Q4_K)
+        TS_CASE(TS_Q5_K)
+        TS_CASE(TS_Q6_K)
+    default: for (int i = 0; i < rows; i++) res[i] = 0.0f;
+    }
+#undef TS_CASE
+}

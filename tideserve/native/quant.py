@@ -1,0 +1,158 @@
+"""ctypes front of qgemm.c: weights kept in their GGUF block formats, multiplied by native kernels.
+
+A layer's weight is described once as a ``QMat`` (pointers to its segments' bytes, which the Python
+object owning the tensors keeps alive) and handed to ``qmatmul`` on every call, or to decode_forward.c
+through the layer table (model/native_decode.py). ``qgemm_isa`` says which path the CPU gets (scalar,
+avx2, avx512 (VNNI), amx); ``TIDESERVE_QGEMM_ISA`` or ``forced_isa`` caps it, so tests can run the lower
+paths on a CPU that has the higher ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+from collections.abc import Iterator
+
+import torch
+
+from tideserve import native
+
+# GGUF (ggml) type ids of the formats qgemm.c multiplies, by the names the gguf package uses.
+QTYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+# values per storage unit and bytes per unit (ggml's block sizes)
+QUNITS = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
+          "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
+ISA_NAMES = ("scalar", "avx2", "avx512", "amx")
+MAX_SEGMENTS = 4
+
+
+class QSeg(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int64), ("data", ctypes.c_void_p), ("n", ctypes.c_int64)]
+
+
+class QMat(ctypes.Structure):
+    _fields_ = [("seg", QSeg * MAX_SEGMENTS), ("num_segs", ctypes.c_int64), ("bias", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+def row_bytes(qtype: str, k: int) -> int:
+    """Bytes of one row of k values in ``qtype``; ValueError when k is not a whole number of units."""
+    unit, nbytes = QUNITS[qtype]
+    if k % unit:
+        raise ValueError(f"a {qtype} row needs a multiple of {unit} values, got {k}")
+    return k // unit * nbytes
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    """The native library with this module's signatures set, and the ISA cap from the environment."""
+    lib = native.load_library()
+    if lib is None:
+        return None
+    i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.ts_qmatmul_f32.restype = cint
+    lib.ts_qmatmul_f32.argtypes = [ctypes.POINTER(QMat), ptr, i64, i64, cint, ptr, i64, cint]
+    lib.ts_qdequant_rows_f32.restype = cint
+    lib.ts_qdequant_rows_f32.argtypes = [i64, ptr, i64, ptr, i64, ptr, cint]
+    lib.ts_qgemm_isa.restype = cint
+    lib.ts_qgemm_isa.argtypes = []
+    lib.ts_qgemm_set_isa.restype = cint
+    lib.ts_qgemm_set_isa.argtypes = [cint]
+    lib.ts_qgemm_active_isa.restype = cint
+    lib.ts_qgemm_active_isa.argtypes = []
+    lib.ts_qgemm_set_amx_min_rows.restype = cint
+    lib.ts_qgemm_set_amx_min_rows.argtypes = [cint]
+    forced = os.environ.get("TIDESERVE_QGEMM_ISA", "").strip().lower()
+    if forced:
+        if forced not in ISA_NAMES:
+            raise ValueError(f"TIDESERVE_QGEMM_ISA must be one of {', '.join(ISA_NAMES)}, got {forced!r}")
+        lib.ts_qgemm_set_isa(ISA_NAMES.index(forced))
+    return lib
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def qgemm_isa() -> str | None:
+    """The path the quantized kernels take now (the CPU's best, capped by TIDESERVE_QGEMM_ISA or
+    ``forced_isa``); None without the native library."""
+    lib = _lib()
+    return None if lib is None else ISA_NAMES[lib.ts_qgemm_active_isa()]
+
+
+def cpu_isa() -> str | None:
+    """The best path this CPU (and this build of the kernels) offers, whatever the cap."""
+    lib = _lib()
+    return None if lib is None else ISA_NAMES[lib.ts_qgemm_isa()]
+
+
+@contextlib.contextmanager
+def forced_isa(name: str) -> Iterator[str]:
+    """Run the quantized kernels on at most path ``name`` inside the block; yields the path in effect
+    (lower than ``name`` when the CPU lacks it). Process-wide: for tests and benchmarks."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the native kernels are not available")
+    previous = lib.ts_qgemm_set_isa(ISA_NAMES.index(name))
+    try:
+        yield ISA_NAMES[lib.ts_qgemm_active_isa()]
+    finally:
+        lib.ts_qgemm_set_isa(previous)
+
+
+def set_amx_min_rows(rows: int) -> int:
+    """From how many input rows the AMX tiles replace the row kernels (a tuning knob for benchmarks);
+    returns the previous value."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the native kernels are not available")
+    return lib.ts_qgemm_set_amx_min_rows(rows)
+
+
+def make_qmat(segments: list[tuple[str, torch.Tensor]], in_features: int, bias: torch.Tensor | None) -> QMat:
+    """The kernel's description of a weight whose rows are ``segments`` ((qtype, uint8 [rows, row_bytes])
+    in output order). The tensors must outlive the returned struct."""
+    if not 1 <= len(segments) <= MAX_SEGMENTS:
+        raise ValueError(f"a quantized weight has 1 to {MAX_SEGMENTS} segments, got {len(segments)}")
+    mat = QMat()
+    for i, (qtype, data) in enumerate(segments):
+        mat.seg[i] = QSeg(QTYPES[qtype], data.data_ptr(), data.shape[0])
+    mat.num_segs = len(segments)
+    mat.bias = None if bias is None else bias.data_ptr()
+    mat.n = sum(d.shape[0] for _, d in segments)
+    mat.k = in_features
+    return mat
+
+
+def qmatmul(x: torch.Tensor, mat: QMat, swiglu: bool = False) -> torch.Tensor | None:
+    """x [M, K] float32 (rows may be strided) times the weight ``mat`` describes: [M, N] float32. With
+    ``swiglu`` x is [M, 2K] (gate | up) and the product is taken with silu(gate) * up. None, computing
+    nothing, when the inputs do not fit the kernel."""
+    lib = _lib()
+    if (lib is None or x.dim() != 2 or x.shape[0] == 0 or x.stride(1) != 1 or x.dtype != torch.float32
+            or x.device.type != "cpu" or x.shape[1] != mat.k * (2 if swiglu else 1)):
+        return None
+    out = torch.empty(x.shape[0], mat.n)
+    failed = lib.ts_qmatmul_f32(ctypes.byref(mat), x.data_ptr(), x.stride(0), x.shape[0], int(swiglu),
+                                out.data_ptr(), mat.n, torch.get_num_threads())
+    return None if failed else out
+
+
+def dequant_rows(qtype: str, data: torch.Tensor, in_features: int, ids: torch.Tensor) -> torch.Tensor | None:
+    """Rows ``ids`` of a [rows, K] weight in ``qtype``, as float32 [len(ids), K] (embedding lookups); None
+    when the native library is not there."""
+    lib = _lib()
+    if lib is None:
+        return None
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= data.shape[0]):
+        raise IndexError(f"token id out of range for an embedding table of {data.shape[0]} rows")
+    out = torch.empty(ids.numel(), in_features)
+    if ids.numel() == 0:
+        return out
+    failed = lib.ts_qdequant_rows_f32(QTYPES[qtype], data.data_ptr(), in_features, ids.data_ptr(), ids.numel(),
+                                      out.data_ptr(), torch.get_num_threads())
+    return None if failed else out
