@@ -133,7 +133,7 @@ def run_tideserve_offline(args: argparse.Namespace, workloads: dict, levels: lis
     from tideserve import LLM
     from tideserve.bench.offline import run_offline_benchmark
 
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(levels), enable_prefix_caching=True,
+    llm = LLM(args.model, dtype=args.tideserve_dtype, max_num_seqs=max(levels), enable_prefix_caching=True,
               max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype)
 
@@ -186,7 +186,7 @@ def run_tideserve_serve(args: argparse.Namespace, workloads: dict, levels: list[
 
     port = free_port()
     cmd = [sys.executable, "-m", "tideserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--model", args.model, "--dtype", args.dtype, "--max-num-seqs", str(max(levels)),
+           "--model", args.model, "--dtype", args.tideserve_dtype, "--max-num-seqs", str(max(levels)),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--enable-prefix-caching",
            "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype]
     args.commands.append(" ".join(cmd))
@@ -397,8 +397,11 @@ def main(argv: list[str] | None = None) -> int:
 
     path, _ = resolve_model_path(args.model)
     args.model = str(path)
+    # tideserve gets the dtype as given: "auto" also lets --quantization auto keep a quantized GGUF's
+    # blocks, which an explicit float dtype would dequantize.
+    args.tideserve_dtype = args.dtype
     args.torch_dtype = resolve_dtype(args.dtype, "cpu")
-    args.dtype = str(args.torch_dtype).removeprefix("torch.")  # pin "auto" so every engine gets the same
+    args.dtype = str(args.torch_dtype).removeprefix("torch.")  # pin "auto" so every peer gets the same
     args.hf_torch_dtype = getattr(torch, args.hf_dtype) if args.hf_dtype else args.torch_dtype
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -187,8 +187,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vLLM takes it (`tideserve serve MODEL`); same as --model")
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0: every interface, as in a container)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port")
     g.add_argument("--served-model-name", default=None,
                    help="name(s) clients use, comma-separated (default: derived from the model file)")
     g.add_argument("--api-key", action="append", default=None,
@@ -196,7 +197,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rate-limit", type=int, default=None, help="requests per minute per API key")
     g.add_argument("--max-queue", type=int, default=None,
                    help="waiting requests beyond which new ones get 429")
-    g.add_argument("--max-logprobs", type=int, default=20)
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="largest logprobs / top_logprobs / prompt_logprobs a request may ask for")
     g.add_argument("--max-body-size", type=_size, default=16 * 2**20, help="largest request body, e.g. 16MiB")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight requests")
@@ -209,7 +211,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "(a request's chat_template field still wins)")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput/KV-usage log lines")
     g.add_argument("--uvicorn-log-level", default="warning",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="the HTTP server's own log level (access lines are tideserve's)")
     from tideserve.serve.openai.tool_parsers import TOOL_PARSERS
 
     g.add_argument("--enable-auto-tool-choice", action="store_true",
