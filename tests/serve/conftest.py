@@ -99,3 +99,15 @@ def _wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str 
 def wait_until() -> Callable[..., None]:
     """``wait_until(predicate, timeout=10, what=...)``: poll until true, fail after the timeout."""
     return _wait_until
+
+
+@pytest.fixture(scope="session")
+def hermes_server(shared_engine):
+    """A server run as ``--enable-auto-tool-choice --tool-call-parser hermes`` over the shared engine
+    (tool_choice "auto" parses ``<tool_call>`` blocks); shared by every test that needs the flags."""
+    from tideserve.serve.config import ServerConfig
+    from tideserve.serve.openai.server import build_app
+
+    config = ServerConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    with ServerThread(build_app(config, engine=shared_engine)) as s:
+        yield s

@@ -252,26 +252,52 @@ def apply_allowed_token_mask(logits: torch.Tensor, mask: AllowedTokenMask,
     before this stage, so ``check_conflicts`` can be False when no row has it.
     """
     vocab = logits.shape[1]
-    allowed = unpack_bitmask(mask.bitmask, vocab)
-    if allowed.shape[1] < vocab:  # a bitmask narrower than the logits: the tail is never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
     rows = mask.rows
     if rows == list(range(logits.shape[0])):
         masked = logits
     else:
         masked = logits[rows]
-    if masked.device.type == "cpu":
-        view = masked.numpy()
-        view[~allowed.numpy()] = -np.inf
+    allowed = None
+    if masked.device.type == "cpu" and masked.dtype == torch.float32:
+        _add_byte_masks(masked.numpy(), mask.bitmask.numpy().view(np.uint8))
     else:
+        allowed = _unpacked(mask.bitmask, vocab)
         masked.masked_fill_(~allowed, float("-inf"))
     dead = torch.isneginf(masked).all(dim=-1) if check_conflicts else None
     if dead is not None and bool(dead.any()):
+        allowed = _unpacked(mask.bitmask, vocab) if allowed is None else allowed
         zeros = torch.zeros((), dtype=masked.dtype, device=masked.device)
         masked[dead] = torch.where(allowed[dead], zeros, float("-inf"))
     if masked is not logits:
         logits[rows] = masked
     return logits
+
+
+def _unpacked(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[K, vocab] bool; a bitmask narrower than the logits leaves the tail disallowed."""
+    allowed = unpack_bitmask(bitmask, vocab)
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    return allowed
+
+
+# Byte value -> the additive masks of its 8 tokens (bit i: token 8 * byte_index + i): 0 allowed, -inf not.
+_BYTE_MASKS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
+                       np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+
+
+def _add_byte_masks(logits: np.ndarray, bitmask_bytes: np.ndarray) -> None:
+    """Mask float32 CPU logits in place by adding 0 or -inf per token, looked up 8 tokens per bitmask byte.
+
+    One gather and one add over the batch: about 3x faster than unpacking to booleans and assigning
+    through them (docs/structured-output.md), and exact: x + 0 == x and x + -inf == -inf for finite x.
+    """
+    vocab = logits.shape[1]
+    add = _BYTE_MASKS[bitmask_bytes].reshape(logits.shape[0], -1)
+    width = min(add.shape[1], vocab)
+    logits[:, :width] += add[:, :width]
+    if width < vocab:
+        logits[:, width:] = -np.inf
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

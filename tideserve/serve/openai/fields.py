@@ -1,9 +1,7 @@
 """What the server does with every request field OpenAI or vLLM documents: no field is silently ignored.
 
 Each field of ``/v1/completions`` and ``/v1/chat/completions`` is in exactly one class:
-- honoured: it changes the result as documented (``HONOURED``);
-- honoured, implemented elsewhere: structured output and tool calling, built on another branch
-  (``ELSEWHERE``; not declared in protocol.py until that branch lands);
+- honoured: it changes the result as documented (structured output and tool calling included);
 - refused when set: a 400 "X is not supported: why", naming the field (``REFUSED``; the default value,
   and values that ask for nothing, pass);
 - accepted and ignored, because it cannot change the result (``IGNORED``, with the reason).
@@ -30,21 +28,16 @@ class Refusal:
 @dataclass(frozen=True)
 class EndpointFields:
     honoured: dict[str, str]  # field -> what it does
-    elsewhere: dict[str, str]
     refused: dict[str, Refusal]
     ignored: dict[str, str]  # field -> why it cannot change the result
 
     def classes(self) -> dict[str, dict]:
-        return {"honoured": self.honoured, "honoured, implemented elsewhere": self.elsewhere,
-                "refused when set": self.refused, "accepted, ignored": self.ignored}
+        return {"honoured": self.honoured, "refused when set": self.refused, "accepted, ignored": self.ignored}
 
 
 def _is_none(value: Any) -> bool:
     return value is None
 
-
-_STRUCTURED = "structured output (another branch)"
-_TOOLS = "tool calling (another branch)"
 
 _SHARED_HONOURED = {
     "model": "must be a served model name (404 otherwise); may be omitted",
@@ -79,6 +72,15 @@ _SHARED_HONOURED = {
     "return_token_ids": "choices carry token_ids and prompt_token_ids",
     "cache_salt": "prefix-cache entries are shared only between requests with the same salt",
     "request_id": "the request id (response id, logs) when no X-Request-Id header is sent",
+    # Structured output (docs/structured-output.md): one constraint per request, enforced by a grammar.
+    "response_format": "json_object (any JSON object) or json_schema (output matches json_schema.schema); "
+                       "text: no constraint; structural_tag is a 400",
+    "structured_outputs": "vLLM's constraint object: exactly one of json, regex, choice, grammar (Lark or "
+                          "GBNF) or json_object, plus disable_any_whitespace and disable_additional_properties",
+    "guided_json": "older vLLM name for structured_outputs.json (a schema, or its JSON text)",
+    "guided_regex": "older vLLM name for structured_outputs.regex",
+    "guided_choice": "older vLLM name for structured_outputs.choice",
+    "guided_grammar": "older vLLM name for structured_outputs.grammar",
 }
 _SHARED_REFUSED = {
     "use_beam_search": Refusal("beam search is not implemented; use n or best_of"),
@@ -88,6 +90,10 @@ _SHARED_REFUSED = {
     "kv_transfer_params": Refusal("there is no KV connector (disaggregated prefill) to transfer KV with"),
     "thinking_token_budget": Refusal("there is no reasoning parser to find and cap the thinking section",
                                      _is_none),
+    "guided_whitespace_pattern": Refusal("JSON whitespace is compact by default; send structured_outputs "
+                                         "with disable_any_whitespace false to let the model place it", _is_none),
+    "structural_tag": Refusal("structural tags are not implemented; use response_format json_schema, "
+                              "structured_outputs regex or grammar", _is_none),
 }
 _SHARED_IGNORED = {
     "user": "an end-user id for OpenAI's abuse monitoring; generation does not read it (vLLM ignores it too)",
@@ -100,11 +106,9 @@ _SHARED_IGNORED = {
                        "tideserve sends each step's tokens (coalesced for a slow reader)",
     "session_id": "a routing hint for session affinity in front of the engine; one engine has nothing "
                   "to route",
+    "guided_decoding_backend": "one grammar engine (llguidance) serves every request; any backend enforces "
+                               "the same constraint, so naming one changes nothing",
 }
-_STRUCTURED_FIELDS = {name: _STRUCTURED for name in (
-    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag")}
-
 COMPLETION_FIELDS = EndpointFields(
     honoured={
         **_SHARED_HONOURED,
@@ -115,7 +119,6 @@ COMPLETION_FIELDS = EndpointFields(
         "prompt_logprobs": "each choice carries prompt_logprobs (vLLM's shape)",
         "add_special_tokens": "add the tokenizer's special tokens (BOS) to a text prompt (default true)",
     },
-    elsewhere=dict(_STRUCTURED_FIELDS),
     refused={
         **_SHARED_REFUSED,
         "suffix": Refusal("insertion (fill in the middle) needs a model and template made for it"),
@@ -144,8 +147,13 @@ CHAT_FIELDS = EndpointFields(
         "add_special_tokens": "true/false: encode the rendered prompt with/without the tokenizer's special "
                               "tokens; unset: exactly one BOS",
         "prompt_logprobs": "the response carries prompt_logprobs (vLLM's shape)",
+        # Tool calling (docs/structured-output.md)
+        "tools": "function tools, passed to the chat template as tools (the model's own format)",
+        "tool_choice": "none, auto (needs --enable-auto-tool-choice --tool-call-parser; else a 400, as "
+                       "vLLM), required or a named function (both forced by a grammar); default auto with "
+                       "tools, else none",
+        "parallel_tool_calls": "false: at most one call per choice (required: the grammar allows one)",
     },
-    elsewhere={**_STRUCTURED_FIELDS, "tools": _TOOLS, "tool_choice": _TOOLS, "parallel_tool_calls": _TOOLS},
     refused={
         **_SHARED_REFUSED,
         "modalities": Refusal("only text output is produced", lambda v: v is None or list(v) == ["text"]),

@@ -122,6 +122,9 @@ class SamplingRequest(OpenAIBaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted: one grammar engine serves every request
+    guided_whitespace_pattern: str | None = None  # refused when set (see fields.py)
+    structural_tag: str | dict[str, Any] | None = None  # refused when set (see fields.py)
 
 
 class FunctionDefinition(OpenAIBaseModel):

@@ -7,6 +7,11 @@ the model's own call format is parsed. ``"required"`` and a named function work 
 a grammar forces valid calls (a JSON array of ``{"name", "parameters"}`` objects, or the named
 function's arguments), whatever the model would have written. ``"none"`` still shows the tools to the
 template and parses nothing.
+
+The forcing grammar closes every object schema that does not say otherwise (``additionalProperties:
+false``, as vLLM's default xgrammar backend does in its strict mode): a function cannot take arguments
+its schema does not declare, and without this a small model keeps inventing properties (a
+``"description": "..."`` after the real arguments) until ``max_tokens`` cuts the call off.
 """
 
 from __future__ import annotations
@@ -72,11 +77,14 @@ def plan_tools(req: ChatCompletionRequest, enable_auto_tool_choice: bool, tool_c
         return ToolPlan(tools, "auto", parser, None, parallel, _markers_are_special(parser, tokenizer))
     if choice == "required":
         schema = required_schema(tools, parallel)
-        return ToolPlan(tools, "required", RequiredToolParser(), StructuredOutputsParams(json=schema),
-                        parallel, False)
+        return ToolPlan(tools, "required", RequiredToolParser(), _forcing(schema), parallel, False)
     schema = named_schema(tools, choice.function.name)
-    return ToolPlan(tools, "named", NamedToolParser(choice.function.name),
-                    StructuredOutputsParams(json=schema), parallel, False)
+    return ToolPlan(tools, "named", NamedToolParser(choice.function.name), _forcing(schema), parallel, False)
+
+
+def _forcing(schema: dict) -> StructuredOutputsParams:
+    """The grammar that forces calls: the schema with its objects closed (see the module docstring)."""
+    return StructuredOutputsParams(json=schema, disable_additional_properties=True)
 
 
 def _markers_are_special(parser: ToolParser, tokenizer) -> bool:
