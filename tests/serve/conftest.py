@@ -111,3 +111,40 @@ def hermes_server(shared_engine):
     config = ServerConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
     with ServerThread(build_app(config, engine=shared_engine)) as s:
         yield s
+
+
+# Per-module clients of a per-module server on the shared engine: a module that needs another server
+# configuration defines its own ``server`` fixture, and these follow it. A module's TIMEOUT, if it has
+# one, bounds its clients' calls.
+def _timeout(request: pytest.FixtureRequest) -> float:
+    return float(getattr(request.module, "TIMEOUT", 60.0))
+
+
+@pytest.fixture(scope="module")
+def server(shared_engine, server_thread):
+    from tideserve.serve.config import ServerConfig
+    from tideserve.serve.openai.server import build_app
+
+    with server_thread(build_app(ServerConfig(), engine=shared_engine)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def model(server) -> str:
+    return server.state.model_name
+
+
+@pytest.fixture(scope="module")
+def client(server, request):
+    import openai
+
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0, timeout=_timeout(request)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(server, request):
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=_timeout(request)) as c:
+        yield c

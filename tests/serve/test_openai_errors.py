@@ -38,17 +38,6 @@ def server(shared_engine, server_thread):
         yield s
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(server) -> str:
-    return server.state.model_name
-
-
 # ---------------------------------------------------------------------- 400: context length
 def test_prompt_longer_than_context(http, model, shared_engine):
     limit = shared_engine.max_model_len

@@ -21,29 +21,6 @@ PROMPT = "The capital of France is"
 TIMEOUT = 60.0
 
 
-@pytest.fixture(scope="module")
-def server(shared_engine, server_thread):
-    with server_thread(build_app(ServerConfig(), engine=shared_engine)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def model(server) -> str:
-    return server.state.model_name
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0, timeout=TIMEOUT) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
-        yield c
-
-
 def async_client(server) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0, timeout=TIMEOUT)
 

@@ -21,29 +21,6 @@ PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def server(shared_engine, server_thread):
-    with server_thread(build_app(ServerConfig(), engine=shared_engine)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0, timeout=TIMEOUT) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(server) -> str:
-    return server.state.model_name
-
-
 def token(shared_engine, text: str) -> int:
     ids = shared_engine.tokenizer.encode(text, add_special_tokens=False)
     assert len(ids) == 1, ids

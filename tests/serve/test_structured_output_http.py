@@ -18,9 +18,6 @@ from typing import Any
 
 import pytest
 
-from tideserve.serve.config import ServerConfig
-from tideserve.serve.openai.server import build_app
-
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -64,23 +61,6 @@ def chat(text: str) -> list[dict]:
 
 def json_schema_format(name: str) -> dict:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}}
-
-
-@pytest.fixture(scope="module")
-def server(shared_engine, server_thread):
-    with server_thread(build_app(ServerConfig(), engine=shared_engine)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def model(server) -> str:
-    return server.state.model_name
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0, timeout=TIMEOUT) as c:
-        yield c
 
 
 def _requests(model: str) -> dict[str, tuple[str, dict]]:

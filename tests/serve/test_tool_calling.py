@@ -59,17 +59,6 @@ def named(name: str) -> dict:
     return {"type": "function", "function": {"name": name}}
 
 
-@pytest.fixture(scope="module")
-def server(shared_engine, server_thread):
-    with server_thread(build_app(ServerConfig(), engine=shared_engine)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def model(server) -> str:
-    return server.state.model_name
-
-
 def sync_client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0, timeout=TIMEOUT)
 
