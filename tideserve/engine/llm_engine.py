@@ -166,8 +166,8 @@ class LLMEngine:
             logger.info("memory probe: %s", describe())
 
         block_size = cache_config.initial_block_size
-        self.kv_dtype = (self.dtype if cache_config.kv_cache_dtype == "auto"
-                         else getattr(torch, cache_config.kv_cache_dtype))
+        self.kv_dtype = self._auto_kv_dtype() if cache_config.kv_cache_dtype == "auto" \
+            else getattr(torch, cache_config.kv_cache_dtype)
         self.runner = ModelRunner(self.model, block_size, self.kv_dtype, self.device)
         logger.info("KV cache dtype %s (%d bytes per token); decode attention: %s",
                     str(self.kv_dtype).removeprefix("torch."), self.runner.kv_bytes_per_block(1),
@@ -208,6 +208,18 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs | Mapping[str, Any]) -> LLMEngine:
         """vLLM's constructor: ``args`` is an EngineArgs or a dict of its fields."""
         return cls(args)
+
+    def _auto_kv_dtype(self) -> torch.dtype:
+        """The model's dtype, except for a GGUF's own blocks (which compute in float32; chosen by
+        ``--quantization auto`` with ``--dtype auto``) on a CPU with fast bfloat16: there the cache is
+        bfloat16, as the dtype "auto" picks there, half the bytes a large batch's decode attention reads
+        every step (docs/benchmarks.md, "Fourth round")."""
+        from tideserve.model.loader import resolve_dtype
+
+        if self.quantization == "gguf" and self.dtype == torch.float32 and self.device.type == "cpu":
+            if resolve_dtype("auto", self.device) == torch.bfloat16 and native.load_library() is not None:
+                return torch.bfloat16
+        return self.dtype
 
     def _check_batched_tokens(self, sched: SchedulerConfig, requested: int | None) -> None:
         """Without chunked prefill a prompt runs in one step, so one step must hold the longest prompt."""
