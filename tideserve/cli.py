@@ -100,8 +100,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--num-blocks", "--num-gpu-blocks-override", dest="num_blocks", type=int, default=None,
                     help="fix the pool at this many blocks")
     kv.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                    help="auto: the model's dtype; bfloat16 holds twice the tokens of float32 per byte and "
-                         "halves the bytes decode attention reads")
+                    help="auto: the model's dtype (bfloat16 for a GGUF's own blocks on CPUs with fast bf16); "
+                         "bfloat16 holds twice the tokens of float32 per byte and halves the bytes decode "
+                         "attention reads")
     kv.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
                     default=True)
     kv.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
