@@ -129,18 +129,7 @@ def write_tiny_gguf(hf_model: Any, config: Any, path: Path, arch: str, qtypes: d
     """Export ``hf_model`` as llama.cpp would, each 2-D tensor in ``qtypes[module suffix]`` (e.g.
     {"q_proj": "q4_k", ...}; "f32" keeps it float). The HF model's weights are replaced by their
     dequantized values, so it becomes the exact float reference of the file."""
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    writer = start_gguf(path, arch, config)
     with torch.no_grad():
         for name, param in hf_model.named_parameters():
             w = param.numpy()
@@ -154,6 +143,31 @@ def write_tiny_gguf(hf_model: Any, config: Any, path: Path, arch: str, qtypes: d
                 heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
                 w = llama_cpp_permute(w, heads)
             writer.add_tensor(gguf_name(name), quantize(w, qtype), raw_dtype=QTYPE_NAMES[qtype])
+    finish_gguf(writer)
+
+
+def start_gguf(path: Path, arch: str, config: Any) -> gguf.GGUFWriter:
+    """A GGUF writer holding the metadata llama.cpp writes for a tiny HF ``config`` (a t<i> vocabulary,
+    BOS 1, EOS 2, linear rope scaling when the config has it); the tensors are the caller's."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if config.rope_parameters.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(config.rope_parameters["factor"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    return writer
+
+
+def finish_gguf(writer: gguf.GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf_blocks import finish_gguf, gguf_name, llama_cpp_permute, start_gguf
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from tideserve.model.loader import load_model
@@ -26,48 +27,10 @@ QTYPES = {
     "embed_tokens": Q.Q8_0, "q_proj": Q.Q8_0, "k_proj": Q.Q4_0, "v_proj": Q.Q5_0, "o_proj": Q.Q4_1,
     "gate_proj": Q.Q5_1, "up_proj": Q.BF16, "down_proj": Q.F16, "lm_head": Q.Q8_0,
 }
-GGUF_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-GGUF_BLOCK_NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}
-
-
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute, verbatim in effect."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def gguf_name(name: str) -> str:
-    if name in GGUF_NAMES:
-        return GGUF_NAMES[name]
-    _, _, layer, rest = name.split(".", 3)
-    module, param = rest.rsplit(".", 1)
-    return f"blk.{layer}.{GGUF_BLOCK_NAMES[module]}.{param}"
-
-
 def write_gguf(hf_model: Any, config: Any, path: Path, arch: str) -> None:
     """Export like llama.cpp would; the HF model's weights are replaced by their dequantized values so
     both sides compute with identical numbers."""
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    if config.rope_parameters.get("rope_type") == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(config.rope_parameters["factor"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    writer = start_gguf(path, arch, config)
     with torch.no_grad():
         for name, param in hf_model.named_parameters():
             w = param.numpy()
@@ -82,10 +45,7 @@ def write_gguf(hf_model: Any, config: Any, path: Path, arch: str) -> None:
                 w = llama_cpp_permute(w, heads)
             data = gguf.quants.quantize(w, qtype)
             writer.add_tensor(gguf_name(name), data, raw_dtype=qtype if data.dtype == np.uint8 else None)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
 
 
 VARIANTS = {
