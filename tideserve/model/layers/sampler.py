@@ -199,8 +199,12 @@ class Sampler:
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
 
-        # One private float32 copy that the in-place stages below may mutate.
-        logits = logits.to(torch.float32, copy=True)
+        # One private float32 copy for the in-place stages below. A batch that needs none of them (all
+        # greedy, nothing biased, masked or penalized: the common decode batch) reads the logits as they
+        # are: at 64 rows of a 49k vocabulary the copy alone cost 2 ms a step.
+        in_place = (not meta.all_greedy or meta.min_tokens_rows is not None or meta.logit_bias is not None
+                    or meta.allowed_token_mask is not None or meta.output_token_ids is not None)
+        logits = logits.to(torch.float32, copy=True) if in_place else logits.float()
         if meta.min_tokens_rows is not None:
             logits[meta.min_tokens_rows, meta.min_tokens_ids] = float("-inf")
         if meta.logit_bias is not None:
@@ -211,9 +215,9 @@ class Sampler:
         logits = apply_penalties(logits, meta)
 
         if meta.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = _argmax(logits)
         else:
-            greedy_sampled = None if meta.all_random else logits.argmax(dim=-1)
+            greedy_sampled = None if meta.all_random else _argmax(logits)
             logits.div_(meta.temperature.unsqueeze(1))
             if meta.min_p is not None:
                 logits = apply_min_p(logits, meta.min_p)
@@ -229,6 +233,12 @@ class Sampler:
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, sampled, meta.num_logprobs, meta.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=token_ids, logprobs=logprobs)
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (the first maximum, as ``argmax``): ``max(dim=-1).indices`` is the same index and,
+    on CPU, 2.6x faster than ``argmax`` over [64, 49152] float32 rows (0.77 vs 2.0 ms, 2 threads)."""
+    return x.max(dim=-1).indices
 
 
 # ---------------------------------------------------------------- allowed-token mask (structured output)
@@ -371,7 +381,7 @@ def exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator |
         q.exponential_()
     for row, generator in seeded:
         q[row].exponential_(generator=generator)
-    return probs.div_(q.clamp_min_(_MIN_NOISE)).argmax(dim=-1)
+    return _argmax(probs.div_(q.clamp_min_(_MIN_NOISE)))
 
 
 def gather_logprobs(
