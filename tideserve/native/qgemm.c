@@ -170,14 +170,7 @@ static void decode_panel_bf16_any(int type, const uint8_t *data, int64_t row_byt
                                   int64_t k, uint16_t *panel) {
 #define TS_CASE(T) case T: decode_panel_bf16(T, data, row_bytes, n, n0, k, panel); break;
     switch (type) {
-        TS_CASE(TS_Q4_0)
-        TS_CASE(TS_Q4_1)
-        TS_CASE(TS_Q5_0)
-        TS_CASE(TS_Q5_1)
-        TS_CASE(TS_Q8_0)
-        TS_CASE(TS_Q4_K)
-        TS_CASE(TS_Q5_K)
-        TS_CASE(TS_Q6_K)
+        TS_FOR_EACH_QTYPE(TS_CASE)
     default: memset(panel, 0, sizeof(uint16_t) * (size_t)(TS_PANEL * k));
     }
 #undef TS_CASE

@@ -44,9 +44,14 @@ typedef struct {
 } ts_qmat;
 
 
+/* Every format the kernels take, for switches that dispatch to a template per format: X(TS_Q4_0) ... */
+#define TS_FOR_EACH_QTYPE(X) X(TS_Q4_0) X(TS_Q4_1) X(TS_Q5_0) X(TS_Q5_1) X(TS_Q8_0) X(TS_Q4_K) X(TS_Q5_K) X(TS_Q6_K)
+
 static inline int ts_qtype_known(int64_t type) {
     switch (type) {
-    case TS_Q4_0: case TS_Q4_1: case TS_Q5_0: case TS_Q5_1: case TS_Q8_0: case TS_Q4_K: case TS_Q5_K: case TS_Q6_K:
+#define TS_KNOWN(T) case T:
+    TS_FOR_EACH_QTYPE(TS_KNOWN)
+#undef TS_KNOWN
         return 1;
     default:
         return 0;

@@ -174,14 +174,7 @@ static void TS_SIMD(dot_row_group)(int type, const uint8_t *row, int64_t kb, con
         }                                                                                           \
         break;
     switch (type) {
-        TS_CASE(TS_Q4_0)
-        TS_CASE(TS_Q4_1)
-        TS_CASE(TS_Q5_0)
-        TS_CASE(TS_Q5_1)
-        TS_CASE(TS_Q8_0)
-        TS_CASE(TS_Q4_K)
-        TS_CASE(TS_Q5_K)
-        TS_CASE(TS_Q6_K)
+        TS_FOR_EACH_QTYPE(TS_CASE)
     default: for (int i = 0; i < rows; i++) res[i] = 0.0f;
     }
 #undef TS_CASE
