@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from tideserve.model.registry import hf_architecture_for_gguf, resolve_model_class
+from tideserve.model.registry import family_for, hf_architecture_for_gguf, hf_architecture_for_model_type
 
 logger = logging.getLogger(__name__)
 
@@ -19,6 +19,9 @@ SUPPORTED_ROPE_TYPES = ("llama3", "linear")
 @dataclass
 class ArchConfig:
     """Decoder-only transformer hyper-parameters (Llama family: Llama 2/3, Mistral, SmolLM, Qwen2).
+
+    The keys every family shares are read here; what a family derives its own way (biases, tied
+    embeddings) comes from its ``ModelFamily`` declaration (``tideserve/model/families/``).
 
     ``rope_scaling`` is None for plain RoPE, else a dict with ``rope_type`` in ("llama3", "linear") and
     that type's HF parameters, or ``rope_type == "freq_factors"`` with a per-frequency divisor list
@@ -44,7 +47,7 @@ class ArchConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        resolve_model_class(self.architecture)  # unknown architecture -> ValueError listing supported
+        family_for(self.architecture)  # unknown architecture -> ValueError listing supported
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -69,10 +72,9 @@ class ArchConfig:
         archs = config.get("architectures") or []
         if not archs:
             model_type = config.get("model_type", "")
-            archs = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                      "qwen2": "Qwen2ForCausalLM"}.get(model_type, model_type or "<missing>")]
+            archs = [hf_architecture_for_model_type(model_type) or model_type or "<missing>"]
         architecture = archs[0]
-        resolve_model_class(architecture)
+        family = family_for(architecture)
         if config.get("mlp_bias"):
             raise ValueError("config.json mlp_bias=true is not supported")
         if config.get("use_sliding_window"):
@@ -83,12 +85,10 @@ class ArchConfig:
         rope_theta, rope_scaling = _hf_rope(config)
         if rope_scaling and "original_max_position_embeddings" not in rope_scaling:
             rope_scaling["original_max_position_embeddings"] = config.get("max_position_embeddings")
-        is_qwen2 = architecture == "Qwen2ForCausalLM"
-        attention_bias = bool(config.get("attention_bias", False))
         eos = config.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         bos = config.get("bos_token_id")
-        return cls(
+        fields: dict[str, Any] = dict(
             architecture=architecture,
             vocab_size=int(config["vocab_size"]),
             hidden_size=hidden,
@@ -102,11 +102,10 @@ class ArchConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=is_qwen2 or attention_bias,
-            o_bias=attention_bias and not is_qwen2,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
         )
+        return cls(**{**fields, **family.hf_config_fields(config)})
 
     @classmethod
     def from_gguf_metadata(cls, reader: Any) -> ArchConfig:
@@ -116,6 +115,7 @@ class ArchConfig:
         if gguf_arch is None:
             raise ValueError("GGUF file has no general.architecture metadata")
         architecture = hf_architecture_for_gguf(str(gguf_arch))
+        family = family_for(architecture)
 
         def get(key: str, default: Any = None) -> Any:
             value = gguf_metadata_value(reader, key.format(arch=gguf_arch))
@@ -155,7 +155,7 @@ class ArchConfig:
                 eos_ids.append(int(value))
         bos = get("tokenizer.ggml.bos_token_id")
         head_count_kv = get("{arch}.attention.head_count_kv", num_heads)
-        return cls(
+        fields: dict[str, Any] = dict(
             architecture=architecture,
             vocab_size=vocab_size,
             hidden_size=hidden,
@@ -168,12 +168,10 @@ class ArchConfig:
             rope_theta=float(get("{arch}.rope.freq_base", 10000.0)),
             rope_scaling=rope_scaling,
             max_position_embeddings=int(get("{arch}.context_length", 2048)),
-            tie_word_embeddings="output.weight" not in tensors,
-            qkv_bias="blk.0.attn_q.bias" in tensors,
-            o_bias="blk.0.attn_output.bias" in tensors,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
         )
+        return cls(**{**fields, **family.gguf_config_fields(tensors.keys())})
 
 
 def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

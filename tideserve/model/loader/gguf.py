@@ -2,15 +2,14 @@
 kept as the file's own blocks for the quantized kernels (``--quantization gguf``, the default for
 quantized files).
 
-llama.cpp's converter permutes the rows of Q and K for llama-arch models (to its interleaved rotary
-layout); our rotary is HF's rotate-half layout, so those rows are permuted back here. Qwen2 files are
-converted without the permutation and are left as they are.
+What differs by family (tensor names, which q/k rows llama.cpp's converter permuted to its interleaved
+rotary layout) is read from the file's ``ModelFamily`` (``tideserve/model/families/``); this module only
+applies it: names mapped, permuted rows put back in HF's rotate-half order.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -19,42 +18,19 @@ import numpy as np
 import torch
 
 from tideserve.model.arch_config import ArchConfig, gguf_metadata_value
-from tideserve.model.registry import resolve_model_class
+from tideserve.model.registry import ModelFamily, family_for, resolve_model_class
 
 logger = logging.getLogger(__name__)
 
-# GGUF architectures whose attn_q / attn_k rows llama.cpp permutes at conversion time
-_PERMUTED_ARCHS = frozenset({"llama", "mistral"})
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-# tensors that are not weights of a module (rope_freqs is read into ArchConfig.rope_scaling)
-_SKIPPED = frozenset({"rope_freqs.weight"})
-
-
-def hf_name(gguf_name: str) -> str:
-    """GGUF tensor name -> HF Llama checkpoint name; unknown names raise ValueError."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} is not a known Llama-family tensor")
+def hf_name(gguf_name: str, family: ModelFamily | None = None) -> str:
+    """GGUF tensor name -> the family's checkpoint name (default: the llama family's); unknown names raise
+    ValueError."""
+    family = family or family_for("llama")
+    name = family.gguf_tensors.hf_name(gguf_name) if family.gguf_tensors is not None else None
+    if name is None:
+        raise ValueError(f"GGUF tensor {gguf_name!r} is not a known {family.name}-family tensor")
+    return name
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -99,21 +75,24 @@ def iter_gguf_weights(reader: gguf.GGUFReader, arch: ArchConfig, path: str | Non
     """Yield (HF name, tensor) one at a time, so peak memory stays about one tensor above the model.
 
     Tensors are float32, except where ``keep(hf name, qtype)`` is true: those come as QuantTensor, the
-    file's own blocks (read from ``path``), with llama's q/k rows put back in HF order all the same.
+    file's own blocks (read from ``path``), with permuted q/k rows put back in HF order all the same.
     """
     from tideserve.model.layers.quantization import QuantTensor
 
-    gguf_arch = str(gguf_metadata_value(reader, "general.architecture"))
-    permuted = gguf_arch in _PERMUTED_ARCHS
+    family = family_for(str(gguf_metadata_value(reader, "general.architecture")))
+    if family.gguf_tensors is None:
+        raise ValueError(f"model family {family.name!r} declares no GGUF tensor names")
+    skipped = family.gguf_tensors.skipped
+    unpermute = tuple(family.gguf_unpermute.items())
     for t in reader.tensors:
-        if t.name in _SKIPPED:
+        if t.name in skipped:
             continue
-        name = hf_name(t.name)
+        name = hf_name(t.name, family)
         qtype = gguf_qtype(t)
         shape = tuple(int(d) for d in reversed(t.shape))
         heads = None
-        if permuted and (".q_proj." in name or ".k_proj." in name) and len(shape) == 2:
-            heads = arch.num_attention_heads if ".q_proj." in name else arch.num_key_value_heads
+        if len(shape) == 2:
+            heads = next((getattr(arch, count) for suffix, count in unpermute if name.endswith(suffix)), None)
         if keep is not None and path is not None and len(shape) == 2 and keep(name, qtype):
             data = read_blocks(path, t)
             if heads is not None:  # whole rows move, so blocks survive the permutation as they are

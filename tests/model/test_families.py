@@ -1,0 +1,155 @@
+"""Model families: one ``ModelFamily`` declaration is all the registry, ArchConfig and the GGUF loader
+need. A made-up family ("toy": the Llama class under other names, its own GGUF tensor names, llama.cpp's
+q/k permutation) is registered here and resolved by HF name, GGUF name and config.json model_type, and a
+GGUF file of it loads and computes what transformers computes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Collection, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gguf_blocks import finish_gguf, llama_cpp_permute, start_gguf
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from tideserve.model.arch_config import ArchConfig
+from tideserve.model.llama import LlamaForCausalLM
+from tideserve.model.loader import load_model
+from tideserve.model.registry import (
+    GGUFTensorMap,
+    ModelFamily,
+    family_for,
+    hf_architecture_for_gguf,
+    model_families,
+    register_family,
+    resolve_model_class,
+    supported_architectures,
+    unregister_family,
+)
+
+TOY_TENSORS = GGUFTensorMap(
+    global_names={"tok.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
+                  "head.weight": "lm_head.weight"},
+    block_names={"norm1": "input_layernorm", "norm2": "post_attention_layernorm", "q": "self_attn.q_proj",
+                 "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+                 "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"},
+    block_prefix="model.layers",
+)
+
+
+def toy_hf_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    return {"qkv_bias": bool(config.get("toy_bias", False)), "o_bias": False}
+
+
+def toy_gguf_fields(tensors: Collection[str]) -> dict[str, Any]:
+    return {"tie_word_embeddings": "head.weight" not in tensors}
+
+
+@pytest.fixture
+def toy() -> Iterator[ModelFamily]:
+    family = register_family(ModelFamily(
+        name="toy",
+        model_class="tideserve.model.llama:LlamaForCausalLM",
+        hf_architectures=("ToyForCausalLM",),
+        gguf_architectures={"toy": "ToyForCausalLM"},
+        model_types={"toy": "ToyForCausalLM"},
+        gguf_tensors=TOY_TENSORS,
+        gguf_unpermute={"self_attn.q_proj.weight": "num_attention_heads",
+                        "self_attn.k_proj.weight": "num_key_value_heads"},
+        hf_config_fields=toy_hf_fields,
+        gguf_config_fields=toy_gguf_fields,
+    ))
+    yield family
+    unregister_family("toy")
+
+
+CONFIG = {"vocab_size": 32, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
+          "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def test_a_registered_family_resolves_by_every_name(toy: ModelFamily) -> None:
+    assert family_for("ToyForCausalLM") is toy and family_for("toy") is toy
+    assert hf_architecture_for_gguf("toy") == "ToyForCausalLM"
+    assert resolve_model_class("ToyForCausalLM") is LlamaForCausalLM
+    assert resolve_model_class("toy") is LlamaForCausalLM
+    assert {"ToyForCausalLM", "toy", "LlamaForCausalLM", "qwen2"} <= set(supported_architectures())
+    arch = ArchConfig.from_hf_config({**CONFIG, "model_type": "toy", "toy_bias": True})
+    assert arch.architecture == "ToyForCausalLM" and arch.qkv_bias and not arch.o_bias
+
+
+def test_unregistered_family_is_unknown_again(toy: ModelFamily) -> None:
+    unregister_family("toy")
+    try:
+        with pytest.raises(ValueError, match=r"unsupported GGUF general.architecture 'toy'; .*qwen2"):
+            hf_architecture_for_gguf("toy")
+        with pytest.raises(ValueError, match="'ToyForCausalLM'"):
+            ArchConfig.from_hf_config({**CONFIG, "architectures": ["ToyForCausalLM"]})
+    finally:
+        register_family(toy)  # the fixture unregisters it
+
+
+def test_names_belong_to_one_family(toy: ModelFamily) -> None:
+    with pytest.raises(ValueError, match=r"'toy2': toy already registered by family 'toy'"):
+        register_family(ModelFamily(name="toy2", model_class="x:Y", hf_architectures=("Toy2",),
+                                    gguf_architectures={"toy": "Toy2"}))
+    with pytest.raises(ValueError, match=r"model_class='nocolon' must be 'module:Class'"):
+        ModelFamily(name="bad", model_class="nocolon", hf_architectures=("Bad",))
+    with pytest.raises(ValueError, match=r"'bad': Other not in hf_architectures"):
+        ModelFamily(name="bad", model_class="x:Y", hf_architectures=("Bad",), gguf_architectures={"bad": "Other"})
+    assert family_for("toy") is toy and "toy2" not in {f.name for f in model_families()}
+
+
+def test_builtin_families() -> None:
+    assert {f.name for f in model_families()} >= {"llama", "qwen2"}
+    llama, qwen2 = family_for("llama"), family_for("Qwen2ForCausalLM")
+    assert family_for("mistral") is llama and family_for("MistralForCausalLM") is llama
+    assert llama.gguf_unpermute and not qwen2.gguf_unpermute  # llama.cpp permutes llama's q/k, not qwen2's
+
+
+def test_families_and_arch_config_need_no_torch() -> None:
+    """Parsing a config reads the family declarations only: no torch, no model module."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from tideserve.model.arch_config import ArchConfig\n"
+        "from tideserve.model.registry import supported_architectures\n"
+        f"a = ArchConfig.from_hf_config({{**{CONFIG!r}, 'architectures': ['Qwen2ForCausalLM']}})\n"
+        "assert a.qkv_bias and 'llama' in supported_architectures()\n"
+        "assert 'tideserve.model.llama' not in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_toy_gguf_loads_through_its_declaration(toy: ModelFamily, tmp_path: Path, mixed_batch: Any) -> None:
+    """The file uses the toy tensor names and permuted q/k rows; only the declaration tells the loader."""
+    config = LlamaConfig(**{**CONFIG, "vocab_size": 256}, max_position_embeddings=128, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.1)
+    to_gguf = {hf: g for g, hf in TOY_TENSORS.global_names.items()}
+    blocks = {hf: g for g, hf in TOY_TENSORS.block_names.items()}
+    path = tmp_path / "toy.gguf"
+    writer = start_gguf(path, "toy", config)
+    for name, param in hf_model.named_parameters():
+        w = param.detach().numpy().astype(np.float32)
+        if name not in to_gguf:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            to_gguf[name] = f"blk.{layer}.{blocks[module]}.{kind}"
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = llama_cpp_permute(w, config.num_attention_heads if "q_proj" in name else config.num_key_value_heads)
+        writer.add_tensor(to_gguf[name], w)
+    finish_gguf(writer)
+
+    loaded = load_model(str(path), dtype="float32")
+    assert loaded.arch.architecture == "ToyForCausalLM" and not loaded.arch.tie_word_embeddings
+    assert isinstance(loaded.model, LlamaForCausalLM)
+    mixed_batch(loaded.arch.vocab_size).assert_matches(loaded.model, hf_model)
