@@ -1,7 +1,9 @@
 """The command-line reference (docs/configuration.md), written from the parser itself.
 
-The flags, their defaults and their help live in one place, ``tideserve.cli``; this renders them so the
-document cannot drift from what the parser accepts (tests/test_cli_reference.py compares the two).
+The engine's flags, their defaults, choices and help are declared once, on the config dataclasses
+(tideserve/settings.py generates the parser's engine groups from them); the server's flags live in
+``tideserve.cli``. This renders the parser, so the document cannot drift from what it accepts
+(tests/test_cli_reference.py compares the two).
 
     python -m tideserve.cli_reference > docs/configuration.md
 """
