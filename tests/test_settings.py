@@ -164,3 +164,26 @@ def test_a_field_added_to_a_config_shows_up_in_the_parser_the_args_and_the_doc(m
     add_setting_arguments(ns, settings)
     values = values_from(ns.parse_args(["--max-num-waves", "1"]), settings)
     assert build_config(_WiderScheduler, settings, args_class(**values)).max_num_waves == 1
+
+
+def test_every_server_setting_is_a_serve_flag_and_reaches_server_config(monkeypatch):
+    from tideserve.cli import server_config
+    from tideserve.serve.config import SERVER_SETTINGS, ServerConfig
+
+    declared = {s.field_name for s in SERVER_SETTINGS}
+    assert {f.name for f in dataclasses.fields(ServerConfig)} - declared == {"max_n"}  # no flag, by design
+    actions = _serve_actions()
+    doc = DOC.read_text()
+    for s in SERVER_SETTINGS:
+        assert actions[s.flag].dest == s.name and actions[s.flag].default == s.arg_default, s.name
+        assert f"| `{s.flag}` |" in doc, s.flag
+    monkeypatch.delenv("TIDESERVE_API_KEY", raising=False)
+    assert server_config(parse_command_line(["serve"]).ns) == ServerConfig()
+    cl = parse_command_line(["serve", "--port", "9001", "--api-key", "a", "--api-key", "b", "--max-body-size",
+                             "1MiB", "--disable-log-stats", "--engine-stall-timeout", "0"])
+    assert cl.errors == []
+    config = server_config(cl.ns)
+    assert (config.port, config.api_keys, config.max_body_bytes) == (9001, ("a", "b"), 2**20)
+    assert config.disable_log_stats and config.engine_stall_timeout == 0
+    monkeypatch.setenv("TIDESERVE_API_KEY", "sk-env")
+    assert server_config(parse_command_line(["serve"]).ns).api_keys == ("sk-env",)

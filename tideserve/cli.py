@@ -23,20 +23,10 @@ from tideserve.cli_compat import (
     unknown_flag_messages,
 )
 from tideserve.sampling_params import SamplingParams
-from tideserve.settings import add_setting_arguments, values_from
+from tideserve.settings import add_setting_arguments, build_config, values_from
 
 logger = logging.getLogger("tideserve.cli")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-def _size(text: str) -> int:
-    """'4GiB', '512MiB', '2GB' or a plain byte count."""
-    from tideserve.config import parse_size
-
-    try:
-        return int(parse_size(text, "size"))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_global_options(p: argparse.ArgumentParser, top: bool) -> None:
@@ -127,56 +117,21 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
+    """The model positional, the server's flags (generated from the settings declared on ServerConfig),
+    then vLLM's server flags that mean nothing here."""
+    from tideserve.serve.config import SERVER_SETTINGS
+
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vLLM takes it (`tideserve serve MODEL`); same as --model")
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (0.0.0.0: every interface, as in a container)")
-    g.add_argument("--port", type=int, default=8000, help="TCP port")
-    g.add_argument("--served-model-name", default=None,
-                   help="name(s) clients use, comma-separated (default: derived from the model file)")
-    g.add_argument("--api-key", action="append", default=None,
-                   help="require 'Authorization: Bearer KEY' (repeatable; default: $TIDESERVE_API_KEY)")
-    g.add_argument("--rate-limit", type=int, default=None, help="requests per minute per API key")
-    g.add_argument("--max-queue", type=int, default=None,
-                   help="waiting requests beyond which new ones get 429")
-    g.add_argument("--max-logprobs", type=int, default=20,
-                   help="largest logprobs / top_logprobs / prompt_logprobs a request may ask for")
-    g.add_argument("--max-body-size", type=_size, default=16 * 2**20, help="largest request body, e.g. 16MiB")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM waits for in-flight requests")
-    g.add_argument("--engine-stall-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="an engine step running longer than this turns /health to 503 (0: never; default 60, "
-                        "well above a full-budget CPU step of a 7-8B model)")
-    g.add_argument("--log-prompts", action="store_true", help="log prompt text (off: only token counts)")
-    g.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template, or the path of a file holding one, used instead of the model's "
-                        "(a request's chat_template field still wins)")
-    g.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput/KV-usage log lines")
-    g.add_argument("--uvicorn-log-level", default="warning",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="the HTTP server's own log level (access lines are tideserve's)")
-    from tideserve.serve.openai.tool_parsers import TOOL_PARSERS
-
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
-    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                   help="the model's tool-call format: hermes (Hermes, Qwen2.5), llama3_json (Llama 3.x), "
-                        "mistral")
+    add_setting_arguments(p, SERVER_SETTINGS)
     add_foreign_flags(p, SERVER_FLAGS, "vLLM server flags with no meaning here (a warning, or an error "
                                        "with the reason)")
 
 
 def server_config(ns: argparse.Namespace):
-    from tideserve.serve.config import ServerConfig, api_keys_from
+    from tideserve.serve.config import SERVER_SETTINGS, ServerConfig
 
-    return ServerConfig(
-        host=ns.host, port=ns.port, served_model_name=ns.served_model_name,
-        api_keys=api_keys_from(ns.api_key), rate_limit=ns.rate_limit, max_queue=ns.max_queue,
-        max_logprobs=ns.max_logprobs, log_prompts=ns.log_prompts, max_body_bytes=ns.max_body_size,
-        shutdown_timeout=ns.shutdown_timeout, engine_stall_timeout=ns.engine_stall_timeout,
-        uvicorn_log_level=ns.uvicorn_log_level, chat_template=ns.chat_template,
-        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
+    return build_config(ServerConfig, SERVER_SETTINGS, ns)
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -187,7 +142,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     config = server_config(ns)
     args = EngineArgs(**engine_kwargs(ns))
     args.configs()  # validate engine flags before the server starts listening
-    stats_interval = None if ns.disable_log_stats else 5.0
+    stats_interval = None if config.disable_log_stats else 5.0
     return run_server(config, lambda: AsyncEngine.from_engine_args(
         args, max_queue=config.max_queue, log_stats_interval=stats_interval))
 

@@ -34,7 +34,9 @@ class Setting:
     without chunked prefill); the field's default is then what the help text quotes. ``bool_flags`` for a
     bool: "auto" is ``--x`` for a default of False and ``--x`` plus ``--no-x`` for True; "no" is
     ``--no-x`` alone. ``parser_choices=False`` shows the choices as the metavar but leaves the check
-    to the config, whose error explains more than argparse's "invalid choice"."""
+    to the config, whose error explains more than argparse's "invalid choice". ``action`` is argparse's
+    (``"append"`` for a repeatable flag); ``convert`` turns the keyword's value, None included, into the
+    field's (``--api-key`` values, or $TIDESERVE_API_KEY when none is given)."""
 
     help: str | None = None
     group: str = ENGINE_GROUP
@@ -47,6 +49,8 @@ class Setting:
     type: Callable[[str], Any] | None = None
     bool_flags: str = "auto"
     unset: bool = False
+    action: str | None = None
+    convert: Callable[[Any], Any] | None = None
 
 
 def setting(default: Any, **kwargs: Any) -> Any:
@@ -112,7 +116,9 @@ def build_config(config: type, settings: Iterable[SettingField], values: Any, ba
         if not issubclass(config, s.config):
             continue
         value = getattr(values, s.name)
-        if s.spec.unset and value is None:
+        if s.spec.convert is not None:
+            value = s.spec.convert(value)
+        elif s.spec.unset and value is None:
             continue
         kwargs[s.field_name] = value
     if base is None:
@@ -153,6 +159,8 @@ def add_setting_arguments(parser: argparse.ArgumentParser, settings: Sequence[Se
         cli_type = _cli_type(s)
         if cli_type is not None:
             kwargs["type"] = cli_type
+        if spec.action is not None:
+            kwargs["action"] = spec.action
         if spec.choices is not None and spec.parser_choices:
             kwargs["choices"] = list(spec.choices)
         metavar = spec.metavar
