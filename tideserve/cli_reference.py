@@ -23,6 +23,14 @@ vLLM's flags that mean nothing here are listed in their own groups: those marked
 with a one-line warning (ignoring them cannot change a result); those marked "refused" stop the server
 with the reason and what to do instead. A flag that is neither gets argparse's error with the closest
 real flags. Every request field is described in `docs/api.md`; metrics in `docs/metrics.md`.
+
+Each flag of the engine and KV cache groups is also a field of `EngineArgs` and a keyword of `LLM(...)`:
+its name with underscores (`--max-num-seqs` is `max_num_seqs`, `--kv-cache-shrink-delay` is
+`kv_cache_shrink_delay`), with the same default; a misspelt keyword is a `ValueError` that names the
+closest one. These settings, and the server's, are declared once, as fields of the config dataclasses
+(`tideserve/config.py`, `ElasticConfig`, `ServerConfig`) written with `setting(default, help=...,
+choices=...)`; the parser, `EngineArgs`, the keyword check and this page are generated from them
+(`tideserve/settings.py`), so a new setting is one field.
 """
 
 
