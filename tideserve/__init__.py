@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "tideserve.engine.llm",
     "LLMEngine": "tideserve.engine.llm_engine",
-    "EngineArgs": "tideserve.engine.llm_engine",
+    "EngineArgs": "tideserve.engine.arg_utils",
     "AsyncEngine": "tideserve.engine.async_engine",
     "AsyncLLMEngine": "tideserve.engine.async_engine",
     "SamplingParams": "tideserve.sampling_params",

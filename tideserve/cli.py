@@ -22,25 +22,11 @@ from tideserve.cli_compat import (
     repair_dashes,
     unknown_flag_messages,
 )
-from tideserve.config import DTYPE_ALIASES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES
 from tideserve.sampling_params import SamplingParams
+from tideserve.settings import add_setting_arguments, build_config, values_from
 
 logger = logging.getLogger("tideserve.cli")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-def _size(text: str) -> int:
-    """'4GiB', '512MiB', '2GB' or a plain byte count."""
-    from tideserve.config import parse_size
-
-    try:
-        return int(parse_size(text, "size"))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _block_size(text: str) -> int | str:
-    return "auto" if text == "auto" else int(text)
 
 
 def add_global_options(p: argparse.ArgumentParser, top: bool) -> None:
@@ -54,75 +40,21 @@ def add_global_options(p: argparse.ArgumentParser, top: bool) -> None:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file, HF directory or hub id (default: embedded SmolLM2)")
-    g.add_argument("--dtype", default="auto", choices=[*DTYPES, *DTYPE_ALIASES],
-                   help="auto: bfloat16 where the device computes it fast, else float32 (half = float16, "
-                        "float = float32)")
-    g.add_argument("--device", default="auto")
-    g.add_argument("--quantization", "-q", default="auto", metavar="{" + ",".join(QUANTIZATIONS) + "}",
-                   help="auto (default): a quantized GGUF runs on its own blocks (gguf), anything else in float; "
-                        "gguf: keep a GGUF file's blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K) for the native "
-                        "kernels; none: dequantize to --dtype (the float reference); int8: int8 GEMMs for every "
-                        "linear layer (CPU, fbgemm); int4: 4-bit blocks for every linear layer, quantized at load. "
-                        "awq/gptq/fp8 checkpoints cannot be read")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="max_model_len: context length in tokens, prompt plus output (default: the model's "
-                        "trained context)")
-    g.add_argument("--allow-long-max-model-len", action="store_true")
-    g.add_argument("--max-num-seqs", type=int, default=128, help="max_num_seqs: requests in one batch")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per step (default 2048; without chunked prefill at least max_model_len)")
-    g.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill", action="store_true", default=True,
-                   help="on by default, as in vLLM")
-    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
-                   help="fcfs: arrival order; priority: by each request's priority field (lower first, then "
-                        "arrival), preempting lower-priority requests for higher ones")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--no-adaptive-threads", dest="adaptive_threads", action="store_false",
-                   help="keep the intra-op thread count fixed even when other processes take cores")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="accepted for vLLM's scripts: no CUDA graphs are captured yet, so steps already run "
-                        "eagerly; once graph capture exists on CUDA this turns it off")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="only 1: tensor parallelism is not implemented yet (run one server per device)")
-    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="only 1 (not implemented yet)")
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="only 1: run one server per device behind a load balancer instead")
-    kv = p.add_argument_group("KV cache (elastic by default: sized from measurement, grows and shrinks)")
-    kv.add_argument("--block-size", type=_block_size, default="auto",
-                    help="8, 16, 32, 64, 128 or auto (chosen from the workload)")
-    kv.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory",
-                    default=None, help="fix the pool at this size: 4GiB, 512M, 2e9 or bytes (static mode)")
-    kv.add_argument("--gpu-memory-utilization", type=float, default=None,
-                    help="fix the pool at this share of device (or host) memory (static mode)")
-    kv.add_argument("--num-blocks", "--num-gpu-blocks-override", dest="num_blocks", type=int, default=None,
-                    help="fix the pool at this many blocks")
-    kv.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                    help="auto: the model's dtype (bfloat16 for a GGUF's own blocks on CPUs with fast bf16); "
-                         "bfloat16 holds twice the tokens of float32 per byte and halves the bytes decode "
-                         "attention reads")
-    kv.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
-                    default=True)
-    kv.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    kv.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    kv.add_argument("--swap-space", default=4.0,
-                    help="host memory for swap preemption: 16G, 4GiB, 512M, or a bare number of GiB (default 4)")
-    kv.add_argument("--kv-cache-shrink-delay", type=float, default=None, metavar="SECONDS",
-                    help="elastic pool: how long usage stays low before the pool gives memory back (default 5)")
+    """The engine's flags, generated from the settings declared on the config dataclasses (one flag per
+    EngineArgs field; see tideserve/settings.py), then vLLM's engine flags that mean nothing here."""
+    from tideserve.engine.arg_utils import ENGINE_SETTINGS
+
+    add_setting_arguments(p, ENGINE_SETTINGS)
     add_foreign_flags(p, ENGINE_FLAGS, "vLLM engine flags with no meaning here (a warning, or an error "
                                        "with the reason)")
     p.set_defaults(_has_engine_args=True)
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:
-    keys = ["model", "dtype", "device", "max_model_len", "allow_long_max_model_len", "max_num_seqs",
-            "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policy", "block_size", "num_blocks",
-            "kv_cache_memory", "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching", "preemption_mode",
-            "swap_space", "seed", "quantization", "adaptive_threads", "kv_cache_shrink_delay", "enforce_eager",
-            "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"]
-    return {k: getattr(ns, k) for k in keys}
+    """The EngineArgs keywords of a parsed command line."""
+    from tideserve.engine.arg_utils import ENGINE_SETTINGS
+
+    return values_from(ns, ENGINE_SETTINGS)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -185,56 +117,21 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
+    """The model positional, the server's flags (generated from the settings declared on ServerConfig),
+    then vLLM's server flags that mean nothing here."""
+    from tideserve.serve.config import SERVER_SETTINGS
+
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vLLM takes it (`tideserve serve MODEL`); same as --model")
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (0.0.0.0: every interface, as in a container)")
-    g.add_argument("--port", type=int, default=8000, help="TCP port")
-    g.add_argument("--served-model-name", default=None,
-                   help="name(s) clients use, comma-separated (default: derived from the model file)")
-    g.add_argument("--api-key", action="append", default=None,
-                   help="require 'Authorization: Bearer KEY' (repeatable; default: $TIDESERVE_API_KEY)")
-    g.add_argument("--rate-limit", type=int, default=None, help="requests per minute per API key")
-    g.add_argument("--max-queue", type=int, default=None,
-                   help="waiting requests beyond which new ones get 429")
-    g.add_argument("--max-logprobs", type=int, default=20,
-                   help="largest logprobs / top_logprobs / prompt_logprobs a request may ask for")
-    g.add_argument("--max-body-size", type=_size, default=16 * 2**20, help="largest request body, e.g. 16MiB")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM waits for in-flight requests")
-    g.add_argument("--engine-stall-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="an engine step running longer than this turns /health to 503 (0: never; default 60, "
-                        "well above a full-budget CPU step of a 7-8B model)")
-    g.add_argument("--log-prompts", action="store_true", help="log prompt text (off: only token counts)")
-    g.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template, or the path of a file holding one, used instead of the model's "
-                        "(a request's chat_template field still wins)")
-    g.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput/KV-usage log lines")
-    g.add_argument("--uvicorn-log-level", default="warning",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="the HTTP server's own log level (access lines are tideserve's)")
-    from tideserve.serve.openai.tool_parsers import TOOL_PARSERS
-
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
-    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                   help="the model's tool-call format: hermes (Hermes, Qwen2.5), llama3_json (Llama 3.x), "
-                        "mistral")
+    add_setting_arguments(p, SERVER_SETTINGS)
     add_foreign_flags(p, SERVER_FLAGS, "vLLM server flags with no meaning here (a warning, or an error "
                                        "with the reason)")
 
 
 def server_config(ns: argparse.Namespace):
-    from tideserve.serve.config import ServerConfig, api_keys_from
+    from tideserve.serve.config import SERVER_SETTINGS, ServerConfig
 
-    return ServerConfig(
-        host=ns.host, port=ns.port, served_model_name=ns.served_model_name,
-        api_keys=api_keys_from(ns.api_key), rate_limit=ns.rate_limit, max_queue=ns.max_queue,
-        max_logprobs=ns.max_logprobs, log_prompts=ns.log_prompts, max_body_bytes=ns.max_body_size,
-        shutdown_timeout=ns.shutdown_timeout, engine_stall_timeout=ns.engine_stall_timeout,
-        uvicorn_log_level=ns.uvicorn_log_level, chat_template=ns.chat_template,
-        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
+    return build_config(ServerConfig, SERVER_SETTINGS, ns)
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -245,7 +142,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     config = server_config(ns)
     args = EngineArgs(**engine_kwargs(ns))
     args.configs()  # validate engine flags before the server starts listening
-    stats_interval = None if ns.disable_log_stats else 5.0
+    stats_interval = None if config.disable_log_stats else 5.0
     return run_server(config, lambda: AsyncEngine.from_engine_args(
         args, max_queue=config.max_queue, log_stats_interval=stats_interval))
 
@@ -312,7 +209,7 @@ def parse_command_line(argv: Sequence[str] | None = None,
     cl.warnings += foreign_warnings
     cl.errors += foreign_errors
     if getattr(ns, "_has_engine_args", False):
-        from tideserve.engine.llm_engine import EngineArgs
+        from tideserve.engine.arg_utils import EngineArgs
 
         try:
             EngineArgs(**engine_kwargs(ns)).configs()

@@ -1,7 +1,9 @@
 """The command-line reference (docs/configuration.md), written from the parser itself.
 
-The flags, their defaults and their help live in one place, ``tideserve.cli``; this renders them so the
-document cannot drift from what the parser accepts (tests/test_cli_reference.py compares the two).
+The engine's flags, their defaults, choices and help are declared once, on the config dataclasses
+(tideserve/settings.py generates the parser's engine groups from them); the server's flags live in
+``tideserve.cli``. This renders the parser, so the document cannot drift from what it accepts
+(tests/test_cli_reference.py compares the two).
 
     python -m tideserve.cli_reference > docs/configuration.md
 """
@@ -21,6 +23,14 @@ vLLM's flags that mean nothing here are listed in their own groups: those marked
 with a one-line warning (ignoring them cannot change a result); those marked "refused" stop the server
 with the reason and what to do instead. A flag that is neither gets argparse's error with the closest
 real flags. Every request field is described in `docs/api.md`; metrics in `docs/metrics.md`.
+
+Each flag of the engine and KV cache groups is also a field of `EngineArgs` and a keyword of `LLM(...)`:
+its name with underscores (`--max-num-seqs` is `max_num_seqs`, `--kv-cache-shrink-delay` is
+`kv_cache_shrink_delay`), with the same default; a misspelt keyword is a `ValueError` that names the
+closest one. These settings, and the server's, are declared once, as fields of the config dataclasses
+(`tideserve/config.py`, `ElasticConfig`, `ServerConfig`) written with `setting(default, help=...,
+choices=...)`; the parser, `EngineArgs`, the keyword check and this page are generated from them
+(`tideserve/settings.py`), so a new setting is one field.
 """
 
 

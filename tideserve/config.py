@@ -9,7 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tideserve.settings import KV_GROUP, setting
+
 VALID_BLOCK_SIZES = (8, 16, 32, 64, 128)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 _SIZE_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
@@ -62,6 +65,11 @@ def parse_gib(value: int | float | str, name: str) -> float:
     return number if factor is None else number * factor / 2**30
 
 
+def _block_size(text: str) -> int | str:
+    """--block-size: a number or "auto" (named so argparse's error reads "invalid _block_size value")."""
+    return "auto" if text == "auto" else int(text)
+
+
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -70,13 +78,26 @@ class CacheConfig:
     """KV cache settings. The pool is elastic (sized from measurement, grows and shrinks with load)
     unless num_blocks, kv_cache_memory or gpu_memory_utilization fixes it."""
 
-    block_size: int | str = "auto"  # 8, 16, 32, 64, 128 or "auto" (chosen from the workload)
-    num_blocks: int | None = None  # fixed pool size in blocks (tests, preemption experiments)
-    kv_cache_memory: int | str | None = None  # fixed pool size in bytes, e.g. "4GiB"
-    gpu_memory_utilization: float | None = None  # fixed pool: this share of the device (or host) memory
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype), float32, bfloat16 or float16
-    enable_prefix_caching: bool = True
-    swap_space: float | str = 4.0  # GiB of host memory for preemption_mode="swap"; "16G", "512MiB" too
+    block_size: int | str = setting(
+        "auto", group=KV_GROUP, type=_block_size,
+        help=f"{', '.join(map(str, VALID_BLOCK_SIZES))} or auto (chosen from the workload)")
+    # fixed pool size in blocks (tests, preemption experiments)
+    num_blocks: int | None = setting(None, group=KV_GROUP, aliases=("--num-gpu-blocks-override",),
+                                     help="fix the pool at this many blocks")
+    kv_cache_memory: int | str | None = setting(  # parsed to bytes in __post_init__
+        None, group=KV_GROUP, aliases=("--kv-cache-memory-bytes",),
+        help="fix the pool at this size: 4GiB, 512M, 2e9 or bytes (static mode)")
+    gpu_memory_utilization: float | None = setting(
+        None, group=KV_GROUP, help="fix the pool at this share of device (or host) memory (static mode)")
+    kv_cache_dtype: str = setting(
+        "auto", group=KV_GROUP, choices=KV_CACHE_DTYPES,
+        help="auto: the model's dtype (bfloat16 for a GGUF's own blocks on CPUs with fast bf16); bfloat16 holds "
+             "twice the tokens of float32 per byte and halves the bytes decode attention reads")
+    enable_prefix_caching: bool = setting(True, group=KV_GROUP)
+    # GiB of host memory for preemption_mode="swap" (parsed to GiB in __post_init__)
+    swap_space: float | str = setting(
+        4.0, group=KV_GROUP,
+        help="host memory for swap preemption: 16G, 4GiB, 512M, or a bare number of GiB (default {default:g})")
 
     def __post_init__(self) -> None:
         if self.block_size != "auto" and self.block_size not in VALID_BLOCK_SIZES:
@@ -110,16 +131,24 @@ class CacheConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"
+    max_num_seqs: int = setting(128, help="max_num_seqs: requests in one batch")
+    # EngineArgs' None: this default with chunked prefill; without it, at least max_model_len (the engine
+    # raises it so a prompt runs in one step)
+    max_num_batched_tokens: int = setting(
+        DEFAULT_MAX_NUM_BATCHED_TOKENS, unset=True,
+        help="tokens per step (default {default}; without chunked prefill at least max_model_len)")
+    enable_chunked_prefill: bool = setting(True, help="on by default, as in vLLM")
+    preemption_mode: str = setting("recompute", group=KV_GROUP, choices=PREEMPTION_MODES)
     # fcfs: arrival order; priority: by each request's priority (lower first), then arrival (vLLM's).
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = setting(
+        "fcfs", choices=SCHEDULING_POLICIES,
+        help="fcfs: arrival order; priority: by each request's priority field (lower first, then arrival), "
+             "preempting lower-priority requests for higher ones")
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
@@ -128,7 +157,7 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}."
             )
-        if self.preemption_mode not in ("recompute", "swap"):
+        if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}.")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
@@ -147,18 +176,32 @@ VLLM_CHECKPOINT_QUANTIZATIONS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "ma
 
 @dataclass
 class ModelConfig:
-    model: str | None = None  # local GGUF file, local HF directory or hub id; None = embedded default
-    dtype: str = "auto"  # also vLLM's aliases: half (float16), float (float32)
-    device: str = "auto"
-    max_model_len: int | None = None  # None = the model's trained context
-    allow_long_max_model_len: bool = False  # accept max_model_len beyond the trained context
-    seed: int = 0
+    # local GGUF file, local HF directory or hub id; None = embedded default
+    model: str | None = setting(None, help="GGUF file, HF directory or hub id (default: embedded SmolLM2)")
+    dtype: str = setting(  # also vLLM's aliases: half (float16), float (float32)
+        "auto", choices=(*DTYPES, *DTYPE_ALIASES),
+        help="auto: bfloat16 where the device computes it fast, else float32 (half = float16, float = float32)")
+    device: str = setting("auto")
+    max_model_len: int | None = setting(  # None = the model's trained context
+        None, help="max_model_len: context length in tokens, prompt plus output (default: the model's trained "
+                   "context)")
+    allow_long_max_model_len: bool = setting(False)  # accept max_model_len beyond the trained context
+    seed: int = setting(0)
     # auto: a quantized GGUF runs on its own blocks ("gguf"), anything else in float ("none"); int8, int4:
-    # quantized linear layers (see model/layers/quantization.py)
-    quantization: str | None = "auto"
+    # quantized linear layers (see model/layers/quantization.py). The parser leaves the check to
+    # _check_quantization, which explains vLLM's checkpoint formats.
+    quantization: str | None = setting(
+        "auto", aliases=("-q",), choices=QUANTIZATIONS, parser_choices=False,
+        help="auto (default): a quantized GGUF runs on its own blocks (gguf), anything else in float; gguf: keep a "
+             "GGUF file's blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K) for the native kernels; none: "
+             "dequantize to --dtype (the float reference); int8: int8 GEMMs for every linear layer (CPU, fbgemm); "
+             "int4: 4-bit blocks for every linear layer, quantized at load. awq/gptq/fp8 checkpoints cannot be "
+             "read")
     # Accepted for vLLM's scripts. There are no CUDA graphs yet, so every step already runs eagerly; once
     # graph capture exists on CUDA, this turns it off (as vLLM's --enforce-eager does).
-    enforce_eager: bool = False
+    enforce_eager: bool = setting(
+        False, help="accepted for vLLM's scripts: no CUDA graphs are captured yet, so steps already run eagerly; "
+                    "once graph capture exists on CUDA this turns it off")
 
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -188,12 +231,18 @@ def _check_quantization(method: str | None) -> str:
 
 @dataclass
 class ParallelConfig:
-    """How many devices one engine spans. tideserve runs one engine on one device today; the fields exist
-    so vLLM's scripts get an explanation instead of an unknown-argument error."""
+    """How many devices one engine spans, and whether its CPU threads follow the machine. tideserve runs
+    one engine on one device today; the size fields exist so vLLM's scripts get an explanation instead of
+    an unknown-argument error."""
 
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
+    tensor_parallel_size: int = setting(
+        1, aliases=("-tp",), help="only 1: tensor parallelism is not implemented yet (run one server per device)")
+    pipeline_parallel_size: int = setting(1, aliases=("-pp",), help="only 1 (not implemented yet)")
+    data_parallel_size: int = setting(
+        1, aliases=("-dp",), help="only 1: run one server per device behind a load balancer instead")
+    # CPU: follow the cores actually free (see engine/threads.py); read by the engine from EngineArgs
+    adaptive_threads: bool = setting(
+        True, bool_flags="no", help="keep the intra-op thread count fixed even when other processes take cores")
 
     def __post_init__(self) -> None:
         for name, flag, what in (

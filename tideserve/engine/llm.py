@@ -8,6 +8,7 @@ from typing import Any
 from tideserve.engine.llm_engine import EngineArgs, LLMEngine
 from tideserve.outputs import RequestOutput
 from tideserve.sampling_params import SamplingParams
+from tideserve.settings import check_names
 from tideserve.tokenizer.chat_template import load_chat_template
 
 Prompt = str | Sequence[int]
@@ -18,10 +19,7 @@ class LLM:
     """Runs a model over a batch of prompts with continuous batching; outputs come back in input order."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        known = set(EngineArgs.__dataclass_fields__) - {"extra"}
-        unknown = set(kwargs) - known
-        if unknown:
-            raise ValueError(f"unknown engine argument(s): {sorted(unknown)}; known: {sorted(known)}.")
+        check_names(kwargs, EngineArgs.field_names())  # a typo names the closest real argument
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
 
     @property

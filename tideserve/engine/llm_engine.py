@@ -10,17 +10,18 @@ import itertools
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from tideserve import native
-from tideserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, resolve_max_model_len
+from tideserve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheConfig, SchedulerConfig, resolve_max_model_len
 from tideserve.core.kv_cache.elastic import ElasticConfig, ElasticPolicy, MemoryAccount, safety_margin
 from tideserve.core.kv_cache.manager import KVCacheManager
 from tideserve.core.kv_cache.memory import MemoryProbe, SystemMemoryProbe
 from tideserve.core.scheduler import Scheduler
+from tideserve.engine.arg_utils import EngineArgs
 from tideserve.engine.output_processor import OutputProcessor
 from tideserve.engine.pool_controller import PoolController
 from tideserve.engine.stats import EngineStats
@@ -46,75 +47,6 @@ logger = logging.getLogger(__name__)
 GiB = 2**30
 # The "average request" a static pool must hold max_num_seqs of: a quarter of max_model_len, capped.
 AVERAGE_REQUEST_TOKENS = 512
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-
-
-@dataclass
-class EngineArgs:
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    allow_long_max_model_len: bool = False
-    max_num_seqs: int = 128
-    # None: 2048 with chunked prefill; without it, at least max_model_len (a prompt runs in one step)
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"  # or "priority": requests' priority (lower first), then arrival
-    block_size: int | str = "auto"
-    num_blocks: int | None = None
-    kv_cache_memory: int | str | None = None
-    gpu_memory_utilization: float | None = None
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16 halves the KV bytes of float32
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"
-    swap_space: float | str = 4.0  # GiB; "16G", "512MiB" too
-    seed: int = 0
-    quantization: str | None = "auto"  # a quantized GGUF runs on its own blocks; anything else in float
-    enforce_eager: bool = False  # no CUDA graphs exist yet, so steps already run eagerly (see ModelConfig)
-    tensor_parallel_size: int = 1  # only 1 today: ParallelConfig explains what to do instead
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    adaptive_threads: bool = True  # CPU: follow the cores actually free (see engine/threads.py)
-    memory_probe: MemoryProbe | None = None  # a test double answers for the machine
-    elastic: ElasticConfig | None = None  # watermarks and delays of the elastic pool
-    kv_cache_shrink_delay: float | None = None  # seconds of low usage before the pool shrinks (elastic)
-
-    @classmethod
-    def coerce(cls, args: EngineArgs | Mapping[str, Any]) -> EngineArgs:
-        """``args`` itself, or EngineArgs from a dict of its fields (vLLM scripts pass either); unknown keys
-        are a ValueError that lists them and the known ones."""
-        if isinstance(args, EngineArgs):
-            return args
-        if not isinstance(args, Mapping):
-            raise ValueError(f"engine args must be an EngineArgs or a dict of its fields, got {type(args).__name__}.")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(args) - known)
-        if unknown:
-            raise ValueError(f"unknown engine argument(s): {unknown}; known: {sorted(known)}.")
-        return cls(**args)
-
-    def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size)
-
-    def elastic_config(self) -> ElasticConfig:
-        config = self.elastic or ElasticConfig()
-        if self.kv_cache_shrink_delay is not None:
-            config = replace(config, shrink_delay_s=self.kv_cache_shrink_delay)
-        return config
-
-    def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
-        self.parallel_config()  # first: a multi-device layout is the first thing to fix
-        return (
-            ModelConfig(self.model, self.dtype, self.device, self.max_model_len,
-                        self.allow_long_max_model_len, self.seed, self.quantization, self.enforce_eager),
-            CacheConfig(self.block_size, self.num_blocks, self.kv_cache_memory, self.gpu_memory_utilization,
-                        kv_cache_dtype=self.kv_cache_dtype, enable_prefix_caching=self.enable_prefix_caching,
-                        swap_space=self.swap_space),
-            SchedulerConfig(self.max_num_seqs, DEFAULT_MAX_NUM_BATCHED_TOKENS if self.max_num_batched_tokens is None
-                            else self.max_num_batched_tokens,
-                            self.enable_chunked_prefill, self.preemption_mode, self.scheduling_policy),
-        )
 
 
 def resolve_device(name: str) -> torch.device:

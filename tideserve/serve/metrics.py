@@ -24,6 +24,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tideserve.config import VALID_BLOCK_SIZES
 from tideserve.engine.stats import EngineStats
 from tideserve.outputs import RequestOutput
 
@@ -31,7 +32,7 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0)
-_BLOCK_SIZE_BUCKETS = (8, 16, 32, 64, 128)
+_BLOCK_SIZE_BUCKETS = VALID_BLOCK_SIZES  # one bucket per block size the pool can take
 _HTTP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 # (name, help, EngineStats field, scale) of the gauges read from the snapshot.

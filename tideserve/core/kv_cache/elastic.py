@@ -21,8 +21,10 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from tideserve.config import VALID_BLOCK_SIZES as BLOCK_SIZES
+from tideserve.settings import KV_GROUP, setting
+
 MARGIN_FLOOR = 256 * 2**20
-BLOCK_SIZES = (8, 16, 32, 64, 128)
 # Cost of one more block per request, in token slots: one more block-table entry to carry and one more
 # gather to issue. Weighs table/gather overhead against the unused slots of last blocks.
 BLOCK_OVERHEAD_SLOTS = 2.0
@@ -79,7 +81,9 @@ class MemoryAccount:
 class ElasticConfig:
     high_watermark: float = 0.85  # grow when usage crosses this
     low_watermark: float = 0.30  # shrink when usage stays under this ...
-    shrink_delay_s: float = 5.0  # ... for this long
+    shrink_delay_s: float = setting(  # ... for this long (EngineArgs' kv_cache_shrink_delay)
+        5.0, name="kv_cache_shrink_delay", group=KV_GROUP, unset=True, metavar="SECONDS",
+        help="elastic pool: how long usage stays low before the pool gives memory back (default {default:g})")
     # Each growth step multiplies the pool by this (at least). Growth copies nothing, so small steps are
     # cheap, and they keep a bursting pool close to what it needs (what a neighbour cannot take).
     grow_factor: float = 1.25
