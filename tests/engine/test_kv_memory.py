@@ -193,7 +193,7 @@ def test_block_size_changes_only_while_nothing_holds_kv(reference, garbage_pool,
     for new_block_size in (64, 8):
         assert engine.pool.change_block_size(new_block_size, "test")  # idle now: the request just finished
         assert engine.kv_manager.block_size == engine.runner.block_size == new_block_size
-        assert engine.kv_manager.num_blocks == engine.runner.num_blocks
+        assert engine.kv_manager.num_blocks == engine.kv_storage.num_blocks
         assert token_lists(llm.generate(prompts, GREEDY)) == reference
     assert any("KV block size changed 16 -> 64 (no request held KV: nothing copied)" in r.message
                for r in caplog.records)
@@ -275,7 +275,7 @@ def test_bfloat16_kv_cache_halves_the_bytes_and_keeps_the_answers(reference, dec
     assert runner.kv_caches[0][0].dtype == torch.bfloat16 and runner.native_decode == (decode_path == "native")
     arch = llm.engine.arch
     bf16_bytes = 2 * arch.num_hidden_layers * 16 * arch.num_key_value_heads * arch.head_dim * 2
-    assert runner.kv_bytes_per_block(16) == bf16_bytes
+    assert llm.engine.kv_storage.bytes_per_block(16) == bf16_bytes
     got = token_lists(llm.generate(chats(llm), GREEDY))
     for ours, want in zip(got, reference):
         assert ours[:8] == want[:8]
@@ -323,7 +323,7 @@ def test_failed_growth_backs_off_and_the_engine_keeps_serving(reference, monkeyp
     caplog.set_level(logging.WARNING)
     llm = LLM(dtype="float32", max_model_len=512, enable_prefix_caching=False)
     engine = llm.engine
-    store = engine.runner.kv_store
+    store = engine.kv_storage.device_store
     floor = engine.kv_manager.num_blocks
     real_resize = store.resize
 
@@ -353,9 +353,9 @@ def test_failed_shrink_changes_nothing(reference, monkeypatch):
     def failing_resize(num_blocks):
         raise KVStoreGrowError("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(engine.runner.kv_store, "resize", failing_resize)
+    monkeypatch.setattr(engine.kv_storage.device_store, "resize", failing_resize)
     engine.pool.shrink(50, "test")
-    assert engine.kv_manager.num_blocks == engine.runner.num_blocks == 200
+    assert engine.kv_manager.num_blocks == engine.kv_storage.num_blocks == 200
     engine.kv_manager.check_invariants()
     monkeypatch.undo()
     assert token_lists(llm.generate(chats(llm), GREEDY)) == reference

@@ -38,7 +38,7 @@ from tideserve.request import Request, RequestStatus
 from tideserve.sampling_params import SamplingParams
 from tideserve.structured_output.manager import StructuredOutputManager
 from tideserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
-from tideserve.worker.kv_store import create_kv_store
+from tideserve.worker.kv_store import KVCacheStorage, KVLayout, create_kv_store
 from tideserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -168,26 +168,32 @@ class LLMEngine:
         block_size = cache_config.initial_block_size
         self.kv_dtype = self._auto_kv_dtype() if cache_config.kv_cache_dtype == "auto" \
             else getattr(torch, cache_config.kv_cache_dtype)
-        self.runner = ModelRunner(self.model, block_size, self.kv_dtype, self.device)
+        arch = self.arch
+        self.kv_storage = KVCacheStorage(
+            KVLayout(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, self.kv_dtype),
+            self.device, block_size)
+        self.runner = ModelRunner(self.model, self.kv_storage, self.device)
         logger.info("KV cache dtype %s (%d bytes per token); decode attention: %s",
-                    str(self.kv_dtype).removeprefix("torch."), self.runner.kv_bytes_per_block(1),
+                    str(self.kv_dtype).removeprefix("torch."), self.kv_storage.bytes_per_block(1),
                     f"native kernel ({native.kernel_isa(native.isa() or 'scalar')})" if self.runner.native_decode
                     else "torch")
         elastic = args.elastic_config()
         num_blocks, account, policy = self._plan_pool(cache_config, sched_config, elastic)
-        reserve = num_blocks * self.runner.kv_bytes_per_block()
+        reserve = num_blocks * self.kv_storage.bytes_per_block()
         if policy is not None:  # the largest the pool could ever reach: the whole machine (virtual only)
             reserve = max(reserve, account.budget_bytes, self.probe.total_bytes())
-        self.runner.attach_kv_store(create_kv_store(self.runner.layout, self.device, block_size, num_blocks,
-                                                    reserve, static=policy is None))
-        self.kv_manager = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching,
-                                         extra_key=self.model_name)
+        self.kv_storage.attach(create_kv_store(self.kv_storage.layout, self.device, block_size, num_blocks,
+                                               reserve, static=policy is None))
+        # The storage's geometry is the one source; the manager starts from it (and the pool controller
+        # keeps it following every resize and block-size change).
+        self.kv_manager = KVCacheManager(self.kv_storage.num_blocks, self.kv_storage.block_size,
+                                         cache_config.enable_prefix_caching, extra_key=self.model_name)
         swap_bytes = 0
         if sched_config.preemption_mode == "swap":
             swap_bytes = int(cache_config.swap_space * GiB)
-            num_swap = swap_bytes // self.runner.kv_bytes_per_block()
+            num_swap = swap_bytes // self.kv_storage.bytes_per_block()
             self.kv_manager.enable_swap(num_swap)
-            self.runner.allocate_swap(num_swap)
+            self.kv_storage.allocate_swap(num_swap)
         self.scheduler = Scheduler(sched_config, self.kv_manager, self.max_model_len)
         self.pool = PoolController(self.kv_manager, self.runner, self.scheduler, self.probe, account, policy,
                                    self.max_model_len, swap_bytes, cache_config.auto_block_size)
@@ -237,8 +243,8 @@ class LLMEngine:
                    elastic: ElasticConfig) -> tuple[int, MemoryAccount, ElasticPolicy | None]:
         """Size the pool from measurement (elastic) or from the user's fixed size (static, checked
         against the memory that exists)."""
-        per_block = self.runner.kv_bytes_per_block()
-        bs = self.runner.block_size
+        per_block = self.kv_storage.bytes_per_block()
+        bs = self.kv_storage.block_size
         blocks_one_request = -(-self.max_model_len // bs)
         weights = model_weight_bytes(self.model)
         activation = 0
