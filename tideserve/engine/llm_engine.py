@@ -21,6 +21,7 @@ from tideserve.core.kv_cache.elastic import ElasticConfig, ElasticPolicy, Memory
 from tideserve.core.kv_cache.manager import KVCacheManager
 from tideserve.core.kv_cache.memory import MemoryProbe, SystemMemoryProbe
 from tideserve.core.scheduler import Scheduler
+from tideserve.engine.loaded_model import match_loaded
 from tideserve.engine.output_processor import OutputProcessor
 from tideserve.engine.pool_controller import PoolController
 from tideserve.engine.stats import EngineStats
@@ -32,7 +33,7 @@ from tideserve.model.layers.quantization import (
     model_weight_bytes,
     quantize_model,
 )
-from tideserve.model.loader import load_model
+from tideserve.model.loader import LoadedModel, load_model
 from tideserve.outputs import RequestOutput
 from tideserve.request import Request, RequestStatus
 from tideserve.sampling_params import SamplingParams
@@ -127,19 +128,25 @@ def resolve_device(name: str) -> torch.device:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs | Mapping[str, Any]) -> None:
+    """Two ways in: ``from_engine_args(args)`` loads the model and tokenizer named by ``args``;
+    ``LLMEngine(args, loaded, tokenizer)`` (or ``from_loaded``) builds over a model already loaded, which
+    several engines may share (its weights are read-only; each engine owns its KV cache, scheduler and
+    runner). Either way the settings in ``args`` must describe the model (engine/loaded_model.py)."""
+
+    def __init__(self, args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
+                 tokenizer: Tokenizer | None = None) -> None:
         args = EngineArgs.coerce(args)
         model_config, cache_config, sched_config = args.configs()
         self.args = args
-        self.device = resolve_device(model_config.device)
+        requested = None if model_config.device == "auto" else resolve_device(model_config.device)
+        loaded, self.device = match_loaded(model_config, loaded, requested)
         torch.manual_seed(model_config.seed)
-        loaded = load_model(model_config.model, model_config.dtype, self.device, model_config.quantization)
         self.model = loaded.model
         self.arch = loaded.arch
         self.dtype = loaded.dtype
         self.model_path = loaded.path
         self.model_name = loaded.name
-        self.tokenizer: Tokenizer = load_tokenizer(loaded.path)
+        self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else load_tokenizer(loaded.path)
         self.quantization = loaded.quantization  # "auto" resolved by the loader
         if self.quantization == "int8":
             act_max = calibrate(self.model, self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False),
@@ -212,8 +219,21 @@ class LLMEngine:
     # ----------------------------------------------------------------- memory
     @classmethod
     def from_engine_args(cls, args: EngineArgs | Mapping[str, Any]) -> LLMEngine:
-        """vLLM's constructor: ``args`` is an EngineArgs or a dict of its fields."""
-        return cls(args)
+        """vLLM's constructor: ``args`` is an EngineArgs or a dict of its fields. Loads the model and its
+        tokenizer (seconds), then builds the engine over them."""
+        args = EngineArgs.coerce(args)
+        model_config = args.configs()[0]  # every setting checked before anything loads
+        device = resolve_device(model_config.device)
+        torch.manual_seed(model_config.seed)
+        loaded = load_model(model_config.model, model_config.dtype, device, model_config.quantization)
+        return cls(args, loaded, load_tokenizer(loaded.path))
+
+    @classmethod
+    def from_loaded(cls, args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
+                    tokenizer: Tokenizer | None = None) -> LLMEngine:
+        """An engine over an already loaded model (``load_model``) and its tokenizer (loaded from the
+        model's path when None); settings left at "auto" take the loaded model's."""
+        return cls(args, loaded, tokenizer)
 
     def _auto_kv_dtype(self) -> torch.dtype:
         """The model's dtype, except for a GGUF's own blocks (which compute in float32; chosen by
