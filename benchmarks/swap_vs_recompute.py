@@ -58,7 +58,7 @@ def run_once(args, mode: str, prefix: bool, prompt_len: int) -> dict:
     return {"seconds": seconds, "tok_s": args.num_requests * args.output_len / seconds,
             "preemptions": engine.scheduler.num_preemptions, "swap_ins": engine.scheduler.num_swap_ins,
             "computed": computed[0], "tokens": [o.outputs[0].token_ids for o in outs],
-            "copied_bytes": copied_blocks[0] * engine.runner.kv_bytes_per_block()}
+            "copied_bytes": copied_blocks[0] * engine.kv_storage.bytes_per_block()}
 
 
 def main() -> None:

@@ -3,6 +3,7 @@ and the transformers reference model loaded from the same file. Each is loaded a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,19 +43,46 @@ def hf_smollm2(smollm2_gguf_path: Path) -> tuple[Any, Any]:
     return model.eval(), tokenizer
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _share_loaded_models():
-    """Engines built by the tests share one read-only model and tokenizer per (path, dtype); each engine
-    still owns its KV cache, scheduler and runner. Loading once keeps the suite within its time budget."""
-    import functools
+@pytest.fixture(scope="session")
+def shared_model() -> Callable[..., tuple[Any, Any]]:
+    """``shared_model(args or **engine_kwargs) -> (LoadedModel, Tokenizer)``: what an engine with those
+    settings would load, loaded once per (model, dtype, quantization, device) per run and shared by every
+    engine built on it (``LLM.from_loaded``, ``LLMEngine.from_loaded``, ``AsyncEngine.from_loaded``); the
+    weights are read-only and each engine still owns its KV cache, scheduler and runner. Loading once
+    keeps the suite within its time budget."""
+    from tideserve.engine.llm_engine import EngineArgs, resolve_device
+    from tideserve.engine.loaded_model import POST_LOAD_METHODS
+    from tideserve.model.loader import load_model, resolve_dtype, resolve_model_path, resolve_quantization
+    from tideserve.tokenizer.tokenizer import load_tokenizer
 
-    import tideserve.engine.llm_engine as llm_engine
-    import tideserve.tokenizer.tokenizer as tokenizer_module
+    models: dict[tuple, Any] = {}
+    tokenizers: dict[str, Any] = {}
 
-    mp = pytest.MonkeyPatch()
-    cached_tokenizer = functools.lru_cache(maxsize=4)(tokenizer_module.load_tokenizer)
-    mp.setattr(tokenizer_module, "load_tokenizer", cached_tokenizer)
-    mp.setattr(llm_engine, "load_tokenizer", cached_tokenizer)
-    mp.setattr(llm_engine, "load_model", functools.lru_cache(maxsize=4)(llm_engine.load_model))
-    yield
-    mp.undo()
+    def load(args: Any = None, /, **kwargs: Any) -> tuple[Any, Any]:
+        config = EngineArgs.coerce(kwargs if args is None else args).configs()[0]
+        device = resolve_device(config.device)
+        path, _ = resolve_model_path(config.model)
+        method = resolve_quantization(config.quantization, path, device, config.dtype)
+        if method in POST_LOAD_METHODS:  # applied to a copy when the engine is built: share the float load
+            method = "none"
+        computes_in = "float32" if method != "none" and config.dtype == "auto" else resolve_dtype(config.dtype, device)
+        key = (str(path), method, str(computes_in), str(device))
+        if key not in models:
+            models[key] = load_model(config.model, config.dtype, device, method)
+        loaded = models[key]
+        if loaded.path not in tokenizers:
+            tokenizers[loaded.path] = load_tokenizer(loaded.path)
+        return loaded, tokenizers[loaded.path]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def make_llm(shared_model) -> Callable[..., Any]:
+    """``make_llm(**kwargs)``: ``LLM(**kwargs)`` over the shared model those settings load."""
+    from tideserve import LLM
+
+    def make(**kwargs: Any) -> Any:
+        return LLM.from_loaded(*shared_model(**kwargs), **kwargs)
+
+    return make

@@ -23,12 +23,12 @@ def run(coro, timeout: float = 60.0):
 
 
 @pytest.fixture
-def make():
+def make(shared_model):
     engines: list[AsyncEngine] = []
 
     def build(max_queue: int | None = None, **kwargs) -> AsyncEngine:
         args = EngineArgs(dtype="float32", max_model_len=256, num_blocks=32, **kwargs)
-        engine = AsyncEngine.from_engine_args(args, max_queue=max_queue, log_stats_interval=None)
+        engine = AsyncEngine.from_loaded(args, *shared_model(args), max_queue=max_queue, log_stats_interval=None)
         engines.append(engine)
         return engine
 
@@ -169,11 +169,11 @@ def test_shutdown_fails_pending_requests(make):
     run(go())
 
 
-def test_idle_engine_thread_shrinks_the_pool_without_steps():
+def test_idle_engine_thread_shrinks_the_pool_without_steps(shared_model):
     """The pool's upkeep runs on a timer in the engine thread: an idle engine gives memory back although
     no step runs."""
     args = EngineArgs(dtype="float32", max_model_len=256, kv_cache_shrink_delay=0.2, enable_prefix_caching=False)
-    engine = AsyncEngine.from_engine_args(args, log_stats_interval=None)
+    engine = AsyncEngine.from_loaded(args, *shared_model(args), log_stats_interval=None)
     try:
         inner = engine.engine
         floor = inner.pool.policy.min_blocks

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from tideserve import LLM, SamplingParams
+from tideserve import SamplingParams
 from tideserve.core.kv_cache.elastic import ElasticConfig
 
 GiB = 2**30
@@ -43,13 +43,13 @@ def token_lists(outs):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    llm = LLM(dtype="float32", enable_prefix_caching=False, max_model_len=512)
+def reference(make_llm):
+    llm = make_llm(dtype="float32", enable_prefix_caching=False, max_model_len=512)
     return token_lists(llm.generate(chats(llm), GREEDY))
 
 
-def test_prefix_caching_hits_and_outputs_identical(reference):
-    llm = LLM(dtype="float32", max_model_len=512)
+def test_prefix_caching_hits_and_outputs_identical(make_llm, reference):
+    llm = make_llm(dtype="float32", max_model_len=512)
     prompts = chats(llm)
     first = llm.generate(prompts[:1], GREEDY)  # warms the cache with the shared system prompt
     rest = llm.generate(prompts[1:], GREEDY)
@@ -61,9 +61,9 @@ def test_prefix_caching_hits_and_outputs_identical(reference):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_modes_equal_uninterrupted(reference, mode, caplog):
+def test_preemption_modes_equal_uninterrupted(make_llm, reference, mode, caplog):
     caplog.set_level(logging.WARNING)
-    llm = LLM(dtype="float32", max_model_len=512, block_size=16, num_blocks=32, preemption_mode=mode,
+    llm = make_llm(dtype="float32", max_model_len=512, block_size=16, num_blocks=32, preemption_mode=mode,
               swap_space=0.05, enable_prefix_caching=False)
     assert token_lists(llm.generate(chats(llm), GREEDY)) == reference
     assert llm.engine.scheduler.num_preemptions > 0
@@ -75,9 +75,9 @@ def test_preemption_modes_equal_uninterrupted(reference, mode, caplog):
     assert not llm.engine.kv_manager.swapped
 
 
-def test_swap_pool_full_falls_back_to_recompute(reference, caplog):
+def test_swap_pool_full_falls_back_to_recompute(make_llm, reference, caplog):
     caplog.set_level(logging.WARNING)
-    llm = LLM(dtype="float32", max_model_len=512, block_size=16, num_blocks=32, preemption_mode="swap",
+    llm = make_llm(dtype="float32", max_model_len=512, block_size=16, num_blocks=32, preemption_mode="swap",
               swap_space=1e-6, enable_prefix_caching=False)
     assert token_lists(llm.generate(chats(llm), GREEDY)) == reference
     assert any("recompute (swap pool full)" in r.message for r in caplog.records)
@@ -99,8 +99,8 @@ def run_with_midway(llm, prompts, at_step, action):
     return [finished[i] for i in ids]
 
 
-def test_shrink_with_compaction_mid_generation(reference):
-    llm = LLM(dtype="float32", max_model_len=512, enable_prefix_caching=False)
+def test_shrink_with_compaction_mid_generation(make_llm, reference):
+    llm = make_llm(dtype="float32", max_model_len=512, enable_prefix_caching=False)
     prompts = chats(llm)
     engine = llm.engine
     # Occupy the low block ids with a request we abort later, so live blocks sit high in the pool.
@@ -162,9 +162,9 @@ def garbage_pool(request, monkeypatch):
 
 
 @pytest.mark.parametrize("midway", ["none", "shrink", "grow"])
-def test_unwritten_kv_slots_never_reach_attention(reference, garbage_pool, midway):
+def test_unwritten_kv_slots_never_reach_attention(make_llm, reference, garbage_pool, midway):
     """Decode attention reads whole blocks; slots no token wrote must not turn outputs into NaN."""
-    llm = LLM(dtype="float32", max_model_len=512, block_size=16, enable_prefix_caching=False)
+    llm = make_llm(dtype="float32", max_model_len=512, block_size=16, enable_prefix_caching=False)
     engine = llm.engine
     assert engine.runner.kv_caches[0][0].isnan().all()
 
@@ -177,11 +177,11 @@ def test_unwritten_kv_slots_never_reach_attention(reference, garbage_pool, midwa
     assert run_with_midway(llm, chats(llm), 4, action) == reference
 
 
-def test_block_size_changes_only_while_nothing_holds_kv(reference, garbage_pool, caplog):
+def test_block_size_changes_only_while_nothing_holds_kv(make_llm, reference, garbage_pool, caplog):
     """A block-size change re-chunks every token, so it waits for an idle moment; then it copies nothing
     (the same pages are read in other chunks) and the answers stay those of a fixed block size."""
     caplog.set_level(logging.INFO)
-    llm = LLM(dtype="float32", max_model_len=512, block_size=16, enable_prefix_caching=False)
+    llm = make_llm(dtype="float32", max_model_len=512, block_size=16, enable_prefix_caching=False)
     engine = llm.engine
     prompts = chats(llm)
     ptr = engine.runner.kv_caches[0][0].data_ptr()
@@ -193,7 +193,7 @@ def test_block_size_changes_only_while_nothing_holds_kv(reference, garbage_pool,
     for new_block_size in (64, 8):
         assert engine.pool.change_block_size(new_block_size, "test")  # idle now: the request just finished
         assert engine.kv_manager.block_size == engine.runner.block_size == new_block_size
-        assert engine.kv_manager.num_blocks == engine.runner.num_blocks
+        assert engine.kv_manager.num_blocks == engine.kv_storage.num_blocks
         assert token_lists(llm.generate(prompts, GREEDY)) == reference
     assert any("KV block size changed 16 -> 64 (no request held KV: nothing copied)" in r.message
                for r in caplog.records)
@@ -201,10 +201,10 @@ def test_block_size_changes_only_while_nothing_holds_kv(reference, garbage_pool,
         assert engine.runner.kv_caches[0][0].data_ptr() == ptr  # the same memory, read in other chunks
 
 
-def test_elastic_pool_grows_under_load_and_shrinks_when_idle(reference):
+def test_elastic_pool_grows_under_load_and_shrinks_when_idle(make_llm, reference):
     clock = [0.0]
     config = ElasticConfig(shrink_delay_s=1.0, compaction_delay_s=0.5)
-    llm = LLM(dtype="float32", max_model_len=128, elastic=config, enable_prefix_caching=False)
+    llm = make_llm(dtype="float32", max_model_len=128, elastic=config, enable_prefix_caching=False)
     engine = llm.engine
     engine.pool.clock = lambda: clock[0]
     start = engine.kv_manager.num_blocks
@@ -221,9 +221,9 @@ def test_elastic_pool_grows_under_load_and_shrinks_when_idle(reference):
     assert engine.kv_manager.num_blocks == engine.pool.policy.min_blocks < peak
 
 
-def test_memory_pressure_shrinks_the_pool_instead_of_crashing():
+def test_memory_pressure_shrinks_the_pool_instead_of_crashing(make_llm):
     probe = FakeProbe(available=8 * GiB)
-    llm = LLM(dtype="float32", max_model_len=128, memory_probe=probe)
+    llm = make_llm(dtype="float32", max_model_len=128, memory_probe=probe)
     engine = llm.engine
     engine.pool._resize(400, "test")  # as if a burst had grown it
     probe.available = engine.pool.account.margin_bytes - 100 * engine.pool.bytes_per_block
@@ -233,35 +233,35 @@ def test_memory_pressure_shrinks_the_pool_instead_of_crashing():
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_startup_error_when_one_request_cannot_fit():
+def test_startup_error_when_one_request_cannot_fit(make_llm):
     probe = FakeProbe(available=600 * 2**20)
     with pytest.raises(ValueError) as err:
-        LLM(dtype="float32", memory_probe=probe)
+        make_llm(dtype="float32", memory_probe=probe)
     message = str(err.value)
     assert "max_model_len=8192" in message and "bytes" in message
     assert "largest max_model_len that fits is" in message
 
 
-def test_static_pool_lowers_max_num_seqs_with_warning(caplog):
+def test_static_pool_lowers_max_num_seqs_with_warning(make_llm, caplog):
     caplog.set_level(logging.WARNING)
-    llm = LLM(dtype="float32", max_model_len=1024, kv_cache_memory="64MiB", max_num_seqs=64)
+    llm = make_llm(dtype="float32", max_model_len=1024, kv_cache_memory="64MiB", max_num_seqs=64)
     assert llm.engine.scheduler_config.max_num_seqs < 64
     assert any("Max num seqs reduced due to KV cache constraints" in r.message for r in caplog.records)
 
 
-def test_fixed_pool_flags_are_validated():
+def test_fixed_pool_flags_are_validated(make_llm):
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        LLM(dtype="float32", gpu_memory_utilization=1.5)
+        make_llm(dtype="float32", gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="kv_cache_memory"):
-        LLM(dtype="float32", kv_cache_memory="lots")
+        make_llm(dtype="float32", kv_cache_memory="lots")
     with pytest.raises(ValueError, match="preemption_mode"):
-        LLM(dtype="float32", preemption_mode="drop")
+        make_llm(dtype="float32", preemption_mode="drop")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, float16"):
-        LLM(dtype="float32", kv_cache_dtype="fp8")
+        make_llm(dtype="float32", kv_cache_dtype="fp8")
 
 
 @pytest.mark.parametrize("decode_path", ["native", "torch"])
-def test_bfloat16_kv_cache_halves_the_bytes_and_keeps_the_answers(reference, decode_path, monkeypatch):
+def test_bfloat16_kv_cache_halves_the_bytes_and_keeps_the_answers(make_llm, reference, decode_path, monkeypatch):
     """A float32 model over a bfloat16 cache: half the bytes per block, and greedy answers that follow the
     float32 cache's (rounding K/V to bf16 moves logits slightly, so late tokens may differ)."""
     import torch
@@ -270,12 +270,12 @@ def test_bfloat16_kv_cache_halves_the_bytes_and_keeps_the_answers(reference, dec
 
     if decode_path == "torch":
         monkeypatch.setattr(model_runner, "decode_attention_supported", lambda *a: False)
-    llm = LLM(dtype="float32", enable_prefix_caching=False, max_model_len=512, kv_cache_dtype="bfloat16")
+    llm = make_llm(dtype="float32", enable_prefix_caching=False, max_model_len=512, kv_cache_dtype="bfloat16")
     runner = llm.engine.runner
     assert runner.kv_caches[0][0].dtype == torch.bfloat16 and runner.native_decode == (decode_path == "native")
     arch = llm.engine.arch
     bf16_bytes = 2 * arch.num_hidden_layers * 16 * arch.num_key_value_heads * arch.head_dim * 2
-    assert runner.kv_bytes_per_block(16) == bf16_bytes
+    assert llm.engine.kv_storage.bytes_per_block(16) == bf16_bytes
     got = token_lists(llm.generate(chats(llm), GREEDY))
     for ours, want in zip(got, reference):
         assert ours[:8] == want[:8]
@@ -296,10 +296,10 @@ def count_computed_tokens(engine) -> list[int]:
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_swap_resumes_without_recomputing(reference, mode):
+def test_swap_resumes_without_recomputing(make_llm, reference, mode):
     """Swap mode copies a preempted request's KV back: the forward passes compute each token once. The
     same run in recompute mode computes more, so this fails if resume falls back to recomputing."""
-    llm = LLM(dtype="float32", max_model_len=512, block_size=16, num_blocks=32, preemption_mode=mode,
+    llm = make_llm(dtype="float32", max_model_len=512, block_size=16, num_blocks=32, preemption_mode=mode,
               swap_space=0.05, enable_prefix_caching=False)
     engine = llm.engine
     counted = count_computed_tokens(engine)
@@ -316,14 +316,14 @@ def test_swap_resumes_without_recomputing(reference, mode):
         assert counted[0] > once
 
 
-def test_failed_growth_backs_off_and_the_engine_keeps_serving(reference, monkeypatch, caplog):
+def test_failed_growth_backs_off_and_the_engine_keeps_serving(make_llm, reference, monkeypatch, caplog):
     """Out of memory while growing (a GPU near full) is logged and the engine preempts instead of dying."""
     from tideserve.worker.kv_store import KVStoreGrowError
 
     caplog.set_level(logging.WARNING)
-    llm = LLM(dtype="float32", max_model_len=512, enable_prefix_caching=False)
+    llm = make_llm(dtype="float32", max_model_len=512, enable_prefix_caching=False)
     engine = llm.engine
-    store = engine.runner.kv_store
+    store = engine.kv_storage.device_store
     floor = engine.kv_manager.num_blocks
     real_resize = store.resize
 
@@ -342,31 +342,31 @@ def test_failed_growth_backs_off_and_the_engine_keeps_serving(reference, monkeyp
     engine.kv_manager.check_invariants()
 
 
-def test_failed_shrink_changes_nothing(reference, monkeypatch):
+def test_failed_shrink_changes_nothing(make_llm, reference, monkeypatch):
     """The copying store needs a new (smaller) tensor to shrink; if even that fails the pool stays whole."""
     from tideserve.worker.kv_store import KVStoreGrowError
 
-    llm = LLM(dtype="float32", max_model_len=512, enable_prefix_caching=False)
+    llm = make_llm(dtype="float32", max_model_len=512, enable_prefix_caching=False)
     engine = llm.engine
     assert engine.pool._resize(200, "test")
 
     def failing_resize(num_blocks):
         raise KVStoreGrowError("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(engine.runner.kv_store, "resize", failing_resize)
+    monkeypatch.setattr(engine.kv_storage.device_store, "resize", failing_resize)
     engine.pool.shrink(50, "test")
-    assert engine.kv_manager.num_blocks == engine.runner.num_blocks == 200
+    assert engine.kv_manager.num_blocks == engine.kv_storage.num_blocks == 200
     engine.kv_manager.check_invariants()
     monkeypatch.undo()
     assert token_lists(llm.generate(chats(llm), GREEDY)) == reference
 
 
-def test_idle_pool_keeps_the_shared_prefix_and_little_else():
+def test_idle_pool_keeps_the_shared_prefix_and_little_else(make_llm):
     """After a burst whose requests share a system prompt, the idle pool holds the prefixes that were
     hit plus the floor, and the next request still finds the system prompt cached."""
     clock = [0.0]
     config = ElasticConfig(shrink_delay_s=1.0, idle_unhit_cache_bytes=0)
-    llm = LLM(dtype="float32", max_model_len=512, block_size=16, elastic=config)
+    llm = make_llm(dtype="float32", max_model_len=512, block_size=16, elastic=config)
     engine = llm.engine
     engine.pool.clock = lambda: clock[0]
     prompts = chats(llm) * 6
@@ -386,10 +386,10 @@ def test_idle_pool_keeps_the_shared_prefix_and_little_else():
     assert out.num_cached_tokens >= system_blocks * 16
 
 
-def test_block_size_stays_while_hit_prefixes_are_cached():
+def test_block_size_stays_while_hit_prefixes_are_cached(make_llm):
     """A block-size change empties the prefix cache; a shared prefix that was hit outweighs the gain."""
     clock = [0.0]
-    llm = LLM(dtype="float32", max_model_len=512, elastic=ElasticConfig(shrink_delay_s=1.0))
+    llm = make_llm(dtype="float32", max_model_len=512, elastic=ElasticConfig(shrink_delay_s=1.0))
     engine = llm.engine
     engine.pool.clock = lambda: clock[0]
     llm.generate(chats(llm) * 2, GREEDY)  # the system prompt's blocks are hit
@@ -406,11 +406,11 @@ def test_block_size_stays_while_hit_prefixes_are_cached():
     assert engine.kv_manager.block_size > 16
 
 
-def test_ceiling_follows_the_machine_at_runtime():
+def test_ceiling_follows_the_machine_at_runtime(make_llm):
     """The budget is re-read: memory a neighbour frees later is used, memory it takes is left alone."""
     clock = [0.0]
     probe = FakeProbe(available=2 * GiB)
-    llm = LLM(dtype="float32", max_model_len=512, memory_probe=probe)
+    llm = make_llm(dtype="float32", max_model_len=512, memory_probe=probe)
     engine = llm.engine
     engine.pool.clock = lambda: clock[0]
     start_budget = engine.pool.budget_bytes
@@ -425,11 +425,11 @@ def test_ceiling_follows_the_machine_at_runtime():
     assert engine.pool.grow_for_allocation(1) is False  # nothing left to take
 
 
-def test_chunked_prefill_off_needs_a_step_that_holds_max_model_len():
+def test_chunked_prefill_off_needs_a_step_that_holds_max_model_len(make_llm):
     with pytest.raises(ValueError) as err:
-        LLM(dtype="float32", max_model_len=512, enable_chunked_prefill=False, max_num_batched_tokens=256)
+        make_llm(dtype="float32", max_model_len=512, enable_chunked_prefill=False, max_num_batched_tokens=256)
     assert "max_num_batched_tokens (256) is smaller than max_model_len (512)" in str(err.value)
-    llm = LLM(dtype="float32", max_model_len=1024, enable_chunked_prefill=False)
+    llm = make_llm(dtype="float32", max_model_len=1024, enable_chunked_prefill=False)
     assert llm.engine.scheduler_config.max_num_batched_tokens == 2048
     long_prompt = chats(llm)[0] * 5  # about 600 tokens: one step, as a whole
     out = llm.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
@@ -438,10 +438,10 @@ def test_chunked_prefill_off_needs_a_step_that_holds_max_model_len():
 
 @pytest.mark.parametrize("flag", [{"kv_cache_memory": "16GiB"}, {"num_blocks": 10**6},
                                   {"gpu_memory_utilization": 1.0}])
-def test_static_sizes_beyond_the_machine_fail_with_the_numbers(flag):
+def test_static_sizes_beyond_the_machine_fail_with_the_numbers(make_llm, flag):
     probe = FakeProbe(available=3 * GiB, total=4 * GiB)
     with pytest.raises(ValueError) as err:
-        LLM(dtype="float32", max_model_len=512, memory_probe=probe, **flag)
+        make_llm(dtype="float32", max_model_len=512, memory_probe=probe, **flag)
     message = str(err.value)
     name = next(iter(flag))
     assert message.startswith(f"{name}=") and "GiB available after the weights" in message

@@ -17,8 +17,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(dtype="float32", max_num_seqs=16)
+def llm(make_llm):
+    return make_llm(dtype="float32", max_num_seqs=16)
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +35,14 @@ def test_batched_equals_alone(llm, reference):
     assert tokens(llm.generate(PROMPTS, GREEDY)) == reference
 
 
-def test_chunked_prefill_at_small_budget_equals_alone(reference):
-    small = LLM(dtype="float32", max_num_batched_tokens=8, max_num_seqs=4)
+def test_chunked_prefill_at_small_budget_equals_alone(make_llm, reference):
+    small = make_llm(dtype="float32", max_num_batched_tokens=8, max_num_seqs=4)
     assert tokens(small.generate(PROMPTS, GREEDY)) == reference
 
 
-def test_forced_preemption_equals_alone(reference, caplog):
+def test_forced_preemption_equals_alone(make_llm, reference, caplog):
     # 12 blocks of 8 tokens: far too small for six requests of ~30 tokens at once.
-    tiny = LLM(dtype="float32", block_size=8, num_blocks=12, max_model_len=96)
+    tiny = make_llm(dtype="float32", block_size=8, num_blocks=12, max_model_len=96)
     outs = tiny.generate(PROMPTS, GREEDY)
     assert tiny.engine.scheduler.num_preemptions > 0
     assert tokens(outs) == reference
@@ -120,13 +120,13 @@ def test_prompt_validation_loses_nothing(llm):
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
 
 
-def test_engine_config_validation():
+def test_engine_config_validation(make_llm):
     with pytest.raises(ValueError, match="max_model_len=.*larger than the model's trained context"):
-        LLM(dtype="float32", max_model_len=10**7)
+        make_llm(dtype="float32", max_model_len=10**7)
     with pytest.raises(ValueError, match="block_size must be one of"):
         LLM(dtype="float32", block_size=7)
     with pytest.raises(ValueError, match="largest max_model_len that fits"):
-        LLM(dtype="float32", num_blocks=2, block_size=8, max_model_len=64)
+        make_llm(dtype="float32", num_blocks=2, block_size=8, max_model_len=64)
     with pytest.raises(ValueError, match="unknown engine argument"):
         LLM(bogus=1)
 
@@ -143,12 +143,12 @@ def test_prompt_logprobs_score_every_prompt_token(llm):
     assert plp[-1][out.prompt_token_ids[-1]].rank <= 5
 
 
-def test_prompt_logprobs_survive_chunking():
-    chunked = LLM(dtype="float32", max_num_batched_tokens=8)
+def test_prompt_logprobs_survive_chunking(make_llm):
+    chunked = make_llm(dtype="float32", max_num_batched_tokens=8)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     prompt = "One two three four five six seven eight nine ten eleven twelve"
     a = chunked.generate([prompt], params)[0].prompt_logprobs
-    b = LLM(dtype="float32").generate([prompt], params)[0].prompt_logprobs
+    b = make_llm(dtype="float32").generate([prompt], params)[0].prompt_logprobs
     assert len(a) == len(b)
     for x, y in zip(a[1:], b[1:]):
         (tx, lx), = [(t, v.logprob) for t, v in x.items() if v.rank is not None][:1]

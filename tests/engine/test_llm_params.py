@@ -3,15 +3,15 @@ bad_words, best_of, priority scheduling and chat templates (per call, from a fil
 
 import pytest
 
-from tideserve import LLM, SamplingParams
+from tideserve import SamplingParams
 
 PROMPT = "The capital of France is"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(dtype="float32", max_model_len=512, num_blocks=160, scheduling_policy="priority",
+def llm(make_llm):
+    return make_llm(dtype="float32", max_model_len=512, num_blocks=160, scheduling_policy="priority",
                enable_prefix_caching=False)
 
 
@@ -61,8 +61,8 @@ def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(llm):
     assert len(with_lp) == 1 and len(with_lp[0].logprobs) == 8
 
 
-def test_priority_orders_admission(llm):
-    one_at_a_time = LLM(dtype="float32", max_model_len=256, num_blocks=32, scheduling_policy="priority",
+def test_priority_orders_admission(make_llm, llm):
+    one_at_a_time = make_llm(dtype="float32", max_model_len=256, num_blocks=32, scheduling_policy="priority",
                         max_num_seqs=1)
     prompts = ["first", "second", "third", "fourth"]
     outs = one_at_a_time.generate(prompts, greedy(), priority=[3, 0, 2, 1])
@@ -72,8 +72,8 @@ def test_priority_orders_admission(llm):
         llm.generate(prompts, GREEDY, priority=[1])
 
 
-def test_non_zero_priority_needs_the_priority_policy():
-    fcfs = LLM(dtype="float32", max_model_len=256, num_blocks=64)
+def test_non_zero_priority_needs_the_priority_policy(make_llm):
+    fcfs = make_llm(dtype="float32", max_model_len=256, num_blocks=64)
     with pytest.raises(ValueError, match=r"^Got priority 2 but Priority scheduling is not enabled\.$"):
         fcfs.generate([PROMPT], GREEDY, priority=[2])
     assert fcfs.generate([PROMPT], GREEDY, priority=[0])[0].finished

@@ -25,14 +25,14 @@ def scored(llm: LLM, ids: list[int]) -> tuple[float, list[int]]:
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "gguf"])
-def test_quantized_engine_stays_close_to_float_and_leaves_the_shared_model_alone(method):
+def test_quantized_engine_stays_close_to_float_and_leaves_the_shared_model_alone(make_llm, method):
     if unavailable_reason(method, torch.device("cpu")):
         pytest.skip(unavailable_reason(method, torch.device("cpu")))
-    float_llm = LLM(dtype="float32", max_model_len=256, quantization="none")
+    float_llm = make_llm(dtype="float32", max_model_len=256, quantization="none")
     ids = float_llm.tokenizer.encode(TEXT)
     ref_ppl, ref_top1 = scored(float_llm, ids)
 
-    q_llm = LLM(dtype="float32", max_model_len=256, quantization=method)
+    q_llm = make_llm(dtype="float32", max_model_len=256, quantization=method)
     assert q_llm.engine.model is not float_llm.engine.model
     ppl, top1 = scored(q_llm, ids)
     agreement = sum(a == b for a, b in zip(top1, ref_top1)) / len(ref_top1)
@@ -45,6 +45,6 @@ def test_quantized_engine_stays_close_to_float_and_leaves_the_shared_model_alone
     assert scored(float_llm, ids) == (ref_ppl, ref_top1)
 
 
-def test_quantization_is_validated():
+def test_quantization_is_validated(make_llm):
     with pytest.raises(ValueError, match="quantization must be one of auto, none, gguf, int8, int4, got 'fp4'"):
-        LLM(dtype="float32", max_model_len=256, quantization="fp4")
+        make_llm(dtype="float32", max_model_len=256, quantization="fp4")

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from tideserve import LLM, SamplingParams, StructuredOutputsParams
+from tideserve import SamplingParams, StructuredOutputsParams
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -59,8 +59,8 @@ def assert_valid(output, schema: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(dtype="float32", max_model_len=512, num_blocks=160, max_num_seqs=16)
+def llm(make_llm):
+    return make_llm(dtype="float32", max_model_len=512, num_blocks=160, max_num_seqs=16)
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +102,12 @@ def test_unconstrained_neighbours_are_unchanged_token_for_token(mixed_batch):
     assert [o.outputs[0].token_ids for o in outs[7:]] == alone
 
 
-def test_preemption_recompute_and_prefix_cache_keep_the_grammar(mixed_batch):
+def test_preemption_recompute_and_prefix_cache_keep_the_grammar(make_llm, mixed_batch):
     """A pool far too small for the batch preempts requests mid-JSON; their recompute re-runs tokens the
     matcher has already seen, and resumed requests hit cached prefixes: outputs equal the unpreempted
     greedy ones (from the mixed batch), and stay valid."""
     reference = [o.outputs[0].token_ids for o in mixed_batch[0][:3]]
-    tiny = LLM(dtype="float32", max_model_len=96, block_size=8, num_blocks=12, max_num_seqs=6)
+    tiny = make_llm(dtype="float32", max_model_len=96, block_size=8, num_blocks=12, max_num_seqs=6)
     outs = tiny.chat([chat(t) for t, _ in CASES], [schema_params(s, temperature=0.0, max_tokens=56) for _, s in CASES])
     assert tiny.engine.scheduler.num_preemptions > 0
     assert tiny.engine.kv_manager.prefix_stats.hits > 0

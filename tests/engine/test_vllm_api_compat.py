@@ -67,11 +67,12 @@ def test_foreign_checkpoint_quantization_is_explained():
         LLM(quantization="int3")
 
 
-def test_vllm_spellings_are_accepted():
-    llm = LLM(**{**SMALL, "dtype": "float"}, enforce_eager=True, swap_space="512MiB", quantization=None)
+def test_vllm_spellings_are_accepted(make_llm, shared_model):
+    llm = make_llm(**{**SMALL, "dtype": "float"}, enforce_eager=True, swap_space="512MiB", quantization=None)
     assert llm.engine.dtype.itemsize == 4 and llm.engine.cache_config.swap_space == 0.5
     assert llm.generate("The capital of France is", GREEDY)[0].outputs[0].text
-    engine = LLMEngine.from_engine_args({**SMALL, "swap_space": "16G", "kv_cache_memory": None})
+    args = {**SMALL, "swap_space": "16G", "kv_cache_memory": None}  # a dict, as from_engine_args takes
+    engine = LLMEngine.from_loaded(args, *shared_model(args))
     assert engine.cache_config.swap_space == 16.0
     assert EngineArgs(swap_space=4).configs()[1].swap_space == 4.0  # a bare number means GiB, as in vLLM
     assert EngineArgs(kv_cache_memory="512M").configs()[1].kv_cache_memory == 512 * 2**20

@@ -40,7 +40,7 @@ def decode_attention_line(caplog: pytest.LogCaptureFixture) -> str:
 
 
 @pytest.fixture(scope="module")
-def torch_path() -> Iterator[tuple[list, str]]:
+def torch_path(make_llm) -> Iterator[tuple[list, str]]:
     """Greedy outputs of the bf16 model with TIDESERVE_NATIVE=0, and its start-up line."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TIDESERVE_NATIVE", "0")
@@ -54,7 +54,7 @@ def torch_path() -> Iterator[tuple[list, str]]:
         engine_logger.setLevel(logging.INFO)
         try:
             assert native.load_library() is None
-            llm = LLM(dtype="bfloat16", enable_prefix_caching=False, max_model_len=256)
+            llm = make_llm(dtype="bfloat16", enable_prefix_caching=False, max_model_len=256)
             outputs = generate(llm)
         finally:
             engine_logger.removeHandler(handler)
@@ -77,12 +77,12 @@ def _record(kernel, results: list[bool], *args, **kwargs):
     return result
 
 
-def test_bf16_native_greedy_follows_the_torch_path(torch_path, caplog, monkeypatch):
+def test_bf16_native_greedy_follows_the_torch_path(make_llm, torch_path, caplog, monkeypatch):
     caplog.set_level(logging.INFO)
     calls: dict[str, list[bool]] = {"paged_decode_attention": [], "rope_store": [], "rms_norm": []}
     for name, results in calls.items():  # record the kernels' answers: every call must be taken
         monkeypatch.setattr(native, name, functools.partial(_record, getattr(native, name), results))
-    llm = LLM(dtype="bfloat16", enable_prefix_caching=False, max_model_len=256)
+    llm = make_llm(dtype="bfloat16", enable_prefix_caching=False, max_model_len=256)
     assert llm.engine.dtype == llm.engine.kv_dtype == llm.engine.runner.kv_caches[0][0].dtype
     assert str(llm.engine.dtype) == "torch.bfloat16"
     assert "decode attention: native kernel" in decode_attention_line(caplog)
@@ -100,11 +100,11 @@ def test_bf16_native_greedy_follows_the_torch_path(torch_path, caplog, monkeypat
             assert abs(top[a].logprob - top[b].logprob) <= BF16_TIE, f"token {n}: {top}"
 
 
-def test_default_dtype_runs_the_native_kernels(caplog):
+def test_default_dtype_runs_the_native_kernels(make_llm, caplog):
     """Whatever ``LLM()`` picks here (bf16 with AMX / AVX512-BF16, else float32), decode is native. (The dtype
     is passed by name only so the model loaded for the other tests is reused.)"""
     caplog.set_level(logging.INFO)
     auto = str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
-    llm = LLM(dtype=auto, enable_prefix_caching=False, max_model_len=256)
+    llm = make_llm(dtype=auto, enable_prefix_caching=False, max_model_len=256)
     assert llm.engine.runner.native_decode
     assert "decode attention: native kernel" in decode_attention_line(caplog)

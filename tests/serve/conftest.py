@@ -21,7 +21,7 @@ MAX_MODEL_LEN = 512
 
 
 @pytest.fixture(scope="session")
-def make_engine(smollm2_gguf_path) -> Iterator[Callable[..., object]]:
+def make_engine(shared_model) -> Iterator[Callable[..., object]]:
     """Build AsyncEngines over the shared model (float32, small pool); all are shut down at the end."""
     from tideserve.engine.async_engine import AsyncEngine
     from tideserve.engine.llm_engine import EngineArgs
@@ -31,7 +31,8 @@ def make_engine(smollm2_gguf_path) -> Iterator[Callable[..., object]]:
     def make(max_queue: int | None = None, **kwargs) -> AsyncEngine:
         args = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "num_blocks": 256, "max_num_seqs": 32,
                 **kwargs}
-        engine = AsyncEngine.from_engine_args(EngineArgs(**args), max_queue=max_queue)
+        args = EngineArgs(**args)
+        engine = AsyncEngine.from_loaded(args, *shared_model(args), max_queue=max_queue)
         engines.append(engine)
         return engine
 

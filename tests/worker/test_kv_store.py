@@ -1,5 +1,6 @@
 """The KV stores: a reserved range whose resizes commit and release pages (never copy, never allocate
-twice), and the copying store (the GPU path) with its out-of-memory behaviour.
+twice), the copying store (the GPU path) with its out-of-memory behaviour, and ``KVCacheStorage``, which
+carries out every move of the runner's KV bytes (resize, compaction, swap, block-size change).
 
 Residency is read from the kernel (``mincore`` over the reserved range), so these tests fail if a resize
 copies the pool into a new allocation or keeps released pages resident.
@@ -15,6 +16,7 @@ import torch
 from tideserve.worker.kv_store import (
     PAGE,
     CopyKVStore,
+    KVCacheStorage,
     KVLayout,
     KVStoreGrowError,
     ReservedKVStore,
@@ -170,3 +172,42 @@ def test_swap_copies_round_trip_between_stores():
     for layer, (k, v) in enumerate(device_store.caches):
         assert torch.all(k[1] == layer * 1000 + 4) and torch.all(k[2] == layer * 1000 + 5)
         assert torch.all(v[1] == -(layer * 1000 + 4))
+
+
+def test_storage_moves_the_bytes_and_is_the_one_source_of_its_geometry():
+    """Swap out and back, compact, grow and re-read at another block size: the blocks' KV lands where the
+    block ids say, the swap tier follows a block-size change at the same bytes, and geometry is read
+    from the device store (the planned block size only until one is attached)."""
+    storage = KVCacheStorage(LAYOUT, torch.device("cpu"), BS)
+    assert storage.block_size == BS and storage.bytes_per_block() == BLOCK
+    storage.attach(ReservedKVStore(LAYOUT, BS, 6, 8 * MiB))
+    storage.allocate_swap(4)
+    fill_pattern(storage, range(6))
+    storage.swap_out([(4, 0), (5, 3)])
+    for k, v in storage.caches:
+        k[1:3].zero_()
+        v[1:3].zero_()
+    storage.swap_in([(0, 1), (3, 2)])
+    storage.copy_blocks([(1, 0)])  # compaction: block 1 (now 4's KV) moves down to 0
+    for layer, (k, v) in enumerate(storage.caches):
+        assert torch.all(k[0] == layer * 1000 + 4) and torch.all(k[2] == layer * 1000 + 5)
+        assert torch.all(v[2] == -(layer * 1000 + 5))
+    storage.resize(10)
+    assert storage.num_blocks == 10 and storage.caches[0][0].shape[0] == 10
+    assert storage.change_block_size(32) == 5
+    assert (storage.block_size, storage.num_blocks) == (32, 5)
+    assert storage.swap_store.block_size == 32 and storage.swap_store.num_blocks == 2  # 4 x 16 tokens
+    assert storage.bytes_per_block() == 2 * BLOCK
+
+
+def test_storage_clears_only_the_slots_nobody_wrote():
+    storage = KVCacheStorage(LAYOUT, torch.device("cpu"), BS)
+    storage.attach(CopyKVStore(LAYOUT, torch.device("cpu"), BS, 4))
+    for k, v in storage.caches:
+        k.fill_(float("nan"))
+        v.fill_(float("nan"))
+    storage.clear_unwritten([([2, 0], BS + 5), ([3], 0)])  # 21 tokens valid over blocks 2, 0; block 3 fresh
+    for k, v in storage.caches:
+        for cache in (k, v):
+            assert cache[2].isnan().all() and cache[0, :5].isnan().all()
+            assert torch.all(cache[0, 5:] == 0) and torch.all(cache[3] == 0) and cache[1].isnan().all()

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tideserve.worker.model_runner as model_runner
-from tideserve import LLM, SamplingParams, native
+from tideserve import SamplingParams, native
 from tideserve.worker.model_runner import group_by_blocks
 
 
@@ -41,7 +41,7 @@ def test_grouping_is_contiguous_complete_and_optimal(blocks, overhead):
 
 
 @pytest.mark.parametrize("decode_path", ["torch", "native", "int4-one-call"])
-def test_batched_decodes_give_the_same_tokens_as_requests_alone(monkeypatch, decode_path):
+def test_batched_decodes_give_the_same_tokens_as_requests_alone(make_llm, monkeypatch, decode_path):
     seen, calls = [], []
     original = model_runner.group_by_blocks
     monkeypatch.setattr(model_runner, "group_by_blocks", lambda nbs, *a: seen.append(len(original(nbs, *a)))
@@ -55,7 +55,7 @@ def test_batched_decodes_give_the_same_tokens_as_requests_alone(monkeypatch, dec
         kernel = native.paged_decode_attention
         monkeypatch.setattr(native, "paged_decode_attention", lambda *a: calls.append(kernel(*a)) or calls[-1])
     quantization = "int4" if decode_path == "int4-one-call" else "none"
-    llm = LLM(dtype="float32", max_model_len=1024, enable_prefix_caching=False, quantization=quantization)
+    llm = make_llm(dtype="float32", max_model_len=1024, enable_prefix_caching=False, quantization=quantization)
     if quantization == "int4":  # every decode-only step runs the decoder layers in one native call
         model = llm.engine.runner.model
         one_call = model.native_decode

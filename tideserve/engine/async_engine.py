@@ -165,6 +165,14 @@ class AsyncEngine:
 
         return cls(LLMEngine.from_engine_args(args), **kwargs)
 
+    @classmethod
+    def from_loaded(cls, args, loaded, tokenizer=None, **kwargs) -> AsyncEngine:
+        """Start the loop over an already loaded model (``load_model``) and tokenizer, shared with any other
+        engine built on them; ``args`` as for ``from_engine_args`` (``LLMEngine.from_loaded``)."""
+        from tideserve.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine.from_loaded(args, loaded, tokenizer), **kwargs)
+
     # ---------------------------------------------------------------- read-only views
     @property
     def tokenizer(self):

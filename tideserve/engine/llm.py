@@ -6,21 +6,37 @@ from collections.abc import Sequence
 from typing import Any
 
 from tideserve.engine.llm_engine import EngineArgs, LLMEngine
+from tideserve.model.loader import LoadedModel
 from tideserve.outputs import RequestOutput
 from tideserve.sampling_params import SamplingParams
 from tideserve.settings import check_names
 from tideserve.tokenizer.chat_template import load_chat_template
+from tideserve.tokenizer.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 Message = dict[str, Any]
+
+
+def _engine_args(model: str | None, kwargs: dict[str, Any]) -> EngineArgs:
+    check_names(kwargs, EngineArgs.field_names())  # a typo names the closest real argument
+    return EngineArgs(model=model, **kwargs)
 
 
 class LLM:
     """Runs a model over a batch of prompts with continuous batching; outputs come back in input order."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        check_names(kwargs, EngineArgs.field_names())  # a typo names the closest real argument
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        """Load ``model`` (None: the embedded default) with engine settings ``kwargs`` (EngineArgs' fields)."""
+        self.engine = LLMEngine.from_engine_args(_engine_args(model, kwargs))
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, tokenizer: Tokenizer | None = None, **kwargs: Any) -> LLM:
+        """An LLM over an already loaded model (``tideserve.model.loader.load_model``), sharing its weights
+        with any other engine built on it; ``kwargs`` as for ``LLM(...)``, and settings left at "auto"
+        take the loaded model's (an explicit dtype, quantization or device must match it)."""
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine.from_loaded(_engine_args(kwargs.pop("model", None), kwargs), loaded, tokenizer)
+        return llm
 
     @property
     def tokenizer(self):

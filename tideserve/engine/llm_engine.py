@@ -22,6 +22,7 @@ from tideserve.core.kv_cache.manager import KVCacheManager
 from tideserve.core.kv_cache.memory import MemoryProbe, SystemMemoryProbe
 from tideserve.core.scheduler import Scheduler
 from tideserve.engine.arg_utils import EngineArgs
+from tideserve.engine.loaded_model import match_loaded
 from tideserve.engine.output_processor import OutputProcessor
 from tideserve.engine.pool_controller import PoolController
 from tideserve.engine.stats import EngineStats
@@ -33,13 +34,13 @@ from tideserve.model.layers.quantization import (
     model_weight_bytes,
     quantize_model,
 )
-from tideserve.model.loader import load_model
+from tideserve.model.loader import LoadedModel, load_model
 from tideserve.outputs import RequestOutput
 from tideserve.request import Request, RequestStatus
 from tideserve.sampling_params import SamplingParams
 from tideserve.structured_output.manager import StructuredOutputManager
 from tideserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
-from tideserve.worker.kv_store import create_kv_store
+from tideserve.worker.kv_store import KVCacheStorage, KVLayout, create_kv_store
 from tideserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -59,19 +60,25 @@ def resolve_device(name: str) -> torch.device:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs | Mapping[str, Any]) -> None:
+    """Two ways in: ``from_engine_args(args)`` loads the model and tokenizer named by ``args``;
+    ``LLMEngine(args, loaded, tokenizer)`` (or ``from_loaded``) builds over a model already loaded, which
+    several engines may share (its weights are read-only; each engine owns its KV cache, scheduler and
+    runner). Either way the settings in ``args`` must describe the model (engine/loaded_model.py)."""
+
+    def __init__(self, args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
+                 tokenizer: Tokenizer | None = None) -> None:
         args = EngineArgs.coerce(args)
         model_config, cache_config, sched_config = args.configs()
         self.args = args
-        self.device = resolve_device(model_config.device)
+        requested = None if model_config.device == "auto" else resolve_device(model_config.device)
+        loaded, self.device = match_loaded(model_config, loaded, requested)
         torch.manual_seed(model_config.seed)
-        loaded = load_model(model_config.model, model_config.dtype, self.device, model_config.quantization)
         self.model = loaded.model
         self.arch = loaded.arch
         self.dtype = loaded.dtype
         self.model_path = loaded.path
         self.model_name = loaded.name
-        self.tokenizer: Tokenizer = load_tokenizer(loaded.path)
+        self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else load_tokenizer(loaded.path)
         self.quantization = loaded.quantization  # "auto" resolved by the loader
         if self.quantization == "int8":
             act_max = calibrate(self.model, self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False),
@@ -100,26 +107,32 @@ class LLMEngine:
         block_size = cache_config.initial_block_size
         self.kv_dtype = self._auto_kv_dtype() if cache_config.kv_cache_dtype == "auto" \
             else getattr(torch, cache_config.kv_cache_dtype)
-        self.runner = ModelRunner(self.model, block_size, self.kv_dtype, self.device)
+        arch = self.arch
+        self.kv_storage = KVCacheStorage(
+            KVLayout(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, self.kv_dtype),
+            self.device, block_size)
+        self.runner = ModelRunner(self.model, self.kv_storage, self.device)
         logger.info("KV cache dtype %s (%d bytes per token); decode attention: %s",
-                    str(self.kv_dtype).removeprefix("torch."), self.runner.kv_bytes_per_block(1),
+                    str(self.kv_dtype).removeprefix("torch."), self.kv_storage.bytes_per_block(1),
                     f"native kernel ({native.kernel_isa(native.isa() or 'scalar')})" if self.runner.native_decode
                     else "torch")
         elastic = args.elastic_config()
         num_blocks, account, policy = self._plan_pool(cache_config, sched_config, elastic)
-        reserve = num_blocks * self.runner.kv_bytes_per_block()
+        reserve = num_blocks * self.kv_storage.bytes_per_block()
         if policy is not None:  # the largest the pool could ever reach: the whole machine (virtual only)
             reserve = max(reserve, account.budget_bytes, self.probe.total_bytes())
-        self.runner.attach_kv_store(create_kv_store(self.runner.layout, self.device, block_size, num_blocks,
-                                                    reserve, static=policy is None))
-        self.kv_manager = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching,
-                                         extra_key=self.model_name)
+        self.kv_storage.attach(create_kv_store(self.kv_storage.layout, self.device, block_size, num_blocks,
+                                               reserve, static=policy is None))
+        # The storage's geometry is the one source; the manager starts from it (and the pool controller
+        # keeps it following every resize and block-size change).
+        self.kv_manager = KVCacheManager(self.kv_storage.num_blocks, self.kv_storage.block_size,
+                                         cache_config.enable_prefix_caching, extra_key=self.model_name)
         swap_bytes = 0
         if sched_config.preemption_mode == "swap":
             swap_bytes = int(cache_config.swap_space * GiB)
-            num_swap = swap_bytes // self.runner.kv_bytes_per_block()
+            num_swap = swap_bytes // self.kv_storage.bytes_per_block()
             self.kv_manager.enable_swap(num_swap)
-            self.runner.allocate_swap(num_swap)
+            self.kv_storage.allocate_swap(num_swap)
         self.scheduler = Scheduler(sched_config, self.kv_manager, self.max_model_len)
         self.pool = PoolController(self.kv_manager, self.runner, self.scheduler, self.probe, account, policy,
                                    self.max_model_len, swap_bytes, cache_config.auto_block_size)
@@ -138,8 +151,21 @@ class LLMEngine:
     # ----------------------------------------------------------------- memory
     @classmethod
     def from_engine_args(cls, args: EngineArgs | Mapping[str, Any]) -> LLMEngine:
-        """vLLM's constructor: ``args`` is an EngineArgs or a dict of its fields."""
-        return cls(args)
+        """vLLM's constructor: ``args`` is an EngineArgs or a dict of its fields. Loads the model and its
+        tokenizer (seconds), then builds the engine over them."""
+        args = EngineArgs.coerce(args)
+        model_config = args.configs()[0]  # every setting checked before anything loads
+        device = resolve_device(model_config.device)
+        torch.manual_seed(model_config.seed)
+        loaded = load_model(model_config.model, model_config.dtype, device, model_config.quantization)
+        return cls(args, loaded, load_tokenizer(loaded.path))
+
+    @classmethod
+    def from_loaded(cls, args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
+                    tokenizer: Tokenizer | None = None) -> LLMEngine:
+        """An engine over an already loaded model (``load_model``) and its tokenizer (loaded from the
+        model's path when None); settings left at "auto" take the loaded model's."""
+        return cls(args, loaded, tokenizer)
 
     def _auto_kv_dtype(self) -> torch.dtype:
         """The model's dtype, except for a GGUF's own blocks (which compute in float32; chosen by
@@ -169,8 +195,8 @@ class LLMEngine:
                    elastic: ElasticConfig) -> tuple[int, MemoryAccount, ElasticPolicy | None]:
         """Size the pool from measurement (elastic) or from the user's fixed size (static, checked
         against the memory that exists)."""
-        per_block = self.runner.kv_bytes_per_block()
-        bs = self.runner.block_size
+        per_block = self.kv_storage.bytes_per_block()
+        bs = self.kv_storage.block_size
         blocks_one_request = -(-self.max_model_len // bs)
         weights = model_weight_bytes(self.model)
         activation = 0

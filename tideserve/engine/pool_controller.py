@@ -1,8 +1,9 @@
 """Carries out the KV pool's decisions: grow, shrink (keep the valuable cached prefixes, compact, release
 the tail), back off under memory pressure, and change the block size while nothing holds KV.
 
-The cache manager moves block ids, the runner's KV store moves the data; this class keeps the two in
-step and logs every resize once, with numbers. It runs on the engine's thread only: between steps, from
+The cache manager moves block ids, the worker's ``KVCacheStorage`` moves the data; this class keeps the
+two in step (the storage changes first, and the manager takes its block size and count from it) and logs
+every resize once, with numbers. It runs on the engine's thread only: between steps, from
 the scheduler when it runs out of blocks, and on a timer while the engine idles, so no forward pass ever
 sees a half-moved pool and no other thread touches the pool.
 """
@@ -35,6 +36,7 @@ class PoolController:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.kv = kv
         self.runner = runner
+        self.storage = runner.kv_storage
         self.scheduler = scheduler
         self.probe = probe
         self.account = account
@@ -59,7 +61,7 @@ class PoolController:
     # ----------------------------------------------------------------- numbers
     @property
     def bytes_per_block(self) -> int:
-        return self.runner.kv_bytes_per_block(self.kv.block_size)
+        return self.storage.bytes_per_block()
 
     @property
     def pool_bytes(self) -> int:
@@ -102,7 +104,7 @@ class PoolController:
         available = self.probe.available_bytes()
         non_kv = self.probe.used_by_process_bytes() - self.pool_bytes - self.swap_resident_bytes()
         headroom = self.account.headroom_bytes(available, non_kv)
-        return self.runner.kv_store.max_blocks_within(headroom)
+        return self.storage.max_blocks_within(headroom)
 
     def swap_resident_bytes(self) -> int:
         """Host memory the swap tier may hold now (the most blocks swapped out at once since it was last
@@ -124,7 +126,7 @@ class PoolController:
             return False
         start = time.perf_counter()
         try:  # the store first: when it cannot get the memory, nothing has changed yet
-            self.runner.resize(target)
+            self.storage.resize(target)
         except KVStoreGrowError as exc:
             if target < before:  # the copying store needs a (smaller) new tensor to shrink
                 logger.warning("KV pool shrink %d -> %d blocks failed (%s); staying at %d blocks", before,
@@ -137,6 +139,7 @@ class PoolController:
                            "for %.0f s (requests wait or are preempted instead)", before, target, exc,
                            before, backoff)
             return False
+        target = self.storage.num_blocks  # the manager follows the storage's count
         if target > before:
             self.kv.grow(target - before)
         else:
@@ -254,7 +257,7 @@ class PoolController:
         if swap.num_free < swap.num_blocks:
             self._swap_dirty = True
         elif self._swap_dirty and not self.kv.swapped:
-            self.runner.release_idle_swap()
+            self.storage.release_idle_swap()
             swap.high_water = 0
             self._swap_dirty = False
 
@@ -282,9 +285,9 @@ class PoolController:
             return False
         old = self.kv.block_size
         self.runner.forget_finished()
-        num_blocks = self.runner.change_block_size(new_block_size)
-        self.kv.relayout(new_block_size, num_blocks, {})
-        new_per_block = self.runner.kv_bytes_per_block(new_block_size)
+        self.storage.change_block_size(new_block_size)
+        self.kv.relayout(self.storage.block_size, self.storage.num_blocks, {})  # the storage's geometry
+        new_per_block = self.storage.bytes_per_block()
         if self.swap_bytes:
             self.kv.enable_swap(self.swap_bytes // new_per_block)
         if self.policy is not None:

@@ -17,6 +17,8 @@ tight. Two ways to hold the tensors:
 
 A block-size change re-chunks every token, so it is done only when no request holds KV (then the same
 bytes are simply read with another block size; no copy either way). The host swap tier is a store too.
+``KVCacheStorage`` holds the device pool and the swap tier together and carries out every move of their
+bytes, so the runner only reads the caches.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import mmap
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -371,3 +374,107 @@ def create_swap_store(layout: KVLayout, device: torch.device, block_size: int, n
         if store is not None:
             return store
     return CopyKVStore(layout, torch.device("cpu"), block_size, num_blocks, pin_memory=device.type == "cuda")
+
+
+class KVCacheStorage:
+    """The worker's KV memory: the device pool and the host swap tier, and every move of their bytes.
+
+    Why one object: the cache manager decides block ids; something must move the data those decisions
+    imply (grow or shrink the pool, copy compacted blocks down, swap requests out and back, re-read the
+    pool at another block size, clear slots nobody wrote), and the runner should only build batches over
+    ``caches``. Here the device store is the worker side's one source of the block size and block count:
+    the runner reads them from it, and the pool controller sets the cache manager's from it after each
+    change. Until ``attach`` is called (the pool is sized after a profiling pass, which needs the runner)
+    the block size is the planned one.
+    """
+
+    def __init__(self, layout: KVLayout, device: torch.device, block_size: int) -> None:
+        self.layout = layout
+        self.device = device
+        self._planned_block_size = block_size
+        self.device_store: KVStore | None = None
+        self.swap_store: KVStore | None = None
+
+    def attach(self, store: KVStore) -> None:
+        """Take the device pool (``create_kv_store``); from now on its block size is the only one."""
+        self.device_store = store
+
+    # ----------------------------------------------------------------- geometry
+    @property
+    def caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.device_store.caches
+
+    @property
+    def block_size(self) -> int:
+        return self.device_store.block_size if self.device_store is not None else self._planned_block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.device_store.num_blocks
+
+    def bytes_per_block(self, block_size: int | None = None) -> int:
+        return self.layout.block_bytes(block_size or self.block_size)
+
+    def max_blocks_within(self, spare_bytes: int) -> int:
+        return self.device_store.max_blocks_within(spare_bytes)
+
+    # ----------------------------------------------------------------- the elastic pool's moves
+    def resize(self, num_blocks: int) -> None:
+        """Blocks below min(old, new) keep their KV; raises KVStoreGrowError (unchanged) when growth fails."""
+        self.device_store.resize(num_blocks)
+
+    def copy_blocks(self, moves: list[tuple[int, int]]) -> None:
+        """Copy moved blocks' KV (old id -> new id): compaction's only copy."""
+        self.device_store.copy_blocks(moves)
+
+    def change_block_size(self, new_block_size: int) -> int:
+        """Read the pool with another block size; only while no block holds live KV (nothing to re-lay out,
+        so nothing is copied). Returns the new block count; the swap tier follows at the same bytes."""
+        old = self.block_size
+        num_blocks = self.device_store.reshape_blocks(new_block_size)
+        if self.swap_store is not None:
+            self.allocate_swap(self.swap_store.num_blocks * old // new_block_size)
+        return num_blocks
+
+    # ----------------------------------------------------------------- the swap tier
+    def allocate_swap(self, num_swap_blocks: int) -> None:
+        """Host-side second tier (pinned when the device is a GPU, so copies are asynchronous DMA)."""
+        self.swap_store = (create_swap_store(self.layout, self.device, self.block_size, num_swap_blocks)
+                           if num_swap_blocks > 0 else None)
+
+    def release_idle_swap(self) -> None:
+        """No request is swapped out: hand the swap tier's pages back (it is committed where written)."""
+        release = getattr(self.swap_store, "release_all", None)
+        if release is not None:
+            release()
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy (device block, swap block) pairs to the host tier."""
+        if pairs:
+            copy_between(self.device_store, self.swap_store, pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy (swap block, device block) pairs back to the device pool."""
+        if pairs:
+            copy_between(self.swap_store, self.device_store, pairs)
+
+    # ----------------------------------------------------------------- slots nobody wrote
+    def clear_unwritten(self, owned: list[tuple[list[int], int]]) -> None:
+        """Zero the slots of each block list from token ``num_valid`` to the end of its last block.
+
+        A fresh pool (``torch.empty``), a resize or a relayout leaves arbitrary bytes, NaN included, in
+        slots nobody wrote, and decode attention reads a context's last block whole; a recycled block
+        holds stale but finite values, which the mask handles. ``num_valid`` counts the tokens that are
+        (or will be, by this request's prefill) written, so prefix-cache hits and swapped-in tokens stay,
+        and the cost is about one block per sequence every ``block_size`` decode steps.
+        """
+        bs = self.block_size
+        flat = []
+        for block_ids, num_valid in owned:
+            end = len(block_ids) * bs
+            if num_valid < end:
+                pos = np.arange(num_valid, end, dtype=np.int64)
+                flat.append(np.asarray(block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
+        if not flat:
+            return
+        self.device_store.fill_slots(torch.from_numpy(np.concatenate(flat)).to(self.device))

@@ -1,8 +1,9 @@
 """Turns the scheduler's plain message into tensors, runs the model and samples.
 
-The runner is the only owner of the KV tensors and keeps its own per-request state (token ids, block
-table), updated from the scheduler's diffs. Batch tensors are built once per step with numpy: positions,
-slot mapping (``block_table[pos // B] * B + pos % B``), the decode gather slots and the prefill spans.
+The runner keeps its own per-request state (token ids, block table), updated from the scheduler's diffs,
+and reads the KV tensors from its ``KVCacheStorage`` (worker/kv_store.py), which owns them and every move
+of their bytes (resize, compaction, swap, block-size change). Batch tensors are built once per step with
+numpy: positions, slot mapping (``block_table[pos // B] * B + pos % B``), the decode gather slots and the prefill spans.
 Single-token queries (decodes) go first in the flat batch so attention can batch them.
 """
 
@@ -22,7 +23,7 @@ from tideserve.model.layers.sampler import Sampler, SamplingMetadata, gather_log
 from tideserve.native import decode_attention_supported
 from tideserve.outputs import Logprob
 from tideserve.sampling_params import SamplingParams
-from tideserve.worker.kv_store import CopyKVStore, KVLayout, KVStore, copy_between, create_swap_store
+from tideserve.worker.kv_store import CopyKVStore, KVCacheStorage
 
 logger = logging.getLogger(__name__)
 
@@ -80,43 +81,29 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    """Owns the KV store (``attach_kv_store``) and the per-request batch state; runs steps."""
+    """Keeps the per-request batch state and runs steps over ``kv_storage``, which owns the KV tensors."""
 
-    def __init__(self, model: torch.nn.Module, block_size: int, kv_dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, kv_storage: KVCacheStorage, device: torch.device) -> None:
         self.model = model
         self.device = device
-        self.kv_dtype = kv_dtype
-        arch = model.arch
-        self.layout = KVLayout(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, kv_dtype)
-        self._block_size = block_size  # until a store exists; then the store's is the only one
+        self.kv_storage = kv_storage
+        self.layout = kv_storage.layout
+        kv_dtype = self.kv_dtype = kv_storage.layout.dtype
         self.sampler = Sampler()
         # Decode attention straight from the paged cache (tideserve/native) where it can run.
         self.native_decode = decode_attention_supported(device, getattr(model, "dtype", None), kv_dtype)
         self.requests: dict[str, CachedRequestState] = {}
-        self.kv_store: KVStore | None = None
-        self.swap_store: KVStore | None = None
         # Structured output: computes the token masks of requests with a grammar (set by the engine).
         self.structured_output: Any = None
 
-    # ----------------------------------------------------------------- KV tensors
-    def attach_kv_store(self, store: KVStore) -> None:
-        self.kv_store = store
-
+    # ----------------------------------------------------------------- KV tensors (read, never moved here)
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return self.kv_store.caches
+        return self.kv_storage.caches
 
     @property
     def block_size(self) -> int:
-        return self.kv_store.block_size if self.kv_store is not None else self._block_size
-
-    @property
-    def num_blocks(self) -> int:
-        return self.kv_store.num_blocks
-
-    def kv_bytes_per_block(self, block_size: int | None = None) -> int:
-        return self.layout.block_bytes(block_size or self.block_size)
+        return self.kv_storage.block_size
 
     # ----------------------------------------------------------------- profiling
     PROFILE_TOKENS = 256  # a profiling pass at this many tokens, scaled linearly to the real budget
@@ -163,52 +150,19 @@ class ModelRunner:
         return max(measured, estimate)
 
     # ----------------------------------------------------------------- the elastic pool's moves
-    def resize(self, num_blocks: int) -> None:
-        """Blocks below min(old, new) keep their KV; raises KVStoreGrowError (unchanged) when growth fails."""
-        self.kv_store.resize(num_blocks)
-
     def apply_moves(self, moves: list[tuple[int, int]]) -> None:
         """Copy moved blocks' KV (old id -> new id) and rewrite the block tables the runner keeps."""
         if not moves:
             return
-        self.kv_store.copy_blocks(moves)
+        self.kv_storage.copy_blocks(moves)
         remap = dict(moves)
         for state in self.requests.values():
             state.block_ids = [remap.get(b, b) for b in state.block_ids]
-
-    def allocate_swap(self, num_swap_blocks: int) -> None:
-        """Host-side second tier (pinned when the device is a GPU, so copies are asynchronous DMA)."""
-        self.swap_store = (create_swap_store(self.layout, self.device, self.block_size, num_swap_blocks)
-                           if num_swap_blocks > 0 else None)
-
-    def release_idle_swap(self) -> None:
-        """No request is swapped out: hand the swap tier's pages back (it is committed where written)."""
-        release = getattr(self.swap_store, "release_all", None)
-        if release is not None:
-            release()
-
-    def _swap(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
-        if not pairs:
-            return
-        if to_host:
-            copy_between(self.kv_store, self.swap_store, pairs)
-        else:
-            copy_between(self.swap_store, self.kv_store, pairs)
 
     def forget_finished(self) -> None:
         """Drop the state of requests that finished after the last step (normally dropped by the next
         step): a pool reshaped while idle leaves none of them with block ids of the old layout."""
         self.requests.clear()
-
-    def change_block_size(self, new_block_size: int) -> int:
-        """Read the pool with another block size; only when no request holds KV (nothing to re-lay out,
-        so nothing is copied). Returns the new block count; the swap tier follows at the same bytes."""
-        assert not self.requests, "block size changes only while no request holds KV"
-        old = self.block_size
-        num_blocks = self.kv_store.reshape_blocks(new_block_size)
-        if self.swap_store is not None:
-            self.allocate_swap(self.swap_store.num_blocks * old // new_block_size)
-        return num_blocks
 
     # ----------------------------------------------------------------- state from the scheduler
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -230,34 +184,14 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.new_block_ids:
                 attached.append((list(cached.new_block_ids), 0))
-        self._clear_unwritten(attached)
-
-    def _clear_unwritten(self, owned: list[tuple[list[int], int]]) -> None:
-        """Zero the slots of each block list from token ``num_valid`` to the end of its last block.
-
-        A fresh pool (``torch.empty``), a resize or a relayout leaves arbitrary bytes, NaN included, in
-        slots nobody wrote, and decode attention reads a context's last block whole; a recycled block
-        holds stale but finite values, which the mask handles. ``num_valid`` counts the tokens that are
-        (or will be, by this request's prefill) written, so prefix-cache hits and swapped-in tokens stay,
-        and the cost is about one block per sequence every ``block_size`` decode steps.
-        """
-        bs = self.block_size
-        flat = []
-        for block_ids, num_valid in owned:
-            end = len(block_ids) * bs
-            if num_valid < end:
-                pos = np.arange(num_valid, end, dtype=np.int64)
-                flat.append(np.asarray(block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
-        if not flat:
-            return
-        self.kv_store.fill_slots(torch.from_numpy(np.concatenate(flat)).to(self.device))
+        self.kv_storage.clear_unwritten(attached)
 
     # ----------------------------------------------------------------- one step
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         # Copies first: blocks swapped out in this step may be rewritten by this step's forward pass.
-        self._swap(out.swap_out, to_host=True)
-        self._swap(out.swap_in, to_host=False)
+        self.kv_storage.swap_out(out.swap_out)
+        self.kv_storage.swap_in(out.swap_in)
         self._update_states(out)
         result = ModelRunnerOutput({}, {})
         if out.is_empty:
