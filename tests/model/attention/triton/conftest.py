@@ -79,52 +79,84 @@ def device(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+@dataclass(frozen=True)
+class Shape:
+    """One case's heads, sizes and dtypes. ``strided``: q and out are row slices of wider (fused-QKV-like)
+    tensors, as the model hands them over."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    index_dtype: torch.dtype = torch.int32
+    strided: bool = False
+
+
 @dataclass
 class PagedKV:
     """A paged KV cache whose unwritten slots hold NaN, so a kernel that reads a position past a context
-    (or a padded block-table entry) produces NaN instead of a plausible number."""
+    (or a padded block-table entry) produces NaN instead of a plausible number; and the queries."""
 
     k_cache: torch.Tensor  # [num_blocks, block_size, KVH, D]
     v_cache: torch.Tensor
     block_tables: torch.Tensor  # [S, max_blocks], padded with the poisoned block 0
     context_lens: torch.Tensor  # [S]
+    q: torch.Tensor  # [rows, H, D]
+    out: torch.Tensor  # zeros like q
+    scale: float
 
     def keys(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence s's keys and values gathered from its blocks: [context_len, KVH, D] each, float32."""
+        """Sequence s's keys and values gathered from its blocks, each KV head repeated for the query heads
+        of its group: [context_len, num_heads, D] each, float32, on the CPU."""
         n = int(self.context_lens[s])
-        block_size = self.k_cache.shape[1]
+        block_size, num_kv_heads = self.k_cache.shape[1], self.k_cache.shape[2]
         blocks = self.block_tables[s, : -(-n // block_size)].long()
-        k = self.k_cache[blocks].flatten(0, 1)[:n].float()
-        v = self.v_cache[blocks].flatten(0, 1)[:n].float()
-        return k, v
+        k = self.k_cache[blocks].flatten(0, 1)[:n].float().cpu()
+        v = self.v_cache[blocks].flatten(0, 1)[:n].float().cpu()
+        group = self.q.shape[1] // num_kv_heads
+        return k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+
+
+def _queries(rows: int, shape: Shape, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    heads, dtype = shape.num_heads, shape.q_dtype
+    if shape.strided:
+        q = torch.randn(rows, heads + 2 * shape.num_kv_heads, shape.head_dim).to(dtype).to(device)[:, :heads]
+        out = torch.zeros(rows, heads + 1, shape.head_dim, dtype=dtype, device=device)[:, 1:]
+    else:
+        q = torch.randn(rows, heads, shape.head_dim).to(dtype).to(device)
+        out = torch.zeros(rows, heads, shape.head_dim, dtype=dtype, device=device)
+    return q, out
 
 
 @pytest.fixture
 def paged_kv() -> Callable[..., PagedKV]:
-    """Factory: a cache holding ``context_lens`` tokens per sequence in shuffled, non-contiguous blocks."""
+    """Factory: a cache holding ``context_lens`` tokens per sequence in shuffled, non-contiguous blocks,
+    and ``rows`` queries; ``fields``: a :class:`Shape`'s."""
 
-    def build(context_lens: Sequence[int], *, num_kv_heads: int, head_dim: int, block_size: int,
-              dtype: torch.dtype, device: str, index_dtype: torch.dtype = torch.int32,
-              seed: int = 0) -> PagedKV:
+    def build(context_lens: Sequence[int], rows: int, device: str, seed: int = 0, **fields: object) -> PagedKV:
+        shape = Shape(**fields)  # type: ignore[arg-type]
         gen = torch.Generator().manual_seed(seed)
+        block_size, kv_heads, head_dim = shape.block_size, shape.num_kv_heads, shape.head_dim
         per_seq = [-(-n // block_size) for n in context_lens]
         num_blocks = 1 + sum(per_seq)  # block 0 stays poisoned and pads every table
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        k_cache = torch.full(shape, float("nan"))
-        v_cache = torch.full(shape, float("nan"))
+        k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
+        v_cache = torch.full_like(k_cache, float("nan"))
         order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-        width = max(per_seq + [1]) + 2
-        tables = torch.zeros((len(context_lens), width), dtype=torch.int64)
+        tables = torch.zeros((len(context_lens), max(per_seq + [1]) + 2), dtype=torch.int64)
         for s, (n, nb) in enumerate(zip(context_lens, per_seq)):
             blocks, order = order[:nb], order[nb:]
             tables[s, :nb] = torch.tensor(blocks, dtype=torch.int64)
             pos = torch.arange(n)
             slots = tables[s, pos // block_size] * block_size + pos % block_size
-            k_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn((n, num_kv_heads, head_dim), generator=gen)
-            v_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn((n, num_kv_heads, head_dim), generator=gen)
-        return PagedKV(k_cache.to(dtype).to(device), v_cache.to(dtype).to(device),
-                       tables.to(index_dtype).to(device),
-                       torch.tensor(list(context_lens), dtype=index_dtype, device=device))
+            k_cache.view(-1, kv_heads, head_dim)[slots] = torch.randn((n, kv_heads, head_dim), generator=gen)
+            v_cache.view(-1, kv_heads, head_dim)[slots] = torch.randn((n, kv_heads, head_dim), generator=gen)
+        q, out = _queries(rows, shape, device)
+        return PagedKV(k_cache.to(shape.kv_dtype).to(device), v_cache.to(shape.kv_dtype).to(device),
+                       tables.to(shape.index_dtype).to(device),
+                       torch.tensor(list(context_lens), dtype=shape.index_dtype, device=device), q, out,
+                       head_dim ** -0.5)
 
     return build
 

@@ -7,51 +7,40 @@ from __future__ import annotations
 import pytest
 import torch
 
-CASES = {
-    # name: (context_lens, num_heads, num_kv_heads, head_dim, block_size, q dtype, cache dtype, index dtype,
-    #        partition_size)
-    "fp32-mha-d64-b16": ([1, 17, 100], 2, 2, 64, 16, torch.float32, torch.float32, torch.int32, None),
-    "bf16-gqa4-d32-b32-rule-split": ([700, 3, 129], 8, 2, 32, 32, torch.bfloat16, torch.bfloat16, torch.int32,
-                                     None),
-    "fp16-gqa2-d16-b16-split64": ([130, 5, 64, 300], 4, 2, 16, 16, torch.float16, torch.float16, torch.int32, 64),
-    "fp32q-bf16kv-gqa3-d64-b32-int64-split128": ([33, 250], 9, 3, 64, 32, torch.float32, torch.bfloat16,
-                                                 torch.int64, 128),
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+CASES = {  # name: (context_lens, partition_size, the cache's Shape)
+    "fp32-mha-d64-b16": ([1, 17, 100], None, dict(num_heads=2, num_kv_heads=2, head_dim=64, block_size=16,
+                                                  q_dtype=F32, kv_dtype=F32)),
+    "bf16-gqa4-d32-b32-rule-split": ([700, 3, 129], None, dict(num_heads=8, num_kv_heads=2, head_dim=32,
+                                                                block_size=32, q_dtype=BF16, kv_dtype=BF16)),
+    "fp16-gqa2-d16-b16-split64": ([130, 5, 64, 300], 64, dict(num_heads=4, num_kv_heads=2, head_dim=16,
+                                                               block_size=16, q_dtype=F16, kv_dtype=F16)),
+    "fp32q-bf16kv-gqa3-d64-b32-int64-strided-split128": (
+        [33, 250], 128, dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=32, q_dtype=F32, kv_dtype=BF16,
+                             index_dtype=torch.int64, strided=True)),
 }
 
 
-def reference_decode(q: torch.Tensor, kv, scale: float) -> torch.Tensor:
-    batch, num_heads, head_dim = q.shape
-    out = torch.empty(batch, num_heads, head_dim)
-    for b in range(batch):
-        k, v = (t.cpu() for t in kv.keys(b))
-        group = num_heads // k.shape[1]
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        scores = torch.einsum("hd,nhd->hn", q[b].float().cpu(), k) * scale
+def reference_decode(kv) -> torch.Tensor:
+    out = torch.empty(kv.q.shape)
+    for b in range(kv.q.shape[0]):
+        k, v = kv.keys(b)
+        scores = torch.einsum("hd,nhd->hn", kv.q[b].float().cpu(), k) * kv.scale
         out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
     return out
 
 
-def _run(triton_attention, paged_kv, close, device, contexts, num_heads, num_kv_heads, head_dim, block_size,
-         q_dtype, kv_dtype, index_dtype, partition_size, strided=False):
-    kv = paged_kv(contexts, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                  dtype=kv_dtype, device=device, index_dtype=index_dtype)
-    batch = len(contexts)
-    if strided:  # q and out as row slices of wider (fused-QKV-like) tensors
-        q = torch.randn(batch, num_heads + 2 * num_kv_heads, head_dim).to(q_dtype).to(device)[:, :num_heads]
-        out = torch.zeros(batch, num_heads + 1, head_dim, dtype=q_dtype, device=device)[:, 1:]
-    else:
-        q = torch.randn(batch, num_heads, head_dim).to(q_dtype).to(device)
-        out = torch.zeros(batch, num_heads, head_dim, dtype=q_dtype, device=device)
-    scale = head_dim ** -0.5
-    triton_attention.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, scale,
-                                            out, partition_size=partition_size)
-    close(out, reference_decode(q, kv, scale), q_dtype)  # float32 q: computed in float32 whatever the cache
+def _check(triton_attention, paged_kv, close, device, contexts, partition_size, shape):
+    kv = paged_kv(contexts, len(contexts), device, **shape)
+    triton_attention.paged_decode_attention(kv.q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens,
+                                            kv.scale, kv.out, partition_size=partition_size)
+    close(kv.out, reference_decode(kv), shape["q_dtype"])  # float32 q: computed in float32 whatever the cache
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_decode_matches_reference(triton_attention, paged_kv, close, device, case):
     torch.manual_seed(0)
-    _run(triton_attention, paged_kv, close, device, *CASES[case], strided=case.startswith("fp32q"))
+    _check(triton_attention, paged_kv, close, device, *CASES[case])
 
 
 def test_split_rule(triton_attention):
@@ -80,11 +69,12 @@ def test_decode_rejects_wrong_inputs(triton_attention):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [BF16, F16])
 @pytest.mark.parametrize("contexts", [[1, 15, 16, 17, 300, 1000, 2047, 4096] * 2, [20_000, 9000]],
                          ids=["batch16-to4k", "batch2-long"])
 def test_decode_llama_shapes_on_cuda(triton_attention, paged_kv, close, cuda_device, dtype, contexts):
     """Llama-8B-like heads (32 query, 8 KV, head_dim 128) in half precision, the half-precision dot on
     tensor cores that the interpreter cannot run."""
     torch.manual_seed(0)
-    _run(triton_attention, paged_kv, close, cuda_device, contexts, 32, 8, 128, 16, dtype, dtype, torch.int32, None)
+    _check(triton_attention, paged_kv, close, cuda_device, contexts, None,
+           dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, q_dtype=dtype, kv_dtype=dtype))

@@ -7,6 +7,8 @@ the launchers check what the kernels assume and raise ``ValueError`` naming the 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -77,3 +79,33 @@ def compute_in_fp32(q: torch.Tensor, k_cache: torch.Tensor, kernel: object) -> b
 def interpreted(kernel: object) -> bool:
     """Whether ``kernel`` was defined under TRITON_INTERPRET=1 (runs on CPU tensors, in numpy)."""
     return type(kernel).__name__ == "InterpretedFunction"
+
+
+@triton.jit
+def attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, t, tmask, allowed, kvh, d, dmask, qk_scale,
+                stride_kb, stride_ks, stride_kh, BLOCK_SIZE: tl.constexpr, FP32: tl.constexpr):
+    """One step of online softmax over key positions ``t`` (a tile), shared by decode and prefill.
+
+    Each position's block comes from the sequence's block table row (``table_ptr``), so the paged cache
+    is read in place; ``allowed`` masks the scores (real keys, and causality for prefill); ``qk_scale``
+    includes log2(e), so exp2 replaces exp. Returns the updated (running max, running sum, accumulator).
+    """
+    block = tl.load(table_ptr + t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+    kv = block * stride_kb + (t % BLOCK_SIZE) * stride_ks + kvh * stride_kh
+    kvmask = tmask[:, None] & dmask[None, :]
+    k = tl.load(k_ptr + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
+    v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
+    if FP32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(allowed, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if FP32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv

@@ -20,12 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tideserve.model.attention.triton._common import (
-    check_cache,
-    check_index,
-    compute_in_fp32,
-    pow2_at_least,
-)
+from tideserve.model.attention.triton import _common
+from tideserve.model.attention.triton._common import attend_tile
 
 TILE = 64  # key positions per inner-loop step
 PARTITION_SIZE = 512  # key positions per split-K partition (a multiple of TILE)
@@ -78,26 +74,9 @@ def _decode_kernel(
     for t0 in range(start, end, TILE):
         t = t0 + tl.arange(0, TILE)
         tmask = t < end
-        block = tl.load(bt_ptr + seq * stride_btb + t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
-        kv = block * stride_kb + (t % BLOCK_SIZE) * stride_ks + kvh * stride_kh
-        kvmask = tmask[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
-        v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
-        if FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr + seq * stride_btb, t, tmask,
+                                    tmask[None, :], kvh, d, dmask, qk_scale, stride_kb, stride_ks, stride_kh,
+                                    BLOCK_SIZE=BLOCK_SIZE, FP32=FP32)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     omask = gmask[:, None] & dmask[None, :]
@@ -152,10 +131,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     saves a device-to-host read when the caller knows it; ``partition_size`` (a multiple of 64) forces
     split-K with that partition, else :func:`num_partitions` decides.
     """
-    num_heads, num_kv_heads, head_dim, block_size = check_cache(q, k_cache, v_cache, out, "[B, H, D]")
+    num_heads, num_kv_heads, head_dim, block_size = _common.check_cache(q, k_cache, v_cache, out, "[B, H, D]")
     batch = q.shape[0]
-    check_index("block_tables", block_tables, 2, q.device)
-    check_index("context_lens", context_lens, 1, q.device)
+    _common.check_index("block_tables", block_tables, 2, q.device)
+    _common.check_index("context_lens", context_lens, 1, q.device)
     if block_tables.shape[0] != batch or context_lens.shape[0] != batch:
         raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
                          f"must have q's batch size {batch} rows.")
@@ -170,7 +149,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             raise ValueError(f"partition_size must be a positive multiple of {TILE}, got {partition_size}.")
         partition, parts = partition_size, max(1, -(-max_context_len // partition_size))
     group = num_heads // num_kv_heads
-    d_pad = pow2_at_least(head_dim)
+    d_pad = _common.pow2_at_least(head_dim)
     split = parts > 1
     if split:
         tmp_out = torch.empty((batch, num_heads, parts, d_pad), dtype=torch.float32, device=q.device)
@@ -183,11 +162,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         float(scale), num_heads, parts,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, G_PAD=pow2_at_least(group), D=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, TILE=TILE,
-        PARTITION=partition, SPLIT=split, FP32=compute_in_fp32(q, k_cache, _decode_kernel),
+        GROUP=group, G_PAD=_common.pow2_at_least(group), D=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, TILE=TILE,
+        PARTITION=partition, SPLIT=split, FP32=_common.compute_in_fp32(q, k_cache, _decode_kernel),
     )
     if split:
         _reduce_kernel[(batch, num_heads)](
             tmp_out, tmp_m, tmp_l, context_lens, out, num_heads, parts, out.stride(0), out.stride(1),
-            D=head_dim, D_PAD=d_pad, P_PAD=pow2_at_least(parts, 1), PARTITION=partition,
+            D=head_dim, D_PAD=d_pad, P_PAD=_common.pow2_at_least(parts, 1), PARTITION=partition,
         )

@@ -16,12 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tideserve.model.attention.triton._common import (
-    check_cache,
-    check_index,
-    compute_in_fp32,
-    pow2_at_least,
-)
+from tideserve.model.attention.triton import _common
+from tideserve.model.attention.triton._common import attend_tile
 
 TILE = 64  # key positions per inner-loop step
 BLOCK_ROWS = 64  # (query position, head) rows per program
@@ -66,27 +62,11 @@ def _prefill_kernel(
     for t0 in range(0, hi, TILE):
         t = t0 + tl.arange(0, TILE)
         tmask = t < ctx
-        block = tl.load(bt_ptr + seq * stride_btb + t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
-        kv = block * stride_kb + (t % BLOCK_SIZE) * stride_ks + kvh * stride_kh
-        kvmask = tmask[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
-        v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
-        if FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        # Every row may attend key 0, so each row's running max is finite after the first tile.
         allowed = tmask[None, :] & (t[None, :] <= pos[:, None])
-        s = tl.where(allowed, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is allowed for every row in the first tile
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr + seq * stride_btb, t, tmask, allowed,
+                                    kvh, d, dmask, qk_scale, stride_kb, stride_ks, stride_kh,
+                                    BLOCK_SIZE=BLOCK_SIZE, FP32=FP32)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + qi)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -105,10 +85,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     cached prefix + chunk, so context_lens[s] >= query_len[s]); index tensors int32 (or int64).
     ``max_query_len`` saves a device-to-host read when the caller knows it.
     """
-    num_heads, num_kv_heads, head_dim, block_size = check_cache(q, k_cache, v_cache, out, "[T, H, D]")
-    check_index("block_tables", block_tables, 2, q.device)
-    check_index("query_start_loc", query_start_loc, 1, q.device)
-    check_index("context_lens", context_lens, 1, q.device)
+    num_heads, num_kv_heads, head_dim, block_size = _common.check_cache(q, k_cache, v_cache, out, "[T, H, D]")
+    _common.check_index("block_tables", block_tables, 2, q.device)
+    _common.check_index("query_start_loc", query_start_loc, 1, q.device)
+    _common.check_index("context_lens", context_lens, 1, q.device)
     num_seqs = context_lens.shape[0]
     if block_tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:
         raise ValueError(f"block_tables {tuple(block_tables.shape)} must have one row and query_start_loc "
@@ -121,13 +101,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if max_query_len <= 0:
         return
     group = num_heads // num_kv_heads
-    g_pad = pow2_at_least(group, 1)
+    g_pad = _common.pow2_at_least(group, 1)
     block_q = max(1, BLOCK_ROWS // g_pad)
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, float(scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, D=head_dim, D_PAD=pow2_at_least(head_dim), BLOCK_SIZE=block_size,
-        TILE=TILE, FP32=compute_in_fp32(q, k_cache, _prefill_kernel),
+        GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, D=head_dim, D_PAD=_common.pow2_at_least(head_dim),
+        BLOCK_SIZE=block_size, TILE=TILE, FP32=_common.compute_in_fp32(q, k_cache, _prefill_kernel),
     )
