@@ -65,9 +65,12 @@ def run_transformers(model, pad_id: int, prompt_ids: list[list[int]], output_len
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                                 min_new_tokens=output_len, do_sample=False, pad_token_id=pad_id)
+            out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                 max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                                 pad_token_id=pad_id)
         total += (out.shape[1] - width) * len(chunk)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
     return time.perf_counter() - t0, total
 
 
@@ -77,6 +80,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="auto", help="tideserve's device (auto: cuda when present, else cpu); "
+                    "transformers runs on the same one")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hf-batch-size", type=int, default=None, help="default: all prompts in one batch")
     ap.add_argument("--seed", type=int, default=0)
@@ -95,7 +100,7 @@ def main() -> None:
 
     combos = [(q, kv) for q in args.quantization.split(",") for kv in args.kv_cache_dtypes.split(",")]
     variants = [q if kv == "auto" else f"{q}+kv-{kv}" for q, kv in combos]
-    llms = {name: LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 1),
+    llms = {name: LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.num_prompts, 1),
                       max_num_batched_tokens=4096, quantization=q, kv_cache_dtype=kv)
             for name, (q, kv) in zip(variants, combos)}
     llm = llms[variants[0]]
@@ -105,7 +110,7 @@ def main() -> None:
     lens = [len(p) for p in prompt_ids]
     print(f"model={llm.engine.model_path} dtype={dtype} prompts={len(prompts)} "
           f"prompt tokens min/median/max={min(lens)}/{int(statistics.median(lens))}/{max(lens)} "
-          f"output={args.output_len} threads={torch.get_num_threads()}")
+          f"output={args.output_len} threads={torch.get_num_threads()} device={llm.engine.device}")
 
     hfs = {}
     if not args.skip_transformers:
@@ -116,7 +121,7 @@ def main() -> None:
                 hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=hf_dtype)
             else:
                 hf = AutoModelForCausalLM.from_pretrained(path, dtype=hf_dtype)
-            hfs[name] = hf.eval()
+            hfs[name] = hf.to(llm.engine.device).eval()
         pad = llm.tokenizer.eos_token_id or 0
 
     # Warm up each once (small), then interleave the timed runs.
@@ -144,7 +149,8 @@ def main() -> None:
     med = statistics.median
     result = {
         "machine": f"{platform.machine()} {platform.processor()} threads={torch.get_num_threads()}",
-        "torch": torch.__version__, "dtype": str(dtype), "num_prompts": args.num_prompts,
+        "torch": torch.__version__, "device": str(llm.engine.device), "dtype": str(dtype),
+        "num_prompts": args.num_prompts,
         "output_len": args.output_len,
         "tideserve_tok_s": ours, "tideserve_median": {q: med(v) for q, v in ours.items()},
     }

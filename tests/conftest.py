@@ -86,3 +86,13 @@ def make_llm(shared_model) -> Callable[..., Any]:
         return LLM.from_loaded(*shared_model(**kwargs), **kwargs)
 
     return make
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` need a CUDA device: without one they are skipped, each by name, with why."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (marker cuda; benchmarks/gpu_check.sh runs these)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)

@@ -1,0 +1,1 @@
+"""Attention backends, each with its metadata builder (torch reference, CPU native, Triton for GPUs)."""
