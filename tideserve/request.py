@@ -12,8 +12,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from tideserve.sampling_params import SamplingParams
 
 
@@ -40,7 +38,6 @@ class Request:
     max_tokens: int  # resolved: never beyond what the context allows
     arrival_time: float = field(default_factory=time.monotonic)
     prompt: str | None = None
-    generator: torch.Generator | None = None  # seeded requests own their randomness
     priority: int = 0  # the priority scheduling policy serves lower values first
     cache_salt: str | None = None  # isolates the request's prefix-cache entries (vLLM's cache_salt)
     # Structured output: this request's grammar matcher (structured_output.backend.GrammarMatcher). It

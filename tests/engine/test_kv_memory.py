@@ -75,6 +75,23 @@ def test_preemption_modes_equal_uninterrupted(make_llm, reference, mode, caplog)
     assert not llm.engine.kv_manager.swapped
 
 
+SEEDED = [SamplingParams(temperature=1.0, top_p=0.95, seed=100 + i, max_tokens=8, ignore_eos=True)
+          for i in range(len(QUESTIONS))]
+
+
+def test_seeded_sampling_is_unchanged_by_preemption(make_llm):
+    """A seeded request recomputed after preemption (here after its third token) draws on from where its
+    generator stopped (the runner keeps it across preemption), so its tokens are those of an
+    uninterrupted run."""
+    roomy = make_llm(dtype="float32", enable_prefix_caching=False, max_model_len=512)
+    want = token_lists(roomy.generate(chats(roomy), SEEDED))
+    llm = make_llm(dtype="float32", max_model_len=512, block_size=16, num_blocks=32, enable_prefix_caching=False)
+    assert token_lists(llm.generate(chats(llm), SEEDED)) == want
+    assert llm.engine.scheduler.num_preemptions > 0
+    llm.engine.step()  # the runner hears of the last finished requests on the next step, even an empty one
+    assert not llm.engine.runner.generators and not llm.engine.runner.requests
+
+
 def test_swap_pool_full_falls_back_to_recompute(make_llm, reference, caplog):
     caplog.set_level(logging.WARNING)
     llm = make_llm(dtype="float32", max_model_len=512, block_size=16, num_blocks=32, preemption_mode="swap",

@@ -33,11 +33,11 @@ def test_resolve_dtype_names(name: str, want: torch.dtype) -> None:
 
 
 def test_resolve_dtype_auto_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tideserve.model import loader
+    from tideserve.platform import cpu
 
-    monkeypatch.setattr(loader, "_cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(cpu, "_cpu_has_fast_bf16", lambda: False)
     assert resolve_dtype("auto", "cpu") is torch.float32
-    monkeypatch.setattr(loader, "_cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(cpu, "_cpu_has_fast_bf16", lambda: True)
     assert resolve_dtype("auto", torch.device("cpu")) is torch.bfloat16
 
 

@@ -42,7 +42,7 @@ class NewRequestData:
     token_ids: list[int]  # prompt + outputs so far
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    generator: Any  # the request's seeded random generator (a torch.Generator), or None
+    seed: int | None  # the request's sampling seed: the runner keeps one generator per seeded request
     eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int  # includes any prefix-cache hit
@@ -74,14 +74,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_preemptions: int = 0  # cumulative
-    kv_cache_usage: float = 0.0
 
 
 class Scheduler:
@@ -139,9 +131,6 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
-
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions, self.kv.usage())
 
     # ----------------------------------------------------------------- one step
     def schedule(self) -> SchedulerOutput:
@@ -289,7 +278,7 @@ class Scheduler:
             self._add_running(request)
             out.new_requests.append(NewRequestData(
                 request.request_id, token_ids, request.num_prompt_tokens, request.sampling_params,
-                request.generator, request.eos_token_id, new_ids, num_hit, request.structured_output))
+                request.sampling_params.seed, request.eos_token_id, new_ids, num_hit, request.structured_output))
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
         return budget
@@ -319,7 +308,7 @@ class Scheduler:
         out.swap_in.extend(pairs)
         out.new_requests.append(NewRequestData(
             request.request_id, token_ids, request.num_prompt_tokens, request.sampling_params,
-            request.generator, request.eos_token_id, block_ids, saved, request.structured_output))
+            request.sampling_params.seed, request.eos_token_id, block_ids, saved, request.structured_output))
         out.num_scheduled_tokens[request.request_id] = num_new
         logger.info("Request %s swapped in: %d blocks copied back, resuming at token %d (no recompute)",
                     request.request_id, len(pairs), saved)

@@ -19,7 +19,7 @@ from tideserve import native
 from tideserve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheConfig, SchedulerConfig, resolve_max_model_len
 from tideserve.core.kv_cache.elastic import ElasticConfig, ElasticPolicy, MemoryAccount, safety_margin
 from tideserve.core.kv_cache.manager import KVCacheManager
-from tideserve.core.kv_cache.memory import MemoryProbe, SystemMemoryProbe
+from tideserve.core.kv_cache.memory import MemoryProbe
 from tideserve.core.scheduler import Scheduler
 from tideserve.engine.arg_utils import EngineArgs
 from tideserve.engine.loaded_model import match_loaded
@@ -36,6 +36,7 @@ from tideserve.model.layers.quantization import (
 )
 from tideserve.model.loader import LoadedModel, load_model
 from tideserve.outputs import RequestOutput
+from tideserve.platform import platform_for, resolve_device
 from tideserve.request import Request, RequestStatus
 from tideserve.sampling_params import SamplingParams
 from tideserve.structured_output.manager import StructuredOutputManager
@@ -48,15 +49,6 @@ logger = logging.getLogger(__name__)
 GiB = 2**30
 # The "average request" a static pool must hold max_num_seqs of: a quarter of max_model_len, capped.
 AVERAGE_REQUEST_TOKENS = 512
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(name)
-    except RuntimeError as exc:
-        raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}.") from exc
 
 
 class LLMEngine:
@@ -72,6 +64,7 @@ class LLMEngine:
         self.args = args
         requested = None if model_config.device == "auto" else resolve_device(model_config.device)
         loaded, self.device = match_loaded(model_config, loaded, requested)
+        self.platform = platform_for(self.device)
         torch.manual_seed(model_config.seed)
         self.model = loaded.model
         self.arch = loaded.arch
@@ -99,14 +92,14 @@ class LLMEngine:
         self.cache_config = cache_config
         self.scheduler_config = sched_config
         self._check_batched_tokens(sched_config, args.max_num_batched_tokens)
-        self.probe: MemoryProbe = args.memory_probe or SystemMemoryProbe(self.device)
+        self.probe: MemoryProbe = args.memory_probe or self.platform
         describe = getattr(self.probe, "describe", None)
         if describe is not None:
             logger.info("memory probe: %s", describe())
 
         block_size = cache_config.initial_block_size
-        self.kv_dtype = self._auto_kv_dtype() if cache_config.kv_cache_dtype == "auto" \
-            else getattr(torch, cache_config.kv_cache_dtype)
+        self.kv_dtype = (self.platform.auto_kv_dtype(self.dtype, self.quantization)
+                         if cache_config.kv_cache_dtype == "auto" else getattr(torch, cache_config.kv_cache_dtype))
         arch = self.arch
         self.kv_storage = KVCacheStorage(
             KVLayout(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, self.kv_dtype),
@@ -141,7 +134,7 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(
             self.tokenizer.hf, self.arch.vocab_size, [*self.tokenizer.stop_token_ids, *self.arch.eos_token_ids])
         self.runner.structured_output = self.structured_output
-        self.thread_governor = (ThreadGovernor() if args.adaptive_threads and self.device.type == "cpu"
+        self.thread_governor = (ThreadGovernor() if args.adaptive_threads and self.platform.computes_on_host
                                 else None)
         self._ids = itertools.count()
         self._num_prompt_tokens = 0
@@ -166,18 +159,6 @@ class LLMEngine:
         """An engine over an already loaded model (``load_model``) and its tokenizer (loaded from the
         model's path when None); settings left at "auto" take the loaded model's."""
         return cls(args, loaded, tokenizer)
-
-    def _auto_kv_dtype(self) -> torch.dtype:
-        """The model's dtype, except for a GGUF's own blocks (which compute in float32; chosen by
-        ``--quantization auto`` with ``--dtype auto``) on a CPU with fast bfloat16: there the cache is
-        bfloat16, as the dtype "auto" picks there, half the bytes a large batch's decode attention reads
-        every step (docs/benchmarks.md, "Fourth round")."""
-        from tideserve.model.loader import resolve_dtype
-
-        if self.quantization == "gguf" and self.dtype == torch.float32 and self.device.type == "cpu":
-            if resolve_dtype("auto", self.device) == torch.bfloat16 and native.load_library() is not None:
-                return torch.bfloat16
-        return self.dtype
 
     def _check_batched_tokens(self, sched: SchedulerConfig, requested: int | None) -> None:
         """Without chunked prefill a prompt runs in one step, so one step must hold the longest prompt."""
@@ -347,13 +328,9 @@ class LLMEngine:
                                    logprobs=0 if hide_logprobs else params.logprobs)
             if params.seed is not None:
                 child_params.seed = params.seed + index
-            generator = None
-            if child_params.seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(child_params.seed)
             child_id = request_id if num_samples == 1 else f"{request_id}#{index}"
             children.append(Request(child_id, list(token_ids), child_params, eos, max_tokens,
-                                    prompt=text, generator=generator, priority=priority,
+                                    prompt=text, priority=priority,
                                     cache_salt=cache_salt,
                                     structured_output=grammar.matcher() if grammar is not None else None))
         self.output_processor.add(request_id, text, token_ids, children, num_returned=params.n,
@@ -423,6 +400,8 @@ class LLMEngine:
                     self.output_processor.on_finished(request)
                     self.pool.observe_finished(request.num_tokens)
                 touched[self.output_processor.parent_of(request.request_id)] = None
+        elif sched_out.finished_ids or sched_out.preempted_ids:
+            self.runner.execute(sched_out)  # nothing runs: the runner only drops those requests' state
         outputs = []
         for parent_id in touched:
             if parent_id is None or parent_id not in self.output_processor.parents:

@@ -127,10 +127,6 @@ class OutputProcessor:
             child.finished = True
             child.detokenizer.finish()
 
-    def output_for(self, request_id: str) -> RequestOutput | None:
-        parent_id = self._child_parent_id.get(request_id)
-        return self.parents[parent_id].output() if parent_id else None
-
     def pop_if_finished(self, parent_id: str) -> None:
         parent = self.parents.get(parent_id)
         if parent and parent.finished:

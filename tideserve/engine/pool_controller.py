@@ -108,9 +108,9 @@ class PoolController:
 
     def swap_resident_bytes(self) -> int:
         """Host memory the swap tier may hold now (the most blocks swapped out at once since it was last
-        handed back): it is the process's memory, not an activation's."""
+        handed back): it is the process's memory, not an activation's, when the pool is host memory too."""
         swap = self.kv.swap
-        return swap.high_water * self.bytes_per_block if swap is not None and self.runner.device.type == "cpu" else 0
+        return swap.high_water * self.bytes_per_block if swap is not None and self.runner.platform.host_memory else 0
 
     def _refresh_ceiling(self) -> None:
         reachable = self._reachable_blocks()

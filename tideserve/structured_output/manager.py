@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from tideserve.model.layers.sampler import AllowedTokenMask
+from tideserve.platform import platform_for
 from tideserve.structured_output.backend import CompiledGrammar, GrammarCompiler, GrammarMatcher, bitmask_width
 from tideserve.structured_output.params import StructuredOutputsParams
 
@@ -81,7 +82,7 @@ class StructuredOutputManager:
                 self._executor = llguidance.LLExecutor(num_threads=self._num_threads)
             self._executor.unsafe_compute_mask_ptr([(m.handle, i) for i, (_, m) in enumerate(rows)],
                                                    bitmask.data_ptr(), bitmask.shape[1] * 4, len(rows))
-        if device.type != "cpu":
+        if not platform_for(device).host_memory:
             bitmask = bitmask.to(device, non_blocking=False)
         return AllowedTokenMask([row for row, _ in rows], bitmask)
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tideserve.platform import platform_for
+
 logger = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
@@ -131,7 +133,7 @@ def copy_between(src: KVStore, dst: KVStore, pairs: list[tuple[int, int]]) -> No
     s_src, d_dst = s.to(src.device), d.to(dst.device)
     # Host to GPU may overlap (the device consumes the copy in stream order); to the host it must not,
     # since the host reads the result at once.
-    overlap = dst.device.type == "cuda"
+    overlap = platform_for(dst.device).async_host_copies
     for (k, v), (dk, dv) in zip(src.caches, dst.caches, strict=True):
         dk.index_copy_(0, d_dst, k.index_select(0, s_src).to(dst.device, non_blocking=overlap))
         dv.index_copy_(0, d_dst, v.index_select(0, s_src).to(dst.device, non_blocking=overlap))
@@ -267,22 +269,14 @@ class ReservedKVStore(KVStore):
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
-    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    oom = getattr(torch, "OutOfMemoryError", None)
     return (oom is not None and isinstance(exc, oom)) or isinstance(exc, MemoryError) or (
         isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
 
 
 def release_freed_memory(device: torch.device) -> None:
-    """Hand freed memory back: CUDA's caching allocator, or glibc's heap on CPU."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    """Hand freed memory back: CUDA's caching allocator, or glibc's heap on CPU (the device's platform)."""
+    platform_for(device).release_freed_memory()
 
 
 class CopyKVStore(KVStore):
@@ -358,7 +352,7 @@ def create_kv_store(layout: KVLayout, device: torch.device, block_size: int, num
 
     ``reserve_bytes`` is the largest the pool may ever grow to; ``static`` pools commit everything now.
     """
-    if device.type == "cpu":
+    if platform_for(device).host_memory:
         store = ReservedKVStore.try_create(layout, block_size, num_blocks, reserve_bytes)
         if store is not None:
             return store
@@ -368,12 +362,13 @@ def create_kv_store(layout: KVLayout, device: torch.device, block_size: int, num
 def create_swap_store(layout: KVLayout, device: torch.device, block_size: int, num_blocks: int) -> KVStore:
     """The host-side tier for swap preemption: committed only where written, handed back when empty
     (CPU); pinned host memory for asynchronous copies when the pool is on a GPU."""
-    if device.type == "cpu":
+    platform = platform_for(device)
+    if platform.host_memory:
         store = ReservedKVStore.try_create(layout, block_size, num_blocks,
                                            num_blocks * layout.block_bytes(block_size), populate=False)
         if store is not None:
             return store
-    return CopyKVStore(layout, torch.device("cpu"), block_size, num_blocks, pin_memory=device.type == "cuda")
+    return CopyKVStore(layout, torch.device("cpu"), block_size, num_blocks, pin_memory=platform.async_host_copies)
 
 
 class KVCacheStorage:

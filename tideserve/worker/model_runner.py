@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from tideserve.core.kv_cache.memory import peak_rss_bytes, process_rss_bytes, reset_peak_rss
-from tideserve.core.scheduler import SchedulerOutput
+from tideserve.core.scheduler import NewRequestData, SchedulerOutput
 from tideserve.model.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from tideserve.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from tideserve.native import decode_attention_supported
 from tideserve.outputs import Logprob
+from tideserve.platform import platform_for
 from tideserve.sampling_params import SamplingParams
 from tideserve.worker.kv_store import CopyKVStore, KVCacheStorage
 
@@ -86,6 +86,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_storage: KVCacheStorage, device: torch.device) -> None:
         self.model = model
         self.device = device
+        self.platform = platform_for(device)
         self.kv_storage = kv_storage
         self.layout = kv_storage.layout
         kv_dtype = self.kv_dtype = kv_storage.layout.dtype
@@ -93,6 +94,9 @@ class ModelRunner:
         # Decode attention straight from the paged cache (tideserve/native) where it can run.
         self.native_decode = decode_attention_supported(device, getattr(model, "dtype", None), kv_dtype)
         self.requests: dict[str, CachedRequestState] = {}
+        # Seeded requests' generators, by request id. Kept across preemption (a resumed request draws on
+        # from where it stopped, so its tokens are those of an uninterrupted run); dropped when it finishes.
+        self.generators: dict[str, torch.Generator] = {}
         # Structured output: computes the token masks of requests with a grammar (set by the engine).
         self.structured_output: Any = None
 
@@ -112,9 +116,9 @@ class ModelRunner:
     def profile_activation_bytes(self, num_tokens: int, max_num_seqs: int) -> int:
         """Peak activation memory of a forward pass over num_tokens prompt tokens (plus sampler logits).
 
-        Measured: CUDA's allocator peak, or on CPU the resident-set high-water mark after a reset. The
-        pass runs at min(num_tokens, PROFILE_TOKENS) and is scaled linearly (activations grow linearly
-        with tokens under memory-efficient attention). A lower bound computed from the shapes guards
+        Measured by the platform (CUDA's allocator peak; on CPU the resident-set high-water mark after a
+        reset). The pass runs at min(num_tokens, PROFILE_TOKENS) and is scaled linearly (activations grow
+        linearly with tokens under memory-efficient attention). A lower bound computed from the shapes guards
         against an allocator that reuses memory the measurement cannot see.
         """
         arch = self.model.arch
@@ -130,20 +134,8 @@ class ModelRunner:
         meta.prefills.append(PrefillSpan(start=0, query_len=n, context_len=n))
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            before = torch.cuda.memory_allocated(self.device)
-            self.model.compute_logits(self.model(ids, pos, scratch.caches, meta)[-1:])
-            torch.cuda.synchronize(self.device)
-            measured = torch.cuda.max_memory_allocated(self.device) - before
-        else:
-            before = process_rss_bytes()
-            measured = 0
-            if reset_peak_rss():
-                self.model.compute_logits(self.model(ids, pos, scratch.caches, meta)[-1:])
-                measured = max(0, peak_rss_bytes() - before)
-        del scratch
+        measured = self.platform.measure_peak_bytes(
+            lambda: self.model.compute_logits(self.model(ids, pos, scratch.caches, meta)[-1:]))
         measured = int(measured * num_tokens / n) + logits
         logger.info("profiling run: %d tokens, activation peak %.1f MiB measured (scaled to %d tokens), "
                     "%.1f MiB estimated from shapes", n, measured / 2**20, num_tokens, estimate / 2**20)
@@ -168,12 +160,13 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput) -> None:
         for request_id in out.finished_ids:
             self.requests.pop(request_id, None)
+            self.generators.pop(request_id, None)
         for request_id in out.preempted_ids:
             self.requests.pop(request_id, None)
         attached: list[tuple[list[int], int]] = []  # (blocks just attached, tokens already in them)
         for new in out.new_requests:
             state = CachedRequestState(
-                list(new.token_ids), new.num_prompt_tokens, new.sampling_params, new.generator,
+                list(new.token_ids), new.num_prompt_tokens, new.sampling_params, self._generator(new),
                 new.eos_token_id, list(new.block_ids), new.num_computed_tokens, new.structured_output)
             self.requests[new.request_id] = state
             # Its prefill writes every slot up to its tokens; only the last block's tail stays unwritten.
@@ -185,6 +178,18 @@ class ModelRunner:
             if cached.new_block_ids:
                 attached.append((list(cached.new_block_ids), 0))
         self.kv_storage.clear_unwritten(attached)
+
+    def _generator(self, new: NewRequestData) -> torch.Generator | None:
+        """The request's generator: made from its seed until it has sampled a token (first scheduled, or
+        preempted before its first token: nothing drawn yet), then the same one when it resumes."""
+        if new.seed is None:
+            return None
+        generator = self.generators.get(new.request_id)
+        if generator is None or len(new.token_ids) == new.num_prompt_tokens:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(new.seed)
+            self.generators[new.request_id] = generator
+        return generator
 
     # ----------------------------------------------------------------- one step
     @torch.inference_mode()

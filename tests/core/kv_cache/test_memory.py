@@ -16,17 +16,15 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
 from tideserve.core.kv_cache.memory import (
     CgroupMemory,
     MemoryCgroup,
-    SystemMemoryProbe,
-    available_memory_bytes,
     peak_rss_bytes,
     process_rss_bytes,
     reset_peak_rss,
 )
+from tideserve.platform.cpu import CpuPlatform
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -316,10 +314,10 @@ def test_mount_resolution_is_cached(host: FakeHost) -> None:
     assert probe.limit_bytes() == 1 * GiB
 
 
-def test_system_probe_cpu_uses_the_cgroup(host: FakeHost) -> None:
+def test_cpu_platform_probe_uses_the_cgroup(host: FakeHost) -> None:
     memory = v1_host(host, "/slot")
     host.v1_level(memory / "slot", limit=2 * GiB, usage=1 * GiB, inactive=256 * MiB)
-    probe = SystemMemoryProbe(torch.device("cpu"), cgroup=host.probe())
+    probe = CpuPlatform(cgroup=host.probe())
 
     assert probe.total_bytes() == 2 * GiB
     assert probe.available_bytes() == 2 * GiB - (1 * GiB - 256 * MiB)
@@ -328,10 +326,8 @@ def test_system_probe_cpu_uses_the_cgroup(host: FakeHost) -> None:
 
 
 def test_module_helpers_still_work() -> None:
-    cpu = torch.device("cpu")
     assert process_rss_bytes() > 0
-    assert available_memory_bytes(cpu) > 0
-    assert SystemMemoryProbe(cpu).total_bytes() >= SystemMemoryProbe(cpu).available_bytes() > 0
+    assert CpuPlatform().total_bytes() >= CpuPlatform().available_bytes() > 0
     if reset_peak_rss():
         assert peak_rss_bytes() > 0
 
@@ -372,9 +368,8 @@ def test_real_machine_resolves_the_process_cgroup_not_the_root() -> None:
 _CHILD_SCRIPT = """
 import json, sys
 sys.stdin.readline()  # wait until the parent has moved this process into the child cgroup
-import torch
-from tideserve.core.kv_cache.memory import SystemMemoryProbe
-probe = SystemMemoryProbe(torch.device("cpu"))
+from tideserve.platform.cpu import CpuPlatform
+probe = CpuPlatform()
 print(json.dumps({"total": probe.total_bytes(), "available": probe.available_bytes(),
                   "directory": str(probe.cgroup.cgroup.directory), "describe": probe.describe()}))
 """

@@ -1,9 +1,10 @@
-"""Memory probes: how much memory the engine may still use, on CPU or CUDA, behind one interface.
+"""Memory probes: how much memory the engine may still use, behind one interface, read without torch.
 
-CPU, CUDA and a test double answer the same two questions, so the elastic pool's decisions can be
-tested with a fake machine. On CPU the answer is the headroom of the process's own memory cgroup when
-a limit is set on it or on an ancestor (containers, job slots), else the kernel's MemAvailable; on CUDA
-it is the device's free memory.
+CPU, CUDA and a test double answer the same questions (``MemoryProbe``), so the elastic pool's decisions
+can be tested with a fake machine; the devices' probes are their platforms (tideserve/platform/). This
+module holds what the host's answer is made of: the headroom of the process's own memory cgroup when a
+limit is set on it or on an ancestor (containers, job slots), else the kernel's MemAvailable, and the
+process's resident set and its high-water mark.
 
 The cgroup is the process's own (found through /proc/self/cgroup and /proc/self/mountinfo), never the
 root of the hierarchy: two servers placed together in one limited cgroup must each see the shared
@@ -18,8 +19,6 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Protocol
-
-import torch
 
 GiB = 1 << 30
 # cgroup v1 reports "no limit" as a huge page-aligned number (PAGE_COUNTER_MAX * page size).
@@ -309,36 +308,6 @@ def host_cgroup_memory() -> CgroupMemory:
     return CgroupMemory()
 
 
-class SystemMemoryProbe:
-    """The real machine: CUDA device memory, or host memory bounded by the process's own cgroup."""
-
-    def __init__(self, device: torch.device, cgroup: CgroupMemory | None = None) -> None:
-        self.device = device
-        self.cgroup = cgroup if cgroup is not None else host_cgroup_memory()
-
-    def available_bytes(self) -> int:
-        if self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            return int(free)
-        return self.cgroup.available_bytes()
-
-    def total_bytes(self) -> int:
-        if self.device.type == "cuda":
-            return int(torch.cuda.mem_get_info(self.device)[1])
-        return self.cgroup.total_bytes()
-
-    def used_by_process_bytes(self) -> int:
-        if self.device.type == "cuda":
-            return int(torch.cuda.memory_reserved(self.device))
-        return process_rss_bytes()
-
-    def describe(self) -> str:
-        """What bounds this probe's answers, for the start-up log."""
-        if self.device.type == "cuda":
-            return f"CUDA device memory ({self.device})"
-        return self.cgroup.describe()
-
-
 def reset_peak_rss() -> bool:
     """Reset the kernel's resident-set high-water mark (VmHWM) so a profiling run can read its own peak."""
     try:
@@ -352,6 +321,3 @@ def reset_peak_rss() -> bool:
 def peak_rss_bytes() -> int:
     return _kib_field("/proc/self/status", "VmHWM") or 0
 
-
-def available_memory_bytes(device: torch.device) -> int:
-    return SystemMemoryProbe(device).available_bytes()

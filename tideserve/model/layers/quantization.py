@@ -35,6 +35,7 @@ from torch import nn
 from tideserve import native
 from tideserve.config import QUANTIZATIONS
 from tideserve.native import quant
+from tideserve.platform import platform_for
 
 # methods applied while the checkpoint loads (model/loader), the rest to a loaded float model
 LOAD_TIME_METHODS = ("gguf", "int4")
@@ -46,8 +47,9 @@ def unavailable_reason(method: str, device: torch.device) -> str | None:
     if method == "int8":
         return int8_unavailable_reason(device)
     if method in ("int4", "gguf"):
-        if device.type != "cpu":
-            return f"--quantization {method} uses tideserve's CPU kernels and does not run on {device.type}"
+        platform = platform_for(device)
+        if not platform.computes_on_host:
+            return f"--quantization {method} uses tideserve's CPU kernels and does not run on {platform.device_name}"
         if not quant.available():
             return (f"--quantization {method} needs tideserve's native kernels, which need a C compiler (cc or "
                     "$CC) and TIDESERVE_NATIVE unset or 1")
@@ -56,8 +58,9 @@ def unavailable_reason(method: str, device: torch.device) -> str | None:
 
 def int8_unavailable_reason(device: torch.device) -> str | None:
     """Why int8 cannot run here, or None when it can."""
-    if device.type != "cpu":
-        return f"--quantization int8 uses fbgemm's CPU kernels and does not run on {device.type}"
+    platform = platform_for(device)
+    if not platform.computes_on_host:
+        return f"--quantization int8 uses fbgemm's CPU kernels and does not run on {platform.device_name}"
     engines = torch.backends.quantized.supported_engines
     if "fbgemm" not in engines and "x86" not in engines:
         return f"--quantization int8 needs torch's fbgemm/x86 quantized engine; this build has {engines}"

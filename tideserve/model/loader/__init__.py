@@ -20,6 +20,7 @@ from tideserve.model.arch_config import ArchConfig
 from tideserve.model.loader.gguf import load_gguf
 from tideserve.model.loader.hf import is_hf_dir, load_hf
 from tideserve.model.loader.hub import fetch, looks_like_hub_id
+from tideserve.platform import platform_for
 
 logger = logging.getLogger(__name__)
 
@@ -68,15 +69,6 @@ def default_model_path() -> str:
     return str(candidates[0])
 
 
-def _cpu_has_fast_bf16() -> bool:
-    """bf16 matmuls beat fp32 on CPUs with AMX or AVX512-BF16; elsewhere they are emulated and slower."""
-    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    if any(getattr(torch.cpu, p, lambda: False)() for p in probes):
-        return True
-    capability = torch.backends.cpu.get_cpu_capability().upper()
-    return "AMX" in capability or "BF16" in capability
-
-
 def resolve_dtype(name: str | torch.dtype, device: torch.device | str) -> torch.dtype:
     """"auto" -> bfloat16 where the device runs it fast, else float32; or an explicit dtype name."""
     if isinstance(name, torch.dtype):
@@ -85,12 +77,7 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device | str) -> torch.
         return name
     key = name.strip().lower()
     if key == "auto":
-        device = torch.device(device)
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        if device.type == "cpu" and _cpu_has_fast_bf16():
-            return torch.bfloat16
-        return torch.float32
+        return platform_for(device).auto_dtype()
     try:
         return _DTYPES[key]
     except KeyError:

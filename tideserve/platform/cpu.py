@@ -1,0 +1,81 @@
+"""The CPU: host memory bounded by the process's own cgroup, peaks from the kernel's resident-set
+high-water mark, bfloat16 where the cores run it natively."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tideserve.core.kv_cache.memory import (
+    CgroupMemory,
+    host_cgroup_memory,
+    peak_rss_bytes,
+    process_rss_bytes,
+    reset_peak_rss,
+)
+from tideserve.platform.interface import Platform
+
+
+def _cpu_has_fast_bf16() -> bool:
+    """bf16 matmuls beat fp32 on CPUs with AMX or AVX512-BF16; elsewhere they are emulated and slower."""
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    if any(getattr(torch.cpu, p, lambda: False)() for p in probes):
+        return True
+    capability = torch.backends.cpu.get_cpu_capability().upper()
+    return "AMX" in capability or "BF16" in capability
+
+
+class CpuPlatform(Platform):
+    device_name = "cpu"
+    host_memory = True
+    computes_on_host = True
+
+    def __init__(self, device: torch.device | None = None, cgroup: CgroupMemory | None = None) -> None:
+        super().__init__(device if device is not None else torch.device("cpu"))
+        self.cgroup = cgroup if cgroup is not None else host_cgroup_memory()
+
+    def available_bytes(self) -> int:
+        return self.cgroup.available_bytes()
+
+    def total_bytes(self) -> int:
+        return self.cgroup.total_bytes()
+
+    def used_by_process_bytes(self) -> int:
+        return process_rss_bytes()
+
+    def describe(self) -> str:
+        return self.cgroup.describe()
+
+    def measure_peak_bytes(self, run: Callable[[], Any]) -> int:
+        """VmHWM after a reset, minus the resident set before: without a resettable high-water mark
+        (``/proc/self/clear_refs`` not writable) nothing is run and 0 is returned."""
+        before = process_rss_bytes()
+        if not reset_peak_rss():
+            return 0
+        run()
+        return max(0, peak_rss_bytes() - before)
+
+    def release_freed_memory(self) -> None:
+        """glibc keeps freed heap pages; malloc_trim hands them back to the kernel."""
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+
+    def auto_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+
+    def auto_kv_dtype(self, model_dtype: torch.dtype, quantization: str) -> torch.dtype:
+        """The model's dtype, except for a GGUF's own blocks (which compute in float32; chosen by
+        ``--quantization auto`` with ``--dtype auto``) on a CPU with fast bfloat16: there the cache is
+        bfloat16, as the dtype "auto" picks there, half the bytes a large batch's decode attention reads
+        every step (docs/benchmarks.md, "Fourth round")."""
+        from tideserve import native
+
+        if quantization == "gguf" and model_dtype == torch.float32:
+            if self.auto_dtype() == torch.bfloat16 and native.load_library() is not None:
+                return torch.bfloat16
+        return model_dtype

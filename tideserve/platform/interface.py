@@ -1,0 +1,80 @@
+"""The questions whose answers differ by device, asked of one object per device.
+
+Everything outside ``tideserve/platform`` asks a ``Platform`` instead of testing ``device.type``, so a new
+accelerator is one new subclass, and a test double (a fake device with a memory size the test chooses)
+answers the same questions as the real machine. A platform is also a ``MemoryProbe``: the elastic pool
+reads its budget from it.
+
+Capabilities are plain class attributes, named for what the caller does with them (view a tensor with
+numpy, pin a host buffer), not for the device: a caller never needs to know which device it runs on.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+
+class Platform(ABC):
+    """One device's answers: memory probe, peak measurement, releasing memory, dtypes and capabilities."""
+
+    device_name: ClassVar[str]
+    """torch's name for the device ("cpu", "cuda"): what error messages and logs call it."""
+    host_memory: ClassVar[bool] = False
+    """Its tensors are host memory: numpy may view them without a copy (the sampler's bitmask paths), the
+    KV pool may be one reserved host address range (worker/kv_store.py), and the host swap tier takes from
+    the same memory the probe counts."""
+    computes_on_host: ClassVar[bool] = False
+    """The model runs on the host's cores: tideserve's CPU kernels (native/, fbgemm's int8) apply, and the
+    adaptive thread governor sizes torch's threads (engine/threads.py)."""
+    async_host_copies: ClassVar[bool] = False
+    """Copies between host and device may be asynchronous: host buffers that feed it (the swap tier) are
+    pinned, and the device consumes host-to-device copies in stream order."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.device})"
+
+    # ----------------------------------------------------------------- memory probe (core's MemoryProbe)
+    @abstractmethod
+    def available_bytes(self) -> int:
+        """Bytes that could still be taken now."""
+
+    @abstractmethod
+    def total_bytes(self) -> int:
+        """Bytes of the whole device, or of the process's memory limit."""
+
+    @abstractmethod
+    def used_by_process_bytes(self) -> int:
+        """Bytes this process holds on the device (CPU: resident set)."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """What bounds the probe's answers, for the start-up log."""
+
+    # ----------------------------------------------------------------- measuring and releasing
+    @abstractmethod
+    def measure_peak_bytes(self, run: Callable[[], Any]) -> int:
+        """Bytes at the peak of ``run()`` above what the process held before it (a profiling forward).
+
+        A device whose peak cannot be read returns 0, and may do so without calling ``run``: the caller's
+        lower bound from shapes then decides.
+        """
+
+    @abstractmethod
+    def release_freed_memory(self) -> None:
+        """Hand memory freed by the process back to the system or the device (after a pool shrinks)."""
+
+    # ----------------------------------------------------------------- dtypes
+    @abstractmethod
+    def auto_dtype(self) -> torch.dtype:
+        """The model dtype ``--dtype auto`` picks: the fastest this device runs well."""
+
+    def auto_kv_dtype(self, model_dtype: torch.dtype, quantization: str) -> torch.dtype:
+        """The KV cache dtype ``--kv-cache-dtype auto`` picks: the model's, unless the device knows better."""
+        return model_dtype
