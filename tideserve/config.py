@@ -134,6 +134,8 @@ class SchedulerConfig:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
 
 
+# --attention-backend (model/attention/): auto picks cpu-native on the CPU, triton on CUDA, else torch.
+ATTENTION_BACKENDS = ("auto", "torch", "cpu-native", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 # --quantization (model/layers/quantization.py): auto, the file's own blocks for a quantized GGUF ("gguf"),
@@ -159,8 +161,13 @@ class ModelConfig:
     # Accepted for vLLM's scripts. There are no CUDA graphs yet, so every step already runs eagerly; once
     # graph capture exists on CUDA, this turns it off (as vLLM's --enforce-eager does).
     enforce_eager: bool = False
+    # Which attention backend runs (model/attention/): auto, torch, cpu-native or triton.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}.")
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or half, float), got {self.dtype!r}.")

@@ -76,6 +76,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     adaptive_threads: bool = True  # CPU: follow the cores actually free (see engine/threads.py)
+    attention_backend: str = "auto"  # auto, torch, cpu-native or triton (model/attention/)
     memory_probe: MemoryProbe | None = None  # a test double answers for the machine
     elastic: ElasticConfig | None = None  # watermarks and delays of the elastic pool
     kv_cache_shrink_delay: float | None = None  # seconds of low usage before the pool shrinks (elastic)
@@ -107,7 +108,8 @@ class EngineArgs:
         self.parallel_config()  # first: a multi-device layout is the first thing to fix
         return (
             ModelConfig(self.model, self.dtype, self.device, self.max_model_len,
-                        self.allow_long_max_model_len, self.seed, self.quantization, self.enforce_eager),
+                        self.allow_long_max_model_len, self.seed, self.quantization, self.enforce_eager,
+                        attention_backend=self.attention_backend),
             CacheConfig(self.block_size, self.num_blocks, self.kv_cache_memory, self.gpu_memory_utilization,
                         kv_cache_dtype=self.kv_cache_dtype, enable_prefix_caching=self.enable_prefix_caching,
                         swap_space=self.swap_space),
@@ -168,11 +170,10 @@ class LLMEngine:
         block_size = cache_config.initial_block_size
         self.kv_dtype = self._auto_kv_dtype() if cache_config.kv_cache_dtype == "auto" \
             else getattr(torch, cache_config.kv_cache_dtype)
-        self.runner = ModelRunner(self.model, block_size, self.kv_dtype, self.device)
+        self.runner = ModelRunner(self.model, block_size, self.kv_dtype, self.device, model_config.attention_backend)
         logger.info("KV cache dtype %s (%d bytes per token); decode attention: %s",
                     str(self.kv_dtype).removeprefix("torch."), self.runner.kv_bytes_per_block(1),
-                    f"native kernel ({native.kernel_isa(native.isa() or 'scalar')})" if self.runner.native_decode
-                    else "torch")
+                    self.runner.attn_backend.describe())
         elastic = args.elastic_config()
         num_blocks, account, policy = self._plan_pool(cache_config, sched_config, elastic)
         reserve = num_blocks * self.runner.kv_bytes_per_block()
