@@ -22,7 +22,14 @@ from tideserve.cli_compat import (
     repair_dashes,
     unknown_flag_messages,
 )
-from tideserve.config import DTYPE_ALIASES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES
+from tideserve.config import (
+    ATTENTION_BACKENDS,
+    DTYPE_ALIASES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    SCHEDULING_POLICIES,
+)
 from tideserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("tideserve.cli")
@@ -82,6 +89,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-adaptive-threads", dest="adaptive_threads", action="store_false",
                    help="keep the intra-op thread count fixed even when other processes take cores")
+    g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+                   help="auto: cpu-native on the CPU when the native kernels build and the dtypes fit, triton on "
+                        "CUDA when triton is installed, else torch (SDPA over gathered blocks, runs anywhere)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="accepted for vLLM's scripts: no CUDA graphs are captured yet, so steps already run "
                         "eagerly; once graph capture exists on CUDA this turns it off")
@@ -121,7 +131,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
             "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policy", "block_size", "num_blocks",
             "kv_cache_memory", "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching", "preemption_mode",
             "swap_space", "seed", "quantization", "adaptive_threads", "kv_cache_shrink_delay", "enforce_eager",
-            "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"]
+            "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "attention_backend"]
     return {k: getattr(ns, k) for k in keys}
 
 
