@@ -37,11 +37,12 @@ def test_native_decode_equals_the_python_layer_loop(bias, kv_dtype, mixed_batch)
     assert fast is not None
     calls: list[bool] = []
     qmodel.native_decode = lambda *a: calls.append(fast(*a)) or calls[-1]
-    with_native = mixed_batch(qmodel.arch.vocab_size).ours(qmodel, dtype=kv_dtype, native=True)  # dtype: the cache's
+    # dtype: the cache's
+    with_native = mixed_batch(qmodel.arch.vocab_size).ours(qmodel, dtype=kv_dtype, backend="cpu-native")
     # Steps 1 and 2 hold prefills (Python path); step 3 is all decodes (one native call).
     assert calls == [False, False, True]
     qmodel.native_decode = None
-    runs = [with_native, mixed_batch(qmodel.arch.vocab_size).ours(qmodel, dtype=kv_dtype, native=True)]
+    runs = [with_native, mixed_batch(qmodel.arch.vocab_size).ours(qmodel, dtype=kv_dtype, backend="cpu-native")]
     for got, want in zip(*runs, strict=True):
         assert torch.equal(got, want)
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from tideserve import native
 from tideserve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheConfig, SchedulerConfig, resolve_max_model_len
 from tideserve.core.kv_cache.elastic import ElasticConfig, ElasticPolicy, MemoryAccount, safety_margin
 from tideserve.core.kv_cache.manager import KVCacheManager
@@ -104,11 +103,10 @@ class LLMEngine:
         self.kv_storage = KVCacheStorage(
             KVLayout(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, self.kv_dtype),
             self.device, block_size)
-        self.runner = ModelRunner(self.model, self.kv_storage, self.device)
+        self.runner = ModelRunner(self.model, self.kv_storage, self.device, model_config.attention_backend)
         logger.info("KV cache dtype %s (%d bytes per token); decode attention: %s",
                     str(self.kv_dtype).removeprefix("torch."), self.kv_storage.bytes_per_block(1),
-                    f"native kernel ({native.kernel_isa(native.isa() or 'scalar')})" if self.runner.native_decode
-                    else "torch")
+                    self.runner.attn_backend.describe())
         elastic = args.elastic_config()
         num_blocks, account, policy = self._plan_pool(cache_config, sched_config, elastic)
         reserve = num_blocks * self.kv_storage.bytes_per_block()

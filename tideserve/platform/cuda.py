@@ -13,6 +13,8 @@ from tideserve.platform.interface import Platform
 class CudaPlatform(Platform):
     device_name = "cuda"
     async_host_copies = True
+    attention_backends = ("triton", "torch")
+    graph_capture = True
 
     def available_bytes(self) -> int:
         free, _total = torch.cuda.mem_get_info(self.device)
