@@ -199,11 +199,11 @@ class ModelConfig:
              "dequantize to --dtype (the float reference); int8: int8 GEMMs for every linear layer (CPU, fbgemm); "
              "int4: 4-bit blocks for every linear layer, quantized at load. awq/gptq/fp8 checkpoints cannot be "
              "read")
-    # Accepted for vLLM's scripts. There are no CUDA graphs yet, so every step already runs eagerly; once
-    # graph capture exists on CUDA, this turns it off (as vLLM's --enforce-eager does).
+    # CUDA: decode-only steps replay graphs captured per batch size (worker/cuda_graphs.py); this runs every
+    # step eagerly instead (as vLLM's --enforce-eager does). Other devices always run eagerly.
     enforce_eager: bool = setting(
-        False, help="accepted for vLLM's scripts: no CUDA graphs are captured yet, so steps already run eagerly; "
-                    "once graph capture exists on CUDA this turns it off")
+        False, help="CUDA: run every step eagerly instead of replaying decode steps as CUDA graphs captured per "
+                    "batch size (other devices always run eagerly)")
     # Which attention backend runs (model/attention/): auto, torch, cpu-native or triton.
     attention_backend: str = setting(
         "auto", choices=ATTENTION_BACKENDS,

@@ -132,6 +132,10 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(
             self.tokenizer.hf, self.arch.vocab_size, [*self.tokenizer.stop_token_ids, *self.arch.eos_token_ids])
         self.runner.structured_output = self.structured_output
+        if self.platform.graph_capture and not model_config.enforce_eager:
+            if self.runner.enable_graphs(sched_config.max_num_seqs, self.max_model_len):
+                logger.info("CUDA graphs: decode-only steps of up to %d requests replay graphs captured on first "
+                            "use (--enforce-eager runs every step eagerly)", self.runner.graphs.sizes[-1])
         self.thread_governor = (ThreadGovernor() if args.adaptive_threads and self.platform.computes_on_host
                                 else None)
         self._ids = itertools.count()

@@ -23,6 +23,7 @@ from tideserve.model.layers.sampler import Sampler, SamplingMetadata, gather_log
 from tideserve.outputs import Logprob
 from tideserve.platform import platform_for
 from tideserve.sampling_params import SamplingParams
+from tideserve.worker.cuda_graphs import DecodeGraphs, GraphCapture, cuda_graph_capture
 from tideserve.worker.kv_store import CopyKVStore, KVCacheStorage
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,17 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         # Structured output: computes the token masks of requests with a grammar (set by the engine).
         self.structured_output: Any = None
+        # Captured decode steps (worker/cuda_graphs.py), set by enable_graphs; None: every step eager.
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_graphs(self, max_num_seqs: int, max_model_len: int, capture: GraphCapture | None = None) -> bool:
+        """Run decode-only steps as graphs captured per batch size (``capture``: real CUDA graphs by
+        default). False, changing nothing, when the attention backend has no static decode metadata."""
+        if not self.attn_backend.graph_fields:
+            return False
+        self.graphs = DecodeGraphs(self.model, self.attn_backend.graph_fields, self.device, max_num_seqs,
+                                   max_model_len, capture or cuda_graph_capture(self.device))
+        return True
 
     # ----------------------------------------------------------------- KV tensors (read, never moved here)
     @property
@@ -184,7 +196,11 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows, sample_ids = batch
         pending_mask = self._start_masks(sample_ids)  # may run on a worker thread during the forward pass
 
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = None
+        if self.graphs is not None and not prefill_ids:
+            hidden = self.graphs.run(input_ids, positions, meta, self.kv_caches, self.block_size)
+        if hidden is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         self._prompt_logprobs(order, out.num_scheduled_tokens, hidden, result)
         for rid in order:
             self.requests[rid].num_computed_tokens += out.num_scheduled_tokens[rid]

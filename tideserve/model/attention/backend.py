@@ -26,6 +26,9 @@ class AttentionBackend(ABC):
     # A kernel that does rotary and the KV store in one pass (bound at construction), or None: then the
     # model rotates with torch and ``forward`` stores K/V itself.
     rope_store: RopeStore | None = None
+    # The per-row tensors of a decode-only step's metadata (first dimension = the batch), read by a
+    # captured graph from static buffers (worker/cuda_graphs.py); empty: this backend's steps stay eager.
+    graph_fields: tuple[str, ...] = ()
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)

@@ -33,9 +33,12 @@ class CpuNativeMetadata(AttentionMetadata):
 def unsupported_reason(device: torch.device | str, dtype: torch.dtype, kv_dtype: torch.dtype,
                        num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
     """Why the CPU kernels cannot serve this model here, or None when they can."""
-    platform = platform_for(torch.device(device))
-    if "cpu-native" not in platform.attention_backends:
-        return f"it runs on the CPU, not {platform.device_name}"
+    try:
+        backends = platform_for(torch.device(device)).attention_backends
+    except ValueError:  # a device tideserve has no platform for
+        backends = ()
+    if "cpu-native" not in backends:
+        return f"it runs on the CPU, not {torch.device(device)}"
     if native.load_library() is None:
         return "the native kernels are not available (no C compiler, a failed build, or TIDESERVE_NATIVE=0)"
     kernel_dtypes = ", ".join(str(d).removeprefix("torch.") for d in native.KV_DTYPES)
@@ -51,6 +54,7 @@ def unsupported_reason(device: torch.device | str, dtype: torch.dtype, kv_dtype:
 
 class CpuNativeBackend(AttentionBackend):
     name = "cpu-native"
+    graph_fields = ("slot_mapping", "decode_block_tables", "decode_context_lens")
 
     def __init__(self, device: torch.device | str, dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int,
                  num_kv_heads: int, head_dim: int) -> None:

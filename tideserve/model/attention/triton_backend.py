@@ -28,9 +28,11 @@ class TritonMetadata(AttentionMetadata):
 
     decode_block_tables: torch.Tensor | None = None
     decode_context_lens: torch.Tensor | None = None
+    decode_max_context_len: int | None = None  # known on the host: the kernel need not read it back
     prefill_block_tables: torch.Tensor | None = None
     prefill_query_start_loc: torch.Tensor | None = None
     prefill_context_lens: torch.Tensor | None = None
+    prefill_max_query_len: int | None = None
 
 
 def _load_kernels():
@@ -44,6 +46,7 @@ def _load_kernels():
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    graph_fields = ("slot_mapping", "decode_block_tables", "decode_context_lens")
 
     def __init__(self, device: torch.device | str) -> None:
         super().__init__(device)
@@ -75,10 +78,12 @@ class TritonBackend(AttentionBackend):
         if n:
             meta.decode_block_tables = int32(layout.block_tables[:n])
             meta.decode_context_lens = int32(layout.context_lens[:n])
+            meta.decode_max_context_len = int(layout.context_lens[:n].max())
         if n < len(layout.query_lens):
             meta.prefill_block_tables = int32(layout.block_tables[n:])
             meta.prefill_query_start_loc = int32(layout.query_start_loc[n:] - layout.query_start_loc[n])
             meta.prefill_context_lens = int32(layout.context_lens[n:])
+            meta.prefill_max_query_len = int(layout.query_lens[n:].max())
         return meta
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale, kv_stored=False):
@@ -88,8 +93,9 @@ class TritonBackend(AttentionBackend):
         n = meta.num_decode_tokens
         if n:
             self._decode(q[:n].contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                         scale, out[:n])
+                         scale, out[:n], max_context_len=meta.decode_max_context_len)
         if meta.prefill_block_tables is not None:
             self._prefill(q[n:].contiguous(), k_cache, v_cache, meta.prefill_block_tables,
-                          meta.prefill_query_start_loc, meta.prefill_context_lens, scale, out[n:])
+                          meta.prefill_query_start_loc, meta.prefill_context_lens, scale, out[n:],
+                          max_query_len=meta.prefill_max_query_len)
         return out
