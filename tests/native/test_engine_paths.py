@@ -17,7 +17,6 @@ from collections.abc import Iterator
 import pytest
 
 from tideserve import LLM, SamplingParams, native
-from tideserve.engine import llm_engine
 from tideserve.model.layers.norm import RMSNorm
 from tideserve.model.loader import resolve_dtype
 
@@ -41,7 +40,7 @@ def decode_attention_line(caplog: pytest.LogCaptureFixture) -> str:
 
 
 @pytest.fixture(scope="module")
-def torch_path(make_llm) -> Iterator[tuple[list, str]]:
+def torch_path() -> Iterator[tuple[list, str]]:
     """Greedy outputs of the bf16 model with TIDESERVE_NATIVE=0, and its start-up line."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TIDESERVE_NATIVE", "0")
@@ -55,14 +54,13 @@ def torch_path(make_llm) -> Iterator[tuple[list, str]]:
         engine_logger.setLevel(logging.INFO)
         try:
             assert native.load_library() is None
-            llm = make_llm(dtype="bfloat16", enable_prefix_caching=False, max_model_len=256)
+            # Its own load, outside the shared models: its norms are bound to torch when it loads.
+            llm = LLM(dtype="bfloat16", enable_prefix_caching=False, max_model_len=256)
             outputs = generate(llm)
         finally:
             engine_logger.removeHandler(handler)
             engine_logger.setLevel(level)
             native.load_library.cache_clear()
-            # Its norms were bound (to torch) when it loaded: other tests must not get it from the shared cache.
-            getattr(llm_engine.load_model, "cache_clear", lambda: None)()
     line = next(r.getMessage() for r in records if "decode attention:" in r.getMessage())
     yield outputs, line
     native.load_library.cache_clear()

@@ -87,7 +87,7 @@ def triton_contract(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     calls = {"decode": 0, "prefill": 0}
 
     def counted(name, fn):
-        def call(*args):
+        def call(*args, **hints):  # hints (max_context_len, max_query_len) only save the kernels a device read
             calls[name] += 1
             fn(*args)
         return call
@@ -206,6 +206,22 @@ def test_the_triton_kernels_follow_the_torch_backend(paged_cache):
     assert got_tokens == want_tokens
     for got, want in zip(got_logits, want_logits, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_real_triton_kernels_run_behind_the_backend_under_the_interpreter():
+    """The test above, in a process where TRITON_INTERPRET=1 is set before triton is imported (the rest of
+    the suite never sees the variable): the real kernels, not the stand-ins, on mixed batches."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    node = f"{__file__}::test_the_triton_kernels_follow_the_torch_backend"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------- selection
