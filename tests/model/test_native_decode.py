@@ -8,9 +8,9 @@ import copy
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 
 from tideserve import native
-from tideserve.model.arch_config import ArchConfig
 from tideserve.model.layers.quantization import quantize_model
 from tideserve.model.llama import LlamaForCausalLM
 
@@ -18,15 +18,7 @@ pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C comp
 
 
 def tiny(bias: bool) -> LlamaForCausalLM:
-    arch = ArchConfig(architecture="Qwen2ForCausalLM" if bias else "LlamaForCausalLM", vocab_size=96,
-                      hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6,
-                      rope_theta=10000.0, tie_word_embeddings=not bias, qkv_bias=bias)
-    model = LlamaForCausalLM(arch)
-    g = torch.Generator().manual_seed(int(bias))
-    for p in model.parameters():
-        p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
+    return tiny_llama(qwen2=bias, num_layers=3, scale=0.1)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])

@@ -17,9 +17,9 @@ import types
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 
 from tideserve import LLM, native
-from tideserve.model.arch_config import ArchConfig
 from tideserve.model.attention import (
     ATTENTION_BACKENDS,
     CpuNativeMetadata,
@@ -36,16 +36,7 @@ PREFILL_MODULE = "tideserve.model.attention.triton.paged_prefill"
 
 
 def tiny(kind: str) -> LlamaForCausalLM:
-    qwen = kind == "qwen2"
-    arch = ArchConfig(architecture="Qwen2ForCausalLM" if qwen else "LlamaForCausalLM", vocab_size=96,
-                      hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6,
-                      rope_theta=10000.0, tie_word_embeddings=not qwen, qkv_bias=qwen)
-    model = LlamaForCausalLM(arch)
-    g = torch.Generator().manual_seed(int(qwen))
-    for p in model.parameters():
-        p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
+    return tiny_llama(qwen2=kind == "qwen2")
 
 
 # ----------------------------------------------------------------------- the Triton kernels' contract in torch
