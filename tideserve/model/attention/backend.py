@@ -37,15 +37,24 @@ class AttentionBackend(ABC):
     def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
         """This backend's metadata for one step, on its device."""
 
-    @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, kv_stored: bool) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
         """Store this step's K/V in the cache (unless ``kv_stored``: ``rope_store`` did), then attend.
 
         q: [T, H, D] with unit stride in D and D in H (rows may be strided: q is a view of the fused
         qkv); k, v: [T, KVH, D]; caches: contiguous [num_blocks, block_size, KVH, D] (the KV store's
-        contract). Returns [T, H, D] in q's dtype.
+        contract). Returns [T, H, D] in q's dtype, contiguous.
         """
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self.attend(q, k, v, k_cache, v_cache, meta, scale, out)
+        return out
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        """Write every query's attention over its cached context into ``out`` (the K/V are stored)."""
 
     def describe(self) -> str:
         """What the start-up line ``decode attention: ...`` says."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tideserve import native
-from tideserve.model.attention.backend import AttentionBackend, store_kv
+from tideserve.model.attention.backend import AttentionBackend
 from tideserve.model.attention.metadata import AttentionMetadata, BatchLayout, PrefillSpan
 from tideserve.model.attention.torch_sdpa import attend_prefills, build_prefill_spans
 from tideserve.platform import platform_for
@@ -85,13 +85,9 @@ class CpuNativeBackend(AttentionBackend):
         meta.prefills = build_prefill_spans(layout, to_dev)
         return meta
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: CpuNativeMetadata, scale, kv_stored=False):
-        if not kv_stored:
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+    def attend(self, q, k, v, k_cache, v_cache, meta: CpuNativeMetadata, scale, out):
         n = meta.num_decode_tokens
         if n:
             self._paged_decode(q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
                                out[:n])
         attend_prefills(q, k, v, k_cache, v_cache, meta.prefills, scale, out)
-        return out

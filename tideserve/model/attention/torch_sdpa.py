@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tideserve.model.attention.backend import AttentionBackend, store_kv
+from tideserve.model.attention.backend import AttentionBackend
 from tideserve.model.attention.metadata import AttentionMetadata, BatchLayout, PrefillSpan
 
 _HAS_ENABLE_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -160,10 +160,7 @@ class TorchSDPABackend(AttentionBackend):
         meta.prefills = build_prefill_spans(layout, to_dev)
         return meta
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale, kv_stored=False):
-        if not kv_stored:
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+    def attend(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale, out):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         for group in meta.decode_groups:
             # Whole blocks are gathered (a few large copies, not one per token), then viewed as keys.
@@ -174,4 +171,3 @@ class TorchSDPABackend(AttentionBackend):
             vd = v_cache.index_select(0, idx).view(b, lk, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
             out[group.start:group.end] = _decode_group(q[group.start:group.end], kd, vd, group.mask, scale)
         attend_prefills(q, k, v, k_cache, v_cache, meta.prefills, scale, out)
-        return out

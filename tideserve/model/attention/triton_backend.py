@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tideserve.model.attention.backend import AttentionBackend, store_kv
+from tideserve.model.attention.backend import AttentionBackend
 from tideserve.model.attention.metadata import AttentionMetadata, BatchLayout
 from tideserve.platform import platform_for
 
@@ -86,10 +86,7 @@ class TritonBackend(AttentionBackend):
             meta.prefill_max_query_len = int(layout.query_lens[n:].max())
         return meta
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale, kv_stored=False):
-        if not kv_stored:
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    def attend(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale, out):
         n = meta.num_decode_tokens
         if n:
             self._decode(q[:n].contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
@@ -98,4 +95,3 @@ class TritonBackend(AttentionBackend):
             self._prefill(q[n:].contiguous(), k_cache, v_cache, meta.prefill_block_tables,
                           meta.prefill_query_start_loc, meta.prefill_context_lens, scale, out[n:],
                           max_query_len=meta.prefill_max_query_len)
-        return out
