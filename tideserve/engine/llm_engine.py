@@ -22,6 +22,7 @@ from tideserve.core.kv_cache.manager import KVCacheManager
 from tideserve.core.kv_cache.memory import MemoryProbe
 from tideserve.core.scheduler import Scheduler
 from tideserve.engine.arg_utils import EngineArgs
+from tideserve.engine.kv_events import create_publisher
 from tideserve.engine.loaded_model import match_loaded
 from tideserve.engine.output_processor import OutputProcessor
 from tideserve.engine.pool_controller import PoolController
@@ -126,6 +127,10 @@ class LLMEngine:
             num_swap = swap_bytes // self.kv_storage.bytes_per_block()
             self.kv_manager.enable_swap(num_swap)
             self.kv_storage.allocate_swap(num_swap)
+        # KV cache events for a router (--kv-events-config): the manager records, each step publishes.
+        self.kv_events = create_publisher(cache_config.kv_events_config)
+        if self.kv_events is not None:
+            self.kv_manager.enable_events()
         self.scheduler = Scheduler(sched_config, self.kv_manager, self.max_model_len)
         self.pool = PoolController(self.kv_manager, self.runner, self.scheduler, self.probe, account, policy,
                                    self.max_model_len, swap_bytes, cache_config.auto_block_size)
@@ -362,6 +367,19 @@ class LLMEngine:
         """The KV pool's upkeep (grow, shrink, give memory back, block size); the server's engine thread
         calls it on a timer while idle, so an idle server returns memory without a step."""
         self.pool.maintain()
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """Hand what the prefix cache gained and lost since the last call to the publisher's thread."""
+        if self.kv_events is not None:
+            events = self.kv_manager.take_events()
+            if events:
+                self.kv_events.publish(events)
+
+    def close(self) -> None:
+        """Stop what runs beside the engine (the KV events publisher); idempotent."""
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the outputs of every parent request that changed."""
@@ -408,6 +426,7 @@ class LLMEngine:
                 continue
             outputs.append(self.output_processor.parents[parent_id].output())
             self.output_processor.pop_if_finished(parent_id)
+        self._publish_kv_events()
         return outputs
 
     def _advance_grammars(self, updated: list[Request]) -> None:

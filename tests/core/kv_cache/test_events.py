@@ -6,9 +6,9 @@ router relies on: replaying the events gives exactly the set of hashes the pool 
 from hypothesis import settings
 from hypothesis.stateful import invariant
 
+from tests.core.kv_cache.test_manager_properties import ManagerMachine
 from tideserve.core.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, apply_events, external_hash
 from tideserve.core.kv_cache.manager import KVCacheManager
-from tests.core.kv_cache.test_manager_properties import ManagerMachine
 
 BS = 4
 
