@@ -18,34 +18,50 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
+def _event_types(array_like: bool) -> tuple[type, type, type]:
+    """vLLM's event structs: tagged maps ("type": class name) today, positional arrays originally."""
+
+    class KVCacheEvent(msgspec.Struct, array_like=array_like, omit_defaults=True, gc=False, tag=True):
+        pass
+
+    class BlockStored(KVCacheEvent):
+        block_hashes: list[int]
+        parent_block_hash: int | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+
+    class BlockRemoved(KVCacheEvent):
+        block_hashes: list[int]
+        medium: str | None
+
+    class AllBlocksCleared(KVCacheEvent):
+        pass
+
+    return BlockStored, BlockRemoved, AllBlocksCleared
 
 
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
+BlockStored, BlockRemoved, AllBlocksCleared = _event_types(array_like=False)
+_ARRAY_TYPES = _event_types(array_like=True)
 
 
 class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+class ArrayKVEventBatch(EventBatch):
+    events: list[_ARRAY_TYPES[0] | _ARRAY_TYPES[1] | _ARRAY_TYPES[2]]
+
+
+DECODERS = {"map": msgspec.msgpack.Decoder(KVEventBatch), "array": msgspec.msgpack.Decoder(ArrayKVEventBatch)}
+DECODER = DECODERS["map"]
+
+
+def kind(event: Any) -> str:
+    """The event's type name, whichever layout it was decoded from."""
+    return type(event).__name__
 
 
 def replay_view(batches: list[KVEventBatch]) -> set[int]:
@@ -53,9 +69,9 @@ def replay_view(batches: list[KVEventBatch]) -> set[int]:
     view: set[int] = set()
     for batch in batches:
         for event in batch.events:
-            if isinstance(event, BlockStored):
+            if kind(event) == "BlockStored":
                 view.update(event.block_hashes)
-            elif isinstance(event, BlockRemoved):
+            elif kind(event) == "BlockRemoved":
                 view.difference_update(event.block_hashes)
             else:
                 view.clear()
@@ -65,7 +81,8 @@ def replay_view(batches: list[KVEventBatch]) -> set[int]:
 class Subscriber:
     """``with Subscriber("tcp://127.0.0.1:5557") as sub:`` a SUB socket on every topic."""
 
-    def __init__(self, endpoint: str, topic: str = "") -> None:
+    def __init__(self, endpoint: str, topic: str = "", encoding: str = "map") -> None:
+        self.decoder = DECODERS[encoding]
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -84,7 +101,7 @@ class Subscriber:
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0 and self.sock.poll(int(left * 1000)):
             topic, seq, payload = self.sock.recv_multipart()
-            self.batches.append((topic, int.from_bytes(seq, "big"), DECODER.decode(payload)))
+            self.batches.append((topic, int.from_bytes(seq, "big"), self.decoder.decode(payload)))
 
     def wait_for(self, predicate, timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s

@@ -75,6 +75,7 @@ def _block_size(text: str) -> int | str:
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_EVENT_PUBLISHERS = ("null", "zmq")
+KV_EVENT_ENCODINGS = ("map", "array")
 
 
 @dataclass
@@ -91,6 +92,9 @@ class KVEventsConfig:
     hwm: int = 100_000  # the PUB socket's send high-water mark
     max_queue_size: int = 100_000  # batches waiting for the publisher thread; beyond it new ones are dropped
     topic: str = ""
+    # tideserve's addition: how each event is laid out, since vLLM changed it. "map": tagged by "type"
+    # (current vLLM; what vllm-router's kv_aware decodes); "array": vLLM's original positional layout.
+    event_encoding: str = "map"
 
     def __post_init__(self) -> None:
         name = "kv_events_config"
@@ -115,6 +119,9 @@ class KVEventsConfig:
                 raise ValueError(f"{name}.{key} must be an integer >= 1, got {value!r}.")
         if not isinstance(self.topic, str):
             raise ValueError(f"{name}.topic must be a string, got {self.topic!r}.")
+        if self.event_encoding not in KV_EVENT_ENCODINGS:
+            raise ValueError(f"{name}.event_encoding must be one of {', '.join(KV_EVENT_ENCODINGS)}, "
+                             f"got {self.event_encoding!r}.")
 
     @property
     def enabled(self) -> bool:

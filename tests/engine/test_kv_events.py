@@ -12,7 +12,7 @@ from tideserve.bench.launch import free_port
 from tideserve.core.kv_cache.events import external_hash
 
 pytest.importorskip("zmq", reason="pyzmq is in the kv-events and test extras")
-from tests.kv_events_subscriber import BlockRemoved, BlockStored, Subscriber, replay, replay_view  # noqa: E402
+from tests.kv_events_subscriber import BlockRemoved, BlockStored, Subscriber, kind, replay, replay_view  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 SHARED = ("You are a meticulous assistant for a shipping company. Always answer with the tracking status first, "
@@ -76,3 +76,18 @@ def test_events_off_by_default_and_bad_configs_name_the_key(make_llm):
         make_llm(dtype="float32", kv_events_config="{enable")
     with pytest.raises(ValueError, match=r"kv_events_config.endpoint must be a ZMQ address"):
         make_llm(dtype="float32", kv_events_config={"enable_kv_cache_events": True, "endpoint": "localhost:5"})
+
+
+def test_the_original_array_layout_for_older_consumers(make_llm):
+    port = free_port()
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}", "event_encoding": "array"}
+    llm = make_llm(dtype="float32", max_model_len=256, num_blocks=32, block_size=16, kv_events_config=config)
+    try:
+        with Subscriber(f"tcp://127.0.0.1:{port}", encoding="array") as sub:
+            sub.poll(0.5)
+            llm.generate([SHARED], GREEDY, use_tqdm=False)
+            sub.wait_for(lambda s: s.batches, 10, "at all")
+            [event] = sub.events()
+            assert kind(event) == "BlockStored" and event.token_ids == llm.engine.tokenizer.encode(SHARED)[:48]
+    finally:
+        llm.engine.close()

@@ -51,8 +51,11 @@ def create_publisher(config: KVEventsConfig | None, data_parallel_rank: int = 0)
     return ZmqEventPublisher(config, data_parallel_rank)
 
 
-def _wire_types() -> dict[str, Any]:
-    """msgspec structs with vLLM's field order (imported late: msgspec is an optional dependency)."""
+def _wire_types(event_encoding: str) -> dict[str, Any]:
+    """msgspec structs with vLLM's field order (imported late: msgspec is an optional dependency).
+    ``event_encoding`` "map": each event a map tagged by its class name under "type" (current vLLM, and
+    what vllm-router's kv_aware policy decodes); "array": a positional array led by the tag (vLLM's
+    original layout, which its example subscriber of that time decodes). The batch is an array either way."""
     try:
         import msgspec
     except ImportError:  # pragma: no cover - the extra is in the test install
@@ -64,7 +67,8 @@ def _wire_types() -> dict[str, Any]:
         events: list[Any]
         data_parallel_rank: int | None = None
 
-    class KVCacheEventWire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    class KVCacheEventWire(msgspec.Struct, array_like=event_encoding == "array", omit_defaults=True, gc=False,
+                           tag=True):
         pass
 
     class BlockStoredWire(KVCacheEventWire, tag="BlockStored"):
@@ -98,7 +102,7 @@ class ZmqEventPublisher:
             raise ValueError("kv_events_config with publisher 'zmq' needs pyzmq and msgspec: "
                              "pip install 'tideserve[kv-events]'") from None
         self._zmq = zmq
-        self._wire = _wire_types()
+        self._wire = _wire_types(config.event_encoding)
         self.config = config
         self.data_parallel_rank = data_parallel_rank
         self._queue: queue.Queue[tuple[float, list[KVCacheEvent]] | None] = queue.Queue(config.max_queue_size)
