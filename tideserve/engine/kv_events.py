@@ -6,17 +6,20 @@ hands it to a publisher here. The ZMQ publisher does everything else on its own 
 sending, and answering replay requests, so the engine loop never waits on a socket. A full queue drops
 the batch (counted, and logged) rather than block a step.
 
-Wire format, as vLLM's ``vllm/distributed/kv_events.py`` (msgspec msgpack, array-like tagged structs):
+Wire format, as vLLM's ``vllm/distributed/kv_events.py`` (msgspec msgpack):
 - a ZMQ PUB socket sends three frames per batch: ``[topic, seq, payload]``, ``seq`` an 8-byte big-endian
-  counter from 0, ``payload`` a ``KVEventBatch`` ``[ts, [event, ...]]`` (``data_parallel_rank`` omitted
-  while it is the default);
-- events are ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-  lora_name]``, ``["BlockRemoved", block_hashes, medium]`` and ``["AllBlocksCleared"]``;
+  counter from 0, ``payload`` a ``KVEventBatch`` array ``[ts, [event, ...]]`` (``data_parallel_rank``
+  omitted while it is the default);
+- each event, with ``event_encoding`` "map" (the default: current vLLM, and what vllm-router 0.1.17's
+  ``kv_aware`` decodes), is a map tagged by ``"type"``: ``{"type": "BlockStored", "block_hashes",
+  "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"}``, ``{"type":
+  "BlockRemoved", "block_hashes", "medium"}``, ``{"type": "AllBlocksCleared"}``; with "array" (vLLM's
+  original layout) the same fields as a positional array led by the tag;
 - the optional ROUTER replay socket takes ``[identity, b"", start_seq]`` and answers with every buffered
   ``[identity, b"", seq, payload]`` from ``start_seq`` on, then ``[identity, b"", -1 (8 bytes), b""]``.
 
 As in vLLM, an endpoint with a wildcard (``tcp://*:5557``), ``::``, ``ipc://`` or ``inproc://`` is bound,
-any other is connected to (a subscriber that binds). pyzmq and msgspec are the ``kv-events`` extra.
+any other is connected to (a subscriber that binds). pyzmq and msgspec are imported only when enabled.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def _wire_types(event_encoding: str) -> dict[str, Any]:
         import msgspec
     except ImportError:  # pragma: no cover - the extra is in the test install
         raise ValueError("kv_events_config with publisher 'zmq' needs pyzmq and msgspec: "
-                         "pip install 'tideserve[kv-events]'") from None
+                         "pip install pyzmq msgspec") from None
 
     class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
         ts: float
@@ -100,7 +103,7 @@ class ZmqEventPublisher:
             import zmq
         except ImportError:  # pragma: no cover - the extra is in the test install
             raise ValueError("kv_events_config with publisher 'zmq' needs pyzmq and msgspec: "
-                             "pip install 'tideserve[kv-events]'") from None
+                             "pip install pyzmq msgspec") from None
         self._zmq = zmq
         self._wire = _wire_types(config.event_encoding)
         self.config = config
