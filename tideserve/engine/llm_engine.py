@@ -127,10 +127,6 @@ class LLMEngine:
             num_swap = swap_bytes // self.kv_storage.bytes_per_block()
             self.kv_manager.enable_swap(num_swap)
             self.kv_storage.allocate_swap(num_swap)
-        # KV cache events for a router (--kv-events-config): the manager records, each step publishes.
-        self.kv_events = create_publisher(cache_config.kv_events_config)
-        if self.kv_events is not None:
-            self.kv_manager.enable_events()
         self.scheduler = Scheduler(sched_config, self.kv_manager, self.max_model_len)
         self.pool = PoolController(self.kv_manager, self.runner, self.scheduler, self.probe, account, policy,
                                    self.max_model_len, swap_bytes, cache_config.auto_block_size)
@@ -145,6 +141,11 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self.pool.log_pool("elastic pool, start" if policy else "static pool")
+        # KV cache events for a router (--kv-events-config): the manager records, each step publishes.
+        # Last, so a failed start-up leaves no socket bound.
+        self.kv_events = create_publisher(cache_config.kv_events_config)
+        if self.kv_events is not None:
+            self.kv_manager.enable_events()
 
     # ----------------------------------------------------------------- memory
     @classmethod
