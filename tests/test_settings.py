@@ -13,7 +13,7 @@ import pytest
 from tideserve import LLM
 from tideserve.cli import build_parser, engine_kwargs, parse_command_line
 from tideserve.cli_reference import render
-from tideserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tideserve.config import CacheConfig, KVEventsConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tideserve.core.kv_cache.elastic import ElasticConfig
 from tideserve.engine.arg_utils import ENGINE_SETTINGS, EngineArgs
 from tideserve.settings import (
@@ -57,6 +57,9 @@ SAMPLES = {
     "data_parallel_size": (1, "1", 1),
     "adaptive_threads": (False, None, False),
     "kv_cache_shrink_delay": (0.5, "0.5", 0.5),
+    "kv_events_config": ({"enable_kv_cache_events": True, "topic": "t"},
+                         '{"enable_kv_cache_events": true, "topic": "t"}',
+                         KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", topic="t")),
 }
 
 

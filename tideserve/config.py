@@ -6,8 +6,11 @@ in ``EngineConfig.finalize``. User mistakes raise ``ValueError`` naming the para
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from tideserve.settings import KV_GROUP, setting
 
@@ -71,6 +74,78 @@ def _block_size(text: str) -> int | str:
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+KV_EVENT_ENCODINGS = ("map", "array")
+
+
+@dataclass
+class KVEventsConfig:
+    """vLLM's ``--kv-events-config``: publish KV cache events (blocks stored in and removed from the prefix
+    cache) so a router can route on the real cache state. Field names and defaults are vLLM's; the
+    publisher is tideserve/engine/kv_events.py. ``publisher`` None means "zmq" when enabled, else "null"."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"  # a wildcard or ipc/inproc address is bound, a host:port connected to
+    replay_endpoint: str | None = None  # a ROUTER socket that resends buffered batches from a sequence number
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's send high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread; beyond it new ones are dropped
+    topic: str = ""
+    # tideserve's addition: how each event is laid out, since vLLM changed it. "map": tagged by "type"
+    # (current vLLM; what vllm-router's kv_aware decodes); "array": vLLM's original positional layout.
+    event_encoding: str = "map"
+
+    def __post_init__(self) -> None:
+        name = "kv_events_config"
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(f"{name}.enable_kv_cache_events must be true or false, "
+                             f"got {self.enable_kv_cache_events!r}.")
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise ValueError(f"{name}.publisher must be one of {', '.join(KV_EVENT_PUBLISHERS)}, "
+                             f"got {self.publisher!r}.")
+        for key in ("endpoint", "replay_endpoint"):
+            value = getattr(self, key)
+            if value is None and key == "replay_endpoint":
+                continue
+            if not isinstance(value, str) or not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"{name}.{key} must be a ZMQ address such as tcp://*:5557 or "
+                                 f"tcp://127.0.0.1:5557, got {value!r}.")
+        for key in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}.{key} must be an integer >= 1, got {value!r}.")
+        if not isinstance(self.topic, str):
+            raise ValueError(f"{name}.topic must be a string, got {self.topic!r}.")
+        if self.event_encoding not in KV_EVENT_ENCODINGS:
+            raise ValueError(f"{name}.event_encoding must be one of {', '.join(KV_EVENT_ENCODINGS)}, "
+                             f"got {self.event_encoding!r}.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+
+def parse_kv_events_config(value: Any) -> KVEventsConfig | None:
+    """A KVEventsConfig from JSON text (the flag), a dict (Python) or one already built; None stays None."""
+    if value is None or isinstance(value, KVEventsConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            example = '{"enable_kv_cache_events": true, "publisher": "zmq"}'
+            raise ValueError(f"kv_events_config must be a JSON object such as {example}, got {value!r} "
+                             f"({exc}).") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"kv_events_config must be a JSON object (a dict), got {value!r}.")
+    known = [f.name for f in dataclasses.fields(KVEventsConfig)]
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ValueError(f"kv_events_config has unknown key(s) {unknown}; known: {known}.")
+    return KVEventsConfig(**value)
 
 
 @dataclass
@@ -98,6 +173,11 @@ class CacheConfig:
     swap_space: float | str = setting(
         4.0, group=KV_GROUP,
         help="host memory for swap preemption: 16G, 4GiB, 512M, or a bare number of GiB (default {default:g})")
+    # parsed to a KVEventsConfig (or None) in __post_init__
+    kv_events_config: KVEventsConfig | dict | str | None = setting(
+        None, group=KV_GROUP, metavar="JSON",
+        help='publish KV cache events in vLLM\'s format, e.g. \'{"enable_kv_cache_events": true, "publisher": '
+             '"zmq", "endpoint": "tcp://*:5557"}\' (docs/deployment.md)')
 
     def __post_init__(self) -> None:
         if self.block_size != "auto" and self.block_size not in VALID_BLOCK_SIZES:
@@ -115,6 +195,7 @@ class CacheConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}.")
         self.swap_space = parse_gib(self.swap_space, "swap_space")
+        self.kv_events_config = parse_kv_events_config(self.kv_events_config)
 
     @property
     def auto_block_size(self) -> bool:

@@ -185,7 +185,11 @@ def test_every_router_command_is_accepted_by_vllm_router():
             parsed = launch_router.parse_router_args(args)
         except SystemExit as exc:
             raise AssertionError(f"{source}: vllm-router refuses {args} (exit {exc.code})") from None
-        assert parsed.policy in ("round_robin", "cache_aware", "power_of_two", "consistent_hash", "random"), source
+        assert parsed.policy in ("round_robin", "cache_aware", "power_of_two", "consistent_hash", "random",
+                                 "kv_aware"), source
+        if parsed.policy == "kv_aware":  # routes on the replicas' KV events: one source per replica
+            sources = {entry.split("=", 1)[0] for entry in parsed.kv_event_source}
+            assert sources == set(parsed.worker_urls) and parsed.kv_event_model, source
 
 
 def test_the_router_finds_the_replicas():

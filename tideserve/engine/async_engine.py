@@ -301,6 +301,9 @@ class AsyncEngine:
             self._cond.notify()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        close = getattr(self.engine, "close", None)  # test doubles of the engine may have none
+        if close is not None:
+            close()
 
     def _check_alive(self) -> None:
         if self._dead is not None:

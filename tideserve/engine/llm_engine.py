@@ -21,6 +21,7 @@ from tideserve.core.kv_cache.manager import KVCacheManager
 from tideserve.core.kv_cache.memory import MemoryProbe
 from tideserve.core.scheduler import Scheduler
 from tideserve.engine.arg_utils import EngineArgs
+from tideserve.engine.kv_events import create_publisher
 from tideserve.engine.loaded_model import match_loaded
 from tideserve.engine.output_processor import OutputProcessor
 from tideserve.engine.pool_controller import PoolController
@@ -142,6 +143,11 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self.pool.log_pool("elastic pool, start" if policy else "static pool")
+        # KV cache events for a router (--kv-events-config): the manager records, each step publishes.
+        # Last, so a failed start-up leaves no socket bound.
+        self.kv_events = create_publisher(cache_config.kv_events_config)
+        if self.kv_events is not None:
+            self.kv_manager.enable_events()
 
     # ----------------------------------------------------------------- memory
     @classmethod
@@ -364,6 +370,19 @@ class LLMEngine:
         """The KV pool's upkeep (grow, shrink, give memory back, block size); the server's engine thread
         calls it on a timer while idle, so an idle server returns memory without a step."""
         self.pool.maintain()
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """Hand what the prefix cache gained and lost since the last call to the publisher's thread."""
+        if self.kv_events is not None:
+            events = self.kv_manager.take_events()
+            if events:
+                self.kv_events.publish(events)
+
+    def close(self) -> None:
+        """Stop what runs beside the engine (the KV events publisher); idempotent."""
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the outputs of every parent request that changed."""
@@ -410,6 +429,7 @@ class LLMEngine:
                 continue
             outputs.append(self.output_processor.parents[parent_id].output())
             self.output_processor.pop_if_finished(parent_id)
+        self._publish_kv_events()
         return outputs
 
     def _advance_grammars(self, updated: list[Request]) -> None:

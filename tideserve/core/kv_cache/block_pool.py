@@ -13,6 +13,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from tideserve.core.kv_cache.events import BlockRemoved, KVCacheEvent, external_hash
+
 BlockHash = int
 
 
@@ -36,6 +38,8 @@ class BlockPool:
         self._empty_heap: list[int] = list(range(num_blocks))  # may hold stale ids (lazy deletion)
         self._cached_free: dict[int, None] = {}
         self.cached: dict[BlockHash, KVBlock] = {}
+        # KV cache events (core/kv_cache/events.py), appended in order when enabled; None: off, no cost.
+        self.events: list[KVCacheEvent] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -192,14 +196,16 @@ class BlockPool:
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached.get(block_hash)
 
-    def publish(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Make a full block findable by its prefix hash (first writer wins; duplicates stay private)."""
+    def publish(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Make a full block findable by its prefix hash (first writer wins; duplicates stay private).
+        Returns whether it became findable."""
         if block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return
+            return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
 
     def evict_cached(self, from_id: int = 0) -> int:
         """Forget the cached prefixes held by free blocks with id >= from_id; returns how many."""
@@ -214,8 +220,18 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self._record_removed(block.block_hash)
             block.block_hash = None
         block.num_hits = 0
+
+    def _record_removed(self, block_hash: BlockHash) -> None:
+        """One BlockRemoved per run of evictions, as vLLM batches them."""
+        events = self.events
+        if events and isinstance(events[-1], BlockRemoved):
+            events[-1].block_hashes.append(external_hash(block_hash))
+        else:
+            events.append(BlockRemoved([external_hash(block_hash)]))
 
     def check_invariants(self) -> None:
         assert not self._empty & set(self._cached_free)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tideserve.core.kv_cache.block_pool import BlockHash, BlockPool, KVBlock
+from tideserve.core.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, external_hash
 
 _ROOT_HASH: BlockHash = hash(("tideserve-root",)) & 0xFFFFFFFFFFFF
 
@@ -70,6 +71,23 @@ class KVCacheManager:
         self.prefix_stats = PrefixCacheStats()
         self.swap: SwapSpace | None = None
         self.swapped: dict[str, list[int]] = {}  # request id -> swap block ids, in table order
+        self.events: list[KVCacheEvent] | None = None  # see enable_events
+
+    # ----------------------------------------------------------------- KV cache events
+    def enable_events(self) -> None:
+        """Record what the prefix cache gains and loses (core/kv_cache/events.py) for ``take_events``.
+        Off by default: then nothing is allocated per block."""
+        if self.events is None:
+            self.events = []
+            self.pool.events = self.events
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events since the last call, oldest first (empty when events are off)."""
+        if not self.events:
+            return []
+        out = list(self.events)
+        self.events.clear()
+        return out
 
     # ----------------------------------------------------------------- swap tier
     def enable_swap(self, num_swap_blocks: int) -> None:
@@ -214,10 +232,21 @@ class KVCacheManager:
     def _publish_full_blocks(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
         hashes = self._full_block_hashes(request_id, token_ids, num_tokens)
         table = self.req_blocks[request_id]
-        for i in range(num_tokens // self.block_size):
-            if table[i].block_hash is not None:
+        events = self.events
+        stored: BlockStored | None = None  # the run of consecutive blocks published by this call
+        bs = self.block_size
+        for i in range(num_tokens // bs):
+            if table[i].block_hash is not None or not self.pool.publish(table[i], hashes[i]):
+                stored = None
                 continue
-            self.pool.publish(table[i], hashes[i])
+            if events is None:
+                continue
+            if stored is None:
+                parent = external_hash(hashes[i - 1]) if i else None
+                stored = BlockStored([], parent, [], bs)
+                events.append(stored)
+            stored.block_hashes.append(external_hash(hashes[i]))
+            stored.token_ids.extend(token_ids[i * bs:(i + 1) * bs])
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks at once, tail first so shared prefix roots live longest."""
@@ -227,7 +256,23 @@ class KVCacheManager:
             self.pool.release(table[::-1])
 
     def reset_prefix_cache(self) -> int:
-        return self.pool.evict_cached()
+        """Forget every cached prefix no request holds; returns how many. One event: AllBlocksCleared when
+        nothing stays cached, else BlockRemoved (blocks of running requests keep their prefixes)."""
+        events = self.events
+        if events is None:
+            return self.pool.evict_cached()
+        removed = [external_hash(b.block_hash) for b in self.pool.blocks
+                   if b.ref_cnt == 0 and b.block_hash is not None]
+        self.pool.events = None
+        try:
+            num = self.pool.evict_cached()
+        finally:
+            self.pool.events = events
+        if not self.pool.cached:
+            events.append(AllBlocksCleared())
+        elif removed:
+            events.append(BlockRemoved(removed))
+        return num
 
     # ----------------------------------------------------------------- elastic pool
     def grow(self, num_new_blocks: int) -> None:
@@ -284,6 +329,9 @@ class KVCacheManager:
             raise ValueError(f"relayout needs {needed} blocks of {new_block_size}, pool has {num_blocks}")
         self.block_size = new_block_size
         self.pool = BlockPool(num_blocks)
+        if self.events is not None:
+            self.pool.events = self.events
+            self.events.append(AllBlocksCleared())
         self.req_blocks = {}
         self.req_hashes = {}
         tables = {}
