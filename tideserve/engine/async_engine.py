@@ -301,6 +301,9 @@ class AsyncEngine:
             self._cond.notify()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        stop = getattr(self.engine, "shutdown", None)
+        if stop is not None:
+            stop()  # a tensor-parallel engine's ranks stop with it
 
     def _check_alive(self) -> None:
         if self._dead is not None:

@@ -33,12 +33,19 @@ class Platform(ABC):
     async_host_copies: ClassVar[bool] = False
     """Copies between host and device may be asynchronous: host buffers that feed it (the swap tier) are
     pinned, and the device consumes host-to-device copies in stream order."""
+    distributed_backend: ClassVar[str] = "gloo"
+    """The ``torch.distributed`` backend tensor-parallel ranks on this device join (gloo for host tensors,
+    NCCL between GPUs); the ranks' control messages always travel over gloo."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.device})"
+
+    def device_for_rank(self, rank: int) -> torch.device:
+        """The device tensor-parallel rank ``rank`` computes on (the host: every rank shares it)."""
+        return self.device
 
     # ----------------------------------------------------------------- memory probe (core's MemoryProbe)
     @abstractmethod
