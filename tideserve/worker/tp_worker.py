@@ -9,17 +9,15 @@ copies, block-size change, swap tier). So block ids mean the same bytes on every
 pass's collectives line up. The rank never samples.
 
 A rank ends when the driver says so, when its connection to the driver breaks, or when its parent dies
-(prctl's parent-death signal plus a watchdog thread), so a killed server leaves no rank behind. Any
+(a watchdog thread), so a killed server leaves no rank behind. Any
 error inside a command ends the process: the driver's next collective then fails at once (instead of
 waiting for a timeout) and the driver reports the rank's exit.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -115,12 +113,9 @@ class TensorParallelWorker:
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """Never outlive the driver: the kernel's parent-death signal where it exists, and a watchdog."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    """Never outlive the driver: a watchdog exits once the process is re-parented. (Not prctl's
+    PR_SET_PDEATHSIG: it fires when the *thread* that started the rank ends, and the server builds its
+    engine on a loading thread that ends once the model is up.)"""
     if os.getppid() != parent_pid:
         os._exit(1)
 
