@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -22,6 +24,7 @@ from tideserve.model.loader import load_model
 from tideserve.worker.tp_executor import TensorParallelError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+SCORED = SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=1)
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -96,8 +99,18 @@ def test_tp2_on_the_embedded_model_float32(make_llm):
     params = SamplingParams(temperature=0, max_tokens=10)
     settings = {"dtype": "float32", "quantization": "none", "max_model_len": 256}
     want = [o.outputs[0].text for o in make_llm(**settings).generate(prompts, params, use_tqdm=False)]
+    one_scored = make_llm(**settings).generate(prompts[0], SCORED, use_tqdm=False)[0]
     two = make_llm(tensor_parallel_size=2, **settings)
     assert [o.outputs[0].text for o in two.generate(prompts, params, use_tqdm=False)] == want
+    # Logprobs of the samples and of the prompt (the all-gathered logits, on every rank in lockstep).
+    two_scored = two.generate(prompts[0], SCORED, use_tqdm=False)[0]
+    assert two_scored.outputs[0].token_ids == one_scored.outputs[0].token_ids
+    for got, ref in ((two_scored.outputs[0].logprobs, one_scored.outputs[0].logprobs),
+                     (two_scored.prompt_logprobs[1:], one_scored.prompt_logprobs[1:])):
+        assert len(got) == len(ref) and all(g.keys() == r.keys() for g, r in zip(got, ref, strict=True))
+        for g, r in zip(got, ref, strict=True):
+            for token, lp in g.items():
+                assert lp.logprob == pytest.approx(r[token].logprob, abs=1e-3)
     stats = two.engine.stats()
     assert stats.kv_cache_pool_blocks > 0 and stats.kv_cache_budget_bytes > 0
 
@@ -135,3 +148,25 @@ def test_settings_tp_cannot_split_are_refused_before_any_process_starts(make_llm
                                          r"heads\).*at most 3"):
         make_llm(tensor_parallel_size=4, dtype="float32", quantization="none")
     assert _children() == before
+
+
+EXIT_SCRIPT = """
+import sys
+import psutil
+from tideserve import LLM
+from tideserve.model.loader import load_model
+from tideserve.tokenizer.tokenizer import load_tokenizer
+llm = LLM.from_loaded(load_model(sys.argv[1], dtype="float32"), load_tokenizer(sys.argv[2]), tensor_parallel_size=2,
+                      max_model_len=64)
+llm.generate([[1, 2, 3]])
+print(" ".join(str(p.pid) for p in psutil.Process().children()), flush=True)
+"""  # and exits with the engine alive: interpreter exit must stop the rank
+
+
+def test_interpreter_exit_leaves_no_rank(tiny_checkpoint, smollm2_gguf_path):
+    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tiny_checkpoint("llama-kv1-tied")),
+                           str(smollm2_gguf_path)], capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Exception ignored" not in done.stderr, done.stderr[-3000:]
+    (rank,) = map(int, done.stdout.split())
+    assert not _wait_gone({rank}), "a rank outlived the interpreter"

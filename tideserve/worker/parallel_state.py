@@ -120,8 +120,14 @@ class TensorParallelGroup:
         return [pickle.loads(p[: int(n.item())].numpy().tobytes()) for p, n in zip(parts, sizes, strict=True)]
 
     def close(self) -> None:
-        for group in (self.model, self.control):
-            try:
-                group.abort() if hasattr(group, "abort") else None
-            except Exception:  # noqa: BLE001 - best effort: the peers may be gone
-                pass
+        """Drop the groups and the store (their C++ side goes now, not at interpreter teardown)."""
+        for name in ("model", "control"):
+            group = getattr(self, name, None)
+            abort = getattr(group, "abort", None)
+            if abort is not None:
+                try:
+                    abort()
+                except Exception:  # noqa: BLE001, S110 - best effort: the peers may be gone
+                    pass
+            setattr(self, name, None)
+        self._store = None

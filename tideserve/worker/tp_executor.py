@@ -68,6 +68,21 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+class _Resources:
+    """What must be released even if the executor is never closed (garbage collection, interpreter exit):
+    the rank processes, and the process groups, whose C++ side must go while the interpreter still runs."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.group: TensorParallelGroup | None = None
+
+    def release(self) -> None:
+        _stop_processes(self.procs)
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
+
+
 def _stop_processes(procs: list[subprocess.Popen], timeout: float = STOP_TIMEOUT_S) -> None:
     """SIGTERM, then SIGKILL after ``timeout``: every rank is reaped, none outlives the engine."""
     for proc in procs:
@@ -101,16 +116,17 @@ class TensorParallelExecutor:
             threads = max(1, (os.cpu_count() or 1) // world_size)
             self._saved_threads = torch.get_num_threads()
             torch.set_num_threads(threads)
-        self.procs: list[subprocess.Popen] = []
+        self._resources = _Resources()
+        self.procs = self._resources.procs
         base_env = {**os.environ, DEVICE_ENV: device.type, PARENT_PID_ENV: str(os.getpid())}
         if threads is not None:
             base_env[THREADS_ENV] = str(threads)
         for rank in range(1, world_size):
             env = {**base_env, **RendezvousInfo(addr, port, world_size, rank).env()}
             self.procs.append(subprocess.Popen([sys.executable, "-m", "tideserve.worker.tp_worker"], env=env))
-        self._finalizer = weakref.finalize(self, _stop_processes, self.procs)
+        self._finalizer = weakref.finalize(self, _Resources.release, self._resources)
         try:
-            self.group = self._join(RendezvousInfo(addr, port, world_size, 0), device)
+            self.group = self._resources.group = self._join(RendezvousInfo(addr, port, world_size, 0), device)
             self.group.send(setup)
             errors = [e for e in self.group.gather(None)[1:] if e is not None]
             if errors:
@@ -215,9 +231,8 @@ class TensorParallelExecutor:
             for proc in self.procs:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(max(0.0, deadline - time.monotonic()))
-        self._finalizer()  # SIGTERM / SIGKILL whatever is left, and reap
-        if group is not None:
-            group.close()
+        self._finalizer()  # SIGTERM / SIGKILL whatever is left, reap, drop the process groups
+        self.group = None
         if self._saved_threads is not None:
             torch.set_num_threads(self._saved_threads)
 
