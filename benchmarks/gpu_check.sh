@@ -134,15 +134,15 @@ rm -f /tmp/gpu-check-model.path
 step install 45 install_missing
 step environment 15 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; \
     $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'"
-# The files that hold tests marked cuda (collecting the whole suite would fail on test-only packages the
-# image lacks, e.g. schemathesis and vllm-router, which no CUDA test needs).
-mapfile -t CUDA_TESTS < <(grep -rl --include='test_*.py' 'mark.cuda' tests | sort)
-step cuda-tests 120 "$PY" -m pytest -q -m cuda -rs -p no:cacheprovider --junitxml="$OUT/cuda-tests.xml" \
-    "${CUDA_TESTS[@]}"
 step decode-micro 75 "$PY" benchmarks/gpu_probes.py decode-micro --json "$OUT/decode-micro.json"
 step model 30 prepare_model
 MODEL_ARGS=()
 [ -f /tmp/gpu-check-model.path ] && MODEL_ARGS=(--model "$(cat /tmp/gpu-check-model.path)")
+# The files that hold tests marked cuda (collecting the whole suite would fail on test-only packages the
+# image lacks, e.g. schemathesis and vllm-router, which no CUDA test needs).
+mapfile -t CUDA_TESTS < <(grep -rl --include='test_*.py' 'mark.cuda' tests | sort)
+step cuda-tests 120 env TIDESERVE_TEST_MODEL="${MODEL_ARGS[1]:-}" "$PY" -m pytest -q -m cuda -rs -p no:cacheprovider --junitxml="$OUT/cuda-tests.xml" \
+    "${CUDA_TESTS[@]}"
 step offline 170 "$PY" benchmarks/offline_throughput.py "${MODEL_ARGS[@]}" --device cuda --dtype bfloat16 \
     --quantization none --hf-dtypes bfloat16 --num-prompts 64 --output-len 128 --repeats 3 --hf-repeats 2 \
     --json "$OUT/offline.json"

@@ -19,11 +19,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from tideserve import native
-from tideserve.model.layers.attention import AttentionMetadata, paged_attention
+from tideserve.model.attention import BatchLayout, TorchSDPABackend
 from tideserve.model.layers.rotary import apply_rotary_
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS, BLOCK = 9, 3, 64, 576, 30, 16
@@ -56,8 +57,9 @@ def attention_case(batch: int, context: int, dtype: torch.dtype) -> tuple[Callab
     qkv = torch.randn(batch, HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     q = qkv[:, :HEADS]
     out = torch.empty(batch, HEADS, HEAD_DIM, dtype=dtype)
-    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_decode_tokens=batch,
-                             decode_block_tables=tables, decode_context_lens=lens)
+    layout = BatchLayout(tables.numpy(), lens.numpy() - 1, np.ones(batch, dtype=np.int64), batch, BLOCK)
+    torch_backend = TorchSDPABackend()
+    meta = torch_backend.build_metadata(layout)
     empty = torch.empty(0, KV_HEADS, HEAD_DIM, dtype=dtype)
     scale = HEAD_DIM ** -0.5
 
@@ -65,14 +67,9 @@ def attention_case(batch: int, context: int, dtype: torch.dtype) -> tuple[Callab
         for k, v in caches:
             assert native.paged_decode_attention(q, k, v, tables, lens, scale, out)
 
-    def theirs() -> None:
-        real = native.paged_decode_attention
-        native.paged_decode_attention = lambda *a, **kw: False  # the torch path of paged_attention
-        try:
-            for k, v in caches:
-                paged_attention(q, empty, empty, k, v, meta, scale, kv_stored=True)
-        finally:
-            native.paged_decode_attention = real
+    def theirs() -> None:  # the torch backend: one group (equal contexts), gathered blocks, SDPA
+        for k, v in caches:
+            torch_backend.forward(q, empty, empty, k, v, meta, scale, kv_stored=True)
 
     kv_bytes = LAYERS * 2 * batch * context * KV_HEADS * HEAD_DIM * caches[0][0].element_size()
     return ours, theirs, kv_bytes

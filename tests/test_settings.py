@@ -39,6 +39,7 @@ SAMPLES = {
     "seed": (7, "7", 7),
     "quantization": ("none", "none", "none"),
     "enforce_eager": (True, None, True),
+    "attention_backend": ("torch", "torch", "torch"),
     "block_size": (32, "32", 32),
     "num_blocks": (64, "64", 64),
     "kv_cache_memory": ("1GiB", "1GiB", 2**30),

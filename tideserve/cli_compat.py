@@ -54,8 +54,8 @@ ENGINE_FLAGS = (
     ForeignFlag(("--enable-dynamic-batching", "--use-contiguous-batching"), "continuous batching is always "
                 "on (neither is a vLLM flag either)"),
     ForeignFlag(("--max-paddings",), "batches are flat, without padding", takes_value=True),
-    ForeignFlag(("--max-seq-len-to-capture",), "no CUDA graphs are captured (see --enforce-eager)",
-                takes_value=True),
+    ForeignFlag(("--max-seq-len-to-capture",),
+                "CUDA graphs cover every context up to max_model_len (see --enforce-eager)", takes_value=True),
     ForeignFlag(("--disable-custom-all-reduce",), "one engine runs on one device, with no all-reduce"),
     ForeignFlag(("--worker-use-ray",), "one engine runs in one process"),
     ForeignFlag(("--distributed-executor-backend",), "one engine runs in one process", takes_value=True),

@@ -163,6 +163,8 @@ class SchedulerConfig:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
 
 
+# --attention-backend (model/attention/): auto picks cpu-native on the CPU, triton on CUDA, else torch.
+ATTENTION_BACKENDS = ("auto", "torch", "cpu-native", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 # --quantization (model/layers/quantization.py): auto, the file's own blocks for a quantized GGUF ("gguf"),
@@ -197,13 +199,21 @@ class ModelConfig:
              "dequantize to --dtype (the float reference); int8: int8 GEMMs for every linear layer (CPU, fbgemm); "
              "int4: 4-bit blocks for every linear layer, quantized at load. awq/gptq/fp8 checkpoints cannot be "
              "read")
-    # Accepted for vLLM's scripts. There are no CUDA graphs yet, so every step already runs eagerly; once
-    # graph capture exists on CUDA, this turns it off (as vLLM's --enforce-eager does).
+    # CUDA: decode-only steps replay graphs captured per batch size (worker/cuda_graphs.py); this runs every
+    # step eagerly instead (as vLLM's --enforce-eager does). Other devices always run eagerly.
     enforce_eager: bool = setting(
-        False, help="accepted for vLLM's scripts: no CUDA graphs are captured yet, so steps already run eagerly; "
-                    "once graph capture exists on CUDA this turns it off")
+        False, help="CUDA: run every step eagerly instead of replaying decode steps as CUDA graphs captured per "
+                    "batch size (other devices always run eagerly)")
+    # Which attention backend runs (model/attention/): auto, torch, cpu-native or triton.
+    attention_backend: str = setting(
+        "auto", choices=ATTENTION_BACKENDS,
+        help="auto: cpu-native on the CPU when the native kernels build and the dtypes fit, triton on CUDA when "
+             "triton is installed, else torch (SDPA over gathered blocks, runs anywhere)")
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}.")
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or half, float), got {self.dtype!r}.")

@@ -282,13 +282,11 @@ def test_bfloat16_kv_cache_halves_the_bytes_and_keeps_the_answers(make_llm, refe
     float32 cache's (rounding K/V to bf16 moves logits slightly, so late tokens may differ)."""
     import torch
 
-    import tideserve.worker.model_runner as model_runner
-
-    if decode_path == "torch":
-        monkeypatch.setattr(model_runner, "decode_attention_supported", lambda *a: False)
-    llm = make_llm(dtype="float32", enable_prefix_caching=False, max_model_len=512, kv_cache_dtype="bfloat16")
+    llm = make_llm(dtype="float32", enable_prefix_caching=False, max_model_len=512, kv_cache_dtype="bfloat16",
+                   attention_backend="cpu-native" if decode_path == "native" else "torch")
     runner = llm.engine.runner
-    assert runner.kv_caches[0][0].dtype == torch.bfloat16 and runner.native_decode == (decode_path == "native")
+    assert runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert runner.attn_backend.name == ("cpu-native" if decode_path == "native" else "torch")
     arch = llm.engine.arch
     bf16_bytes = 2 * arch.num_hidden_layers * 16 * arch.num_key_value_heads * arch.head_dim * 2
     assert llm.engine.kv_storage.bytes_per_block(16) == bf16_bytes

@@ -52,12 +52,12 @@ def tiny_gguf(variant: str, path: Path) -> Path:
 
 
 def logits(model: torch.nn.Module, mixed_batch: Any) -> list[torch.Tensor]:
-    return mixed_batch(model.arch.vocab_size).ours(model, native=True)
+    return mixed_batch(model.arch.vocab_size).ours(model, backend="cpu-native")
 
 
 def greedy(model: torch.nn.Module, paged_cache: Any, prompt: list[int], steps: int) -> list[int]:
     """Greedy tokens through the paged cache: one prefill, then single-token decode steps."""
-    cache = paged_cache(model.arch, num_blocks=32, block_size=4, native=True)
+    cache = paged_cache(model.arch, num_blocks=32, block_size=4, backend="cpu-native")
     ids, positions, meta = cache.step([("r", prompt)])
     tokens = [int(model.compute_logits(model(ids, positions, cache.kv_caches, meta))[-1].argmax())]
     for _ in range(steps - 1):
@@ -68,7 +68,7 @@ def greedy(model: torch.nn.Module, paged_cache: Any, prompt: list[int], steps: i
 
 def top1(model: torch.nn.Module, paged_cache: Any, tokens: list[int]) -> list[int]:
     """The model's first-ranked next token at every position of ``tokens`` (one prefill)."""
-    cache = paged_cache(model.arch, num_blocks=32, block_size=4, native=True)
+    cache = paged_cache(model.arch, num_blocks=32, block_size=4, backend="cpu-native")
     ids, positions, meta = cache.step([("r", tokens)])
     return model.compute_logits(model(ids, positions, cache.kv_caches, meta)).argmax(-1).tolist()
 

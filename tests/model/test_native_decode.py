@@ -8,9 +8,9 @@ import copy
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 
 from tideserve import native
-from tideserve.model.arch_config import ArchConfig
 from tideserve.model.layers.quantization import quantize_model
 from tideserve.model.llama import LlamaForCausalLM
 
@@ -18,15 +18,7 @@ pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C comp
 
 
 def tiny(bias: bool) -> LlamaForCausalLM:
-    arch = ArchConfig(architecture="Qwen2ForCausalLM" if bias else "LlamaForCausalLM", vocab_size=96,
-                      hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6,
-                      rope_theta=10000.0, tie_word_embeddings=not bias, qkv_bias=bias)
-    model = LlamaForCausalLM(arch)
-    g = torch.Generator().manual_seed(int(bias))
-    for p in model.parameters():
-        p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
+    return tiny_llama(qwen2=bias, num_layers=3, scale=0.1)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
@@ -37,11 +29,12 @@ def test_native_decode_equals_the_python_layer_loop(bias, kv_dtype, mixed_batch)
     assert fast is not None
     calls: list[bool] = []
     qmodel.native_decode = lambda *a: calls.append(fast(*a)) or calls[-1]
-    with_native = mixed_batch(qmodel.arch.vocab_size).ours(qmodel, dtype=kv_dtype, native=True)  # dtype: the cache's
+    # dtype: the cache's
+    with_native = mixed_batch(qmodel.arch.vocab_size).ours(qmodel, dtype=kv_dtype, backend="cpu-native")
     # Steps 1 and 2 hold prefills (Python path); step 3 is all decodes (one native call).
     assert calls == [False, False, True]
     qmodel.native_decode = None
-    runs = [with_native, mixed_batch(qmodel.arch.vocab_size).ours(qmodel, dtype=kv_dtype, native=True)]
+    runs = [with_native, mixed_batch(qmodel.arch.vocab_size).ours(qmodel, dtype=kv_dtype, backend="cpu-native")]
     for got, want in zip(*runs, strict=True):
         assert torch.equal(got, want)
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from tideserve import native
-from tideserve.model.layers.attention import AttentionMetadata, paged_attention
+from tideserve.model.attention import BatchLayout, CpuNativeBackend, TorchSDPABackend
 
 needs_kernel = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the kernel")
 
@@ -87,19 +88,29 @@ def test_every_path_matches_the_scalar_reference_and_float64(isa, on_scalar, sha
     torch.testing.assert_close(out.float(), scalar.float(), **TOLERANCE[dtype])
 
 
+def decode_layout(tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> BatchLayout:
+    """The step these tables and lengths describe: one decode per request (its last token is new)."""
+    n = len(lens)
+    return BatchLayout(tables.numpy(), lens.numpy() - 1, np.ones(n, dtype=np.int64), n, block_size)
+
+
+def backend_attention(backend, q, k_cache, v_cache, tables, lens, scale):
+    """What the backend's forward gives for that step, through the backend's own builder (K/V already stored)."""
+    meta = backend.build_metadata(decode_layout(tables, lens, k_cache.shape[1]))
+    empty = torch.empty(0, k_cache.shape[2], k_cache.shape[3], dtype=q.dtype)
+    return backend.forward(q, empty, empty, k_cache, v_cache, meta, scale, kv_stored=True)
+
+
 @needs_kernel
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["kv-f32", "kv-bf16"])
-def test_bfloat16_is_at_least_as_accurate_as_the_torch_path(kv_dtype, monkeypatch):
-    """What the engine ran before on bf16 models (gathered blocks, bf16 SDPA) against the kernel: both near
-    float64 attention, the kernel no further from it."""
+def test_bfloat16_is_at_least_as_accurate_as_the_torch_path(kv_dtype):
+    """What the engine ran before on bf16 models (the torch backend: gathered blocks, bf16 SDPA) against the
+    cpu-native backend: both near float64 attention, the kernel no further from it."""
     q, k_cache, v_cache, tables, lens = make_case(8, 9, 3, 64, 16, 200, seed=11, dtype=torch.bfloat16,
                                                   kv_dtype=kv_dtype)
-    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_decode_tokens=q.shape[0],
-                             decode_block_tables=tables, decode_context_lens=lens)
-    empty = torch.empty(0, 3, 64, dtype=torch.bfloat16)
-    ours = paged_attention(q, empty, empty, k_cache, v_cache, meta, 0.125)
-    monkeypatch.setattr(native, "paged_decode_attention", lambda *a, **k: False)
-    theirs = paged_attention(q, empty, empty, k_cache, v_cache, meta, 0.125)
+    ours = backend_attention(CpuNativeBackend("cpu", torch.bfloat16, kv_dtype, 9, 3, 64), q, k_cache, v_cache,
+                             tables, lens, 0.125)
+    theirs = backend_attention(TorchSDPABackend(), q, k_cache, v_cache, tables, lens, 0.125)
     want = reference(q.float(), k_cache.float(), v_cache.float(), tables, lens, 0.125)
     ours_err, theirs_err = (ours.float() - want).abs().max(), (theirs.float() - want).abs().max()
     assert ours.dtype == theirs.dtype == torch.bfloat16
@@ -142,23 +153,26 @@ def test_declines_what_it_cannot_run():
     assert not native.paged_decode_attention(q.bfloat16(), k_cache, v_cache, tables, lens, 0.25, out)  # q != out
     assert not native.paged_decode_attention(q.half(), k_cache, v_cache, tables, lens, 0.25, out.half())
     assert (out == 0).all()
-    assert native.decode_attention_supported("cpu", torch.bfloat16, torch.bfloat16)
-    assert native.decode_attention_supported("cpu", torch.bfloat16, torch.float32)
-    assert not native.decode_attention_supported("cpu", torch.float16, torch.float16)
-    assert not native.decode_attention_supported("cpu", torch.float32, torch.float16)
-    assert not native.decode_attention_supported("meta", torch.float32, torch.float32)
+    assert CpuNativeBackend.supported("cpu", torch.bfloat16, torch.bfloat16, 9, 3, 64)
+    assert CpuNativeBackend.supported("cpu", torch.bfloat16, torch.float32, 9, 3, 64)
+    assert not CpuNativeBackend.supported("cpu", torch.float16, torch.float16, 9, 3, 64)
+    assert not CpuNativeBackend.supported("cpu", torch.float32, torch.float16, 9, 3, 64)
+    assert not CpuNativeBackend.supported("meta", torch.float32, torch.float32, 9, 3, 64)
+    assert not CpuNativeBackend.supported("cpu", torch.float32, torch.float32, 9, 4, 64)  # heads do not group
 
 
-def test_torch_fallback_reads_the_same_metadata(monkeypatch):
-    """When the kernel turns a call down, paged_attention pads one group from the same tables and lengths."""
-    q, k_cache, v_cache, tables, lens = make_case(5, 4, 2, 16, 4, 25, seed=7)
-    n = q.shape[0]
-    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_decode_tokens=n,
-                             decode_block_tables=tables, decode_context_lens=lens)
-    monkeypatch.setattr(native, "paged_decode_attention", lambda *a: False)
-    empty = torch.empty(0, 2, 16)
-    got = paged_attention(q, empty, empty, k_cache, v_cache, meta, 0.25)
-    torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, lens, 0.25), rtol=1e-5, atol=2e-6)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["kv-f32", "kv-bf16"])
+def test_both_cpu_backends_read_the_same_step_from_their_own_builders(kv_dtype):
+    """The same step (unsorted contexts, so the torch builder pads one group) through each backend's own
+    builder: the cpu-native backend's raw tables and lengths, and the torch backend's padded, masked group."""
+    q, k_cache, v_cache, tables, lens = make_case(5, 4, 2, 16, 4, 25, seed=7, kv_dtype=kv_dtype)
+    want = reference(q, k_cache.float(), v_cache.float(), tables, lens, 0.25)
+    torch_out = backend_attention(TorchSDPABackend(), q, k_cache, v_cache, tables, lens, 0.25)
+    torch.testing.assert_close(torch_out, want, rtol=1e-5, atol=2e-6)
+    if native.load_library() is not None:
+        backend = CpuNativeBackend("cpu", torch.float32, kv_dtype, 4, 2, 16)
+        torch.testing.assert_close(backend_attention(backend, q, k_cache, v_cache, tables, lens, 0.25), want,
+                                   rtol=1e-5, atol=2e-6)
 
 
 def test_build_leaves_one_library_and_no_temporaries(tmp_path):

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from tideserve import native
 from tideserve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheConfig, SchedulerConfig, resolve_max_model_len
 from tideserve.core.kv_cache.elastic import ElasticConfig, ElasticPolicy, MemoryAccount, safety_margin
 from tideserve.core.kv_cache.manager import KVCacheManager
@@ -114,12 +113,13 @@ class LLMEngine:
         if tp > 1:  # ranks 1..tp-1 start now and load their shards; this process is rank 0
             self.tensor_parallel = TensorParallelExecutor(tp, self.device, WorkerSetup(
                 loaded.path, str(self.dtype).removeprefix("torch."), str(self.kv_dtype).removeprefix("torch."),
-                block_size, model_config.seed, logging.getLogger("tideserve").getEffectiveLevel()))
+                block_size, model_config.seed, model_config.attention_backend,
+                logging.getLogger("tideserve").getEffectiveLevel()))
             self.model = shard_model(self.model, self.tensor_parallel.group)
         self.kv_storage = KVCacheStorage(
             KVLayout(arch.num_hidden_layers, num_kv_heads_of_rank(arch, 0, tp), arch.head_dim, self.kv_dtype),
             self.device, block_size)
-        self.runner = ModelRunner(self.model, self.kv_storage, self.device)
+        self.runner = ModelRunner(self.model, self.kv_storage, self.device, model_config.attention_backend)
         if self.tensor_parallel is not None:  # every step and every KV move mirrored on the other ranks
             self.runner = TensorParallelRunner(self.runner, self.tensor_parallel)
             self.kv_storage = self.runner.kv_storage
@@ -127,8 +127,7 @@ class LLMEngine:
                                                    self.kv_storage.layout.token_bytes)
         logger.info("KV cache dtype %s (%d bytes per token); decode attention: %s",
                     str(self.kv_dtype).removeprefix("torch."), self.kv_storage.bytes_per_block(1),
-                    f"native kernel ({native.kernel_isa(native.isa() or 'scalar')})" if self.runner.native_decode
-                    else "torch")
+                    self.runner.attn_backend.describe())
         elastic = args.elastic_config()
         num_blocks, account, policy = self._plan_pool(cache_config, sched_config, elastic)
         reserve = num_blocks * self.kv_storage.bytes_per_block()
@@ -153,6 +152,11 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(
             self.tokenizer.hf, self.arch.vocab_size, [*self.tokenizer.stop_token_ids, *self.arch.eos_token_ids])
         self.runner.structured_output = self.structured_output
+        # Not under tensor parallelism: a captured step would have to capture the ranks' collectives too.
+        if self.platform.graph_capture and not model_config.enforce_eager and self.tensor_parallel is None:
+            if self.runner.enable_graphs(sched_config.max_num_seqs, self.max_model_len):
+                logger.info("CUDA graphs: decode-only steps of up to %d requests replay graphs captured on first "
+                            "use (--enforce-eager runs every step eagerly)", self.runner.graphs.sizes[-1])
         # Under tensor parallelism the ranks split the cores between them (worker/tp_executor.py).
         self.thread_governor = (ThreadGovernor() if args.adaptive_threads and self.platform.computes_on_host
                                 and self.tensor_parallel is None else None)

@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tideserve import native
 from tideserve.model.arch_config import ArchConfig
-from tideserve.model.layers.attention import AttentionMetadata, paged_attention
+from tideserve.model.attention import AttentionMetadata
 from tideserve.model.layers.linear import Linear
 from tideserve.model.layers.norm import RMSNorm
 from tideserve.model.layers.rotary import RotaryEmbedding, apply_rotary_
@@ -55,17 +54,20 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = h.shape[0]
         qkv = self.qkv_proj(h)
-        # The native kernel rotates q|k and stores k, v in the cache in one pass; else torch does both.
-        stored = native.rope_store(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], self.num_heads,
-                                   self.num_kv_heads)
+        backend = meta.backend
+        # A backend's kernel may rotate q|k and store k, v in the cache in one pass (bound at its
+        # construction for the model's dtype); else torch rotates and the backend stores.
+        rope_store = backend.rope_store
+        if rope_store is not None:
+            rope_store(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1])
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                                       self.head_dim)
-        if not stored:
+        if rope_store is None:
             apply_rotary_(qk, cos, sin)  # q and k in one pass
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_stored=stored)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, rope_store is not None)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -14,7 +14,7 @@ import ctypes
 import torch
 
 from tideserve import native
-from tideserve.model.layers.attention import AttentionMetadata
+from tideserve.model.attention import AttentionMetadata, CpuNativeMetadata
 from tideserve.model.layers.quantization import QuantWeight
 from tideserve.native.quant import QMat
 
@@ -84,6 +84,8 @@ class NativeDecodeForward:
         """Replace ``hidden`` (the step's embeddings, [T, hidden]) by the final-normed hidden states. False,
         touching nothing, when the step is not a plain decode step the kernel can take."""
         tokens = hidden.shape[0]
+        if not isinstance(meta, CpuNativeMetadata):  # the kernel reads the CPU backend's tables and lengths
+            return False
         tables, lens, slots = meta.decode_block_tables, meta.decode_context_lens, meta.slot_mapping
         if (meta.prefills or meta.num_decode_tokens != tokens or tokens == 0 or tables is None or lens is None
                 or not _plain_f32(hidden) or not _plain_f32(cos) or not _plain_f32(sin)

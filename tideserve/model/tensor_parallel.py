@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -119,4 +119,7 @@ def shard_model(model: torch.nn.Module, group: CollectiveGroup) -> torch.nn.Modu
     part.lm_head = head
     part.parallel_lm_head = ParallelLMHead(head)
     part.native_decode = None
+    # The part's own shape: what the attention backend binds its kernels to, and the profiling estimate
+    part.arch = replace(arch, num_attention_heads=len(heads.q_heads), num_key_value_heads=len(heads.kv_heads),
+                        intermediate_size=mlp_size)
     return part

@@ -32,6 +32,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -219,12 +220,6 @@ def set_isa(name: str) -> str:
     return ISA_LEVELS[lib.ts_set_isa_level(-1 if name == "auto" else ISA_LEVELS.index(name))]
 
 
-def decode_attention_supported(device: torch.device | str, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
-    """Whether ``paged_decode_attention`` can serve a model on this device with these dtypes."""
-    return (torch.device(device).type == "cpu" and dtype in _TS_DTYPES and kv_dtype in KV_DTYPES
-            and load_library() is not None)
-
-
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor, num_threads: int | None = None) -> bool:
@@ -343,3 +338,91 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: t
            slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
            torch.get_num_threads())
     return True
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bound kernels: the hot path's entry points. Each ``bind_*`` checks once (library, device, dtypes, layout)
+# what the functions above check on every call, and returns the ctypes function(s) to call directly, or
+# None when the kernel cannot serve that configuration (the caller then binds its torch fallback). The
+# callers (model/attention/cpu_native.py, model/layers/norm.py, model/layers/quantization.py) own the
+# per-call contract: tensors of the bound dtype, contiguous, on the CPU.
+
+
+def bind_paged_decode(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int,
+                      num_kv_heads: int) -> Callable[..., None] | None:
+    """``fn(q, k_cache, v_cache, block_tables, context_lens, scale, out)`` as ``paged_decode_attention``
+    for q/out of ``dtype`` and caches of ``kv_dtype``, or None."""
+    lib = load_library()
+    if lib is None or dtype not in _TS_DTYPES or kv_dtype not in KV_DTYPES or num_heads % num_kv_heads:
+        return None
+    kernel, q_code, kv_code = lib.ts_paged_decode, _TS_DTYPES[dtype], _TS_DTYPES[kv_dtype]
+
+    def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out) -> None:
+        kernel(q.data_ptr(), q.stride(0), q_code, k_cache.data_ptr(), v_cache.data_ptr(), kv_code,
+               block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
+               out.stride(0), q_code, q.shape[0], num_heads, num_kv_heads, q.shape[2], k_cache.shape[1], scale,
+               torch.get_num_threads())
+
+    return paged_decode
+
+
+def bind_rope_store(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                    head_dim: int) -> Callable[..., None] | None:
+    """``fn(qkv, cos, sin, slots, k_cache, v_cache)`` as ``rope_store`` for qkv/cos/sin of ``dtype`` and
+    caches of ``kv_dtype``, or None."""
+    lib = load_library()
+    if lib is None or dtype not in _TS_DTYPES or kv_dtype not in KV_DTYPES or head_dim % 2:
+        return None
+    kernel = lib.ts_rope_store_f32 if dtype == torch.float32 else lib.ts_rope_store_bf16
+    kv_bf16 = int(kv_dtype == torch.bfloat16)
+
+    def rope_store_bound(qkv, cos, sin, slots, k_cache, v_cache) -> None:
+        kernel(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads, num_kv_heads, head_dim, cos.data_ptr(),
+               sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_bf16,
+               torch.get_num_threads())
+
+    return rope_store_bound
+
+
+def bind_rms_norm(dtype: torch.dtype, device: torch.device | str) -> tuple[Callable[..., None],
+                                                                        Callable[..., None]] | None:
+    """(``norm(x, weight, eps, out)``, ``add_norm(x, residual, weight, eps, out)``) as ``rms_norm`` for
+    contiguous CPU tensors of ``dtype``, or None. (Python closures, so a deep-copied module shares them.)"""
+    lib = load_library()
+    if lib is None or torch.device(device).type != "cpu" or dtype not in _TS_DTYPES:
+        return None
+    suffix = KV_DTYPES[dtype]
+    plain, fused = getattr(lib, f"ts_rms_norm_{suffix}"), getattr(lib, f"ts_add_rms_norm_{suffix}")
+
+    def norm(x, weight, eps, out) -> None:
+        cols = x.shape[-1]
+        plain(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // cols, cols, eps, torch.get_num_threads())
+
+    def add_norm(x, residual, weight, eps, out) -> None:
+        cols = x.shape[-1]
+        fused(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // cols, cols, eps,
+              torch.get_num_threads())
+
+    return norm, add_norm
+
+
+def bind_int8_rows() -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]], Callable[..., None]] | None:
+    """(``rows(x, inv_smooth) -> (rows, row_max)``, ``scale(y, row_max, bias)``) as ``int8_rows`` and
+    ``scale_rows_`` for contiguous float32 CPU tensors (the only place int8 runs), or None."""
+    lib = load_library()
+    if lib is None:
+        return None
+    rows_kernel, scale_kernel = lib.ts_int8_rows_f32, lib.ts_scale_rows_f32
+
+    def rows(x, inv_smooth):
+        m, k = x.shape
+        out, row_max = torch.empty(m + 1, k), torch.empty(m, 1)
+        rows_kernel(x.data_ptr(), None if inv_smooth is None else inv_smooth.data_ptr(), out.data_ptr(),
+                    row_max.data_ptr(), m, k, torch.get_num_threads())
+        return out, row_max
+
+    def scale(y, row_max, bias) -> None:
+        scale_kernel(y.data_ptr(), row_max.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                     y.shape[0], y.shape[1], torch.get_num_threads())
+
+    return rows, scale

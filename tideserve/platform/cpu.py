@@ -32,6 +32,7 @@ class CpuPlatform(Platform):
     device_name = "cpu"
     host_memory = True
     computes_on_host = True
+    attention_backends = ("cpu-native", "torch")
 
     def __init__(self, device: torch.device | None = None, cgroup: CgroupMemory | None = None) -> None:
         super().__init__(device if device is not None else torch.device("cpu"))

@@ -13,6 +13,8 @@ from tideserve.platform.interface import Platform
 class CudaPlatform(Platform):
     device_name = "cuda"
     async_host_copies = True
+    attention_backends = ("triton", "torch")
+    graph_capture = True
     distributed_backend = "nccl"
 
     def device_for_rank(self, rank: int) -> torch.device:

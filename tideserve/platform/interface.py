@@ -33,6 +33,12 @@ class Platform(ABC):
     async_host_copies: ClassVar[bool] = False
     """Copies between host and device may be asynchronous: host buffers that feed it (the swap tier) are
     pinned, and the device consumes host-to-device copies in stream order."""
+    attention_backends: ClassVar[tuple[str, ...]] = ("torch",)
+    """The attention backends that can run here, best first: ``--attention-backend auto`` takes the first
+    whose kernels fit the model (model/attention/selector.py); torch's SDPA runs everywhere."""
+    graph_capture: ClassVar[bool] = False
+    """Decode-only steps can be captured once and replayed as a graph (CUDA graphs,
+    worker/cuda_graphs.py); ``--enforce-eager`` turns it off."""
     distributed_backend: ClassVar[str] = "gloo"
     """The ``torch.distributed`` backend tensor-parallel ranks on this device join (gloo for host tensors,
     NCCL between GPUs); the ranks' control messages always travel over gloo."""

@@ -2,9 +2,10 @@
 
 The runner keeps its own per-request state (token ids, block table), updated from the scheduler's diffs,
 and reads the KV tensors from its ``KVCacheStorage`` (worker/kv_store.py), which owns them and every move
-of their bytes (resize, compaction, swap, block-size change). Batch tensors are built once per step with
-numpy: positions, slot mapping (``block_table[pos // B] * B + pos % B``), the decode gather slots and the prefill spans.
-Single-token queries (decodes) go first in the flat batch so attention can batch them.
+of their bytes (resize, compaction, swap, block-size change). Each step is laid out once with numpy
+(``BatchLayout``: block tables, token counts, positions, slot mapping) and the attention backend chosen at
+load builds its metadata from that. Single-token queries (decodes) go first in the flat batch so attention
+can batch them.
 """
 
 from __future__ import annotations
@@ -17,41 +18,15 @@ import numpy as np
 import torch
 
 from tideserve.core.scheduler import NewRequestData, SchedulerOutput
-from tideserve.model.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from tideserve.model.attention import BatchLayout, backend_for_model
 from tideserve.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
-from tideserve.native import decode_attention_supported
 from tideserve.outputs import Logprob
 from tideserve.platform import platform_for
 from tideserve.sampling_params import SamplingParams
+from tideserve.worker.cuda_graphs import DecodeGraphs, GraphCapture, cuda_graph_capture
 from tideserve.worker.kv_store import CopyKVStore, KVCacheStorage
 
 logger = logging.getLogger(__name__)
-
-
-# What one more decode group costs, in padded block-rows (each layer pays a gather and an attention
-# call per group): splitting is worth it when it saves more padding than this.
-GROUP_OVERHEAD_BLOCK_ROWS = 16
-
-
-def group_by_blocks(num_blocks: np.ndarray, overhead: int = GROUP_OVERHEAD_BLOCK_ROWS) -> list[tuple[int, int]]:
-    """Split rows (sorted by ascending block count) into contiguous groups, each padded to its largest
-    row, minimising padded block-rows plus ``overhead`` per group (exact, over distinct block counts)."""
-    n = len(num_blocks)
-    values, firsts = np.unique(num_blocks, return_index=True)
-    bounds = [int(i) for i in firsts] + [n]
-    d = len(values)
-    best = [0.0] + [float("inf")] * d
-    cut = [0] * (d + 1)
-    for j in range(1, d + 1):
-        for i in range(j):
-            cost = best[i] + (bounds[j] - bounds[i]) * int(values[j - 1]) + overhead
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    groups, j = [], d
-    while j > 0:
-        groups.append((bounds[cut[j]], bounds[j]))
-        j = cut[j]
-    return groups[::-1]
 
 
 @dataclass
@@ -83,7 +58,8 @@ class ModelRunnerOutput:
 class ModelRunner:
     """Keeps the per-request batch state and runs steps over ``kv_storage``, which owns the KV tensors."""
 
-    def __init__(self, model: torch.nn.Module, kv_storage: KVCacheStorage, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, kv_storage: KVCacheStorage, device: torch.device,
+                 attention_backend: str = "auto") -> None:
         self.model = model
         self.device = device
         self.platform = platform_for(device)
@@ -91,8 +67,8 @@ class ModelRunner:
         self.layout = kv_storage.layout
         kv_dtype = self.kv_dtype = kv_storage.layout.dtype
         self.sampler = Sampler()
-        # Decode attention straight from the paged cache (tideserve/native) where it can run.
-        self.native_decode = decode_attention_supported(device, getattr(model, "dtype", None), kv_dtype)
+        # Chosen once (model/attention/selector.py): its kernels are bound, its builder makes each step's metadata.
+        self.attn_backend = backend_for_model(attention_backend, model, kv_dtype, device)
         self.requests: dict[str, CachedRequestState] = {}
         # Seeded requests' generators, by request id. Kept across preemption (a resumed request draws on
         # from where it stopped, so its tokens are those of an uninterrupted run); dropped when it finishes.
@@ -102,6 +78,17 @@ class ModelRunner:
         # False on tensor-parallel ranks other than the driver: they compute the logits (a collective) but
         # the driver samples, and sends them the tokens with the next step (worker/tp_worker.py).
         self.samples = True
+        # Captured decode steps (worker/cuda_graphs.py), set by enable_graphs; None: every step eager.
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_graphs(self, max_num_seqs: int, max_model_len: int, capture: GraphCapture | None = None) -> bool:
+        """Run decode-only steps as graphs captured per batch size (``capture``: real CUDA graphs by
+        default). False, changing nothing, when the attention backend has no static decode metadata."""
+        if not self.attn_backend.graph_fields:
+            return False
+        self.graphs = DecodeGraphs(self.model, self.attn_backend.graph_fields, self.device, max_num_seqs,
+                                   max_model_len, capture or cuda_graph_capture(self.device))
+        return True
 
     # ----------------------------------------------------------------- KV tensors (read, never moved here)
     @property
@@ -133,8 +120,7 @@ class ModelRunner:
         estimate = num_tokens * per_token + logits
 
         scratch = CopyKVStore(self.layout, self.device, self.block_size, -(-n // self.block_size), zero=True)
-        meta = AttentionMetadata(slot_mapping=torch.arange(n, device=self.device))
-        meta.prefills.append(PrefillSpan(start=0, query_len=n, context_len=n))
+        meta = self.attn_backend.build_metadata(BatchLayout.single_prefill(n, self.block_size))
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
         measured = self.platform.measure_peak_bytes(
@@ -213,7 +199,11 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows, sample_ids = batch
         pending_mask = self._start_masks(sample_ids)  # may run on a worker thread during the forward pass
 
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = None
+        if self.graphs is not None and not prefill_ids:
+            hidden = self.graphs.run(input_ids, positions, meta, self.kv_caches, self.block_size)
+        if hidden is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         self._prompt_logprobs(order, out.num_scheduled_tokens, hidden, result)
         for rid in order:
             self.requests[rid].num_computed_tokens += out.num_scheduled_tokens[rid]
@@ -276,56 +266,29 @@ class ModelRunner:
             start += n
 
     def _build_batch(self, order: list[str], num_scheduled: dict[str, int], num_decodes: int):
-        bs = self.block_size
-        counts = np.array([num_scheduled[rid] for rid in order], dtype=np.int64)
-        starts = np.array([self.requests[rid].num_computed_tokens for rid in order], dtype=np.int64)
-        cu = np.zeros(len(order) + 1, dtype=np.int64)
-        np.cumsum(counts, out=cu[1:])
-        total = int(cu[-1])
-        # positions: for each request, start .. start + count - 1
-        positions = np.repeat(starts - cu[:-1], counts) + np.arange(total, dtype=np.int64)
+        """(input_ids, positions, attention metadata, rows to sample, their request ids) for one step."""
+        counts = [num_scheduled[rid] for rid in order]
+        starts = [self.requests[rid].num_computed_tokens for rid in order]
         max_blocks = max(len(self.requests[rid].block_ids) for rid in order)
         tables = np.zeros((len(order), max_blocks), dtype=np.int64)
-        input_ids = np.empty(total, dtype=np.int64)
+        input_ids = np.empty(sum(counts), dtype=np.int64)
+        offset = 0
         for i, rid in enumerate(order):
             state = self.requests[rid]
             tables[i, :len(state.block_ids)] = state.block_ids
-            input_ids[cu[i]:cu[i + 1]] = state.token_ids[starts[i]:starts[i] + counts[i]]
-        req_index = np.repeat(np.arange(len(order)), counts)
-        slot_mapping = tables[req_index, positions // bs] * bs + positions % bs
+            input_ids[offset:offset + counts[i]] = state.token_ids[starts[i]:starts[i] + counts[i]]
+            offset += counts[i]
+        layout = BatchLayout(tables, np.array(starts, dtype=np.int64), np.array(counts, dtype=np.int64),
+                             num_decodes, self.block_size)
+        cu = layout.query_start_loc
+        meta = self.attn_backend.build_metadata(layout)
 
-        to_dev = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
-        meta = AttentionMetadata(slot_mapping=to_dev(slot_mapping), num_decode_tokens=num_decodes)
-        ends = starts + counts  # context length after this step
-        if num_decodes and self.native_decode:
-            meta.decode_block_tables = to_dev(tables[:num_decodes])
-            meta.decode_context_lens = to_dev(ends[:num_decodes].copy())
-        elif num_decodes:
-            ctx = ends[:num_decodes]  # ascending: decodes come sorted by context length
-            for lo, hi in group_by_blocks(-(-ctx // bs)):
-                c = ctx[lo:hi]
-                nb = -(-int(c[-1]) // bs)
-                tables_d = tables[lo:hi, :nb]
-                used = np.arange(nb)[None, :] < -(-c[:, None] // bs)
-                valid = np.arange(nb * bs)[None, :] < c[:, None]
-                meta.decode_groups.append(DecodeGroup(lo, hi, to_dev(np.where(used, tables_d, tables_d[:, :1])),
-                                                      to_dev(valid[:, None, None, :])))
-        for i in range(num_decodes, len(order)):
-            q_len, start, ctx_len = int(counts[i]), int(starts[i]), int(ends[i])
-            span = PrefillSpan(start=int(cu[i]), query_len=q_len, context_len=ctx_len)
-            if start > 0:
-                nb = -(-ctx_len // bs)
-                slots = (tables[i, :nb, None] * bs + np.arange(bs)).reshape(-1)[:ctx_len]
-                key_pos = np.arange(ctx_len)[None, :]
-                query_pos = start + np.arange(q_len)[:, None]
-                span.slots = to_dev(slots)
-                span.mask = to_dev((key_pos <= query_pos)[None, None])
-            meta.prefills.append(span)
-
+        ends = layout.context_lens  # context length after this step
         sample_rows, sample_ids = [], []
         for i, rid in enumerate(order):
             if ends[i] >= len(self.requests[rid].token_ids):
                 sample_rows.append(int(cu[i + 1]) - 1)
                 sample_ids.append(rid)
-        return (to_dev(input_ids), to_dev(positions), meta,
+        to_dev = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+        return (to_dev(input_ids), to_dev(layout.positions), meta,
                 torch.tensor(sample_rows, dtype=torch.long, device=self.device), sample_ids)

@@ -42,6 +42,7 @@ class WorkerSetup:
     kv_dtype: str
     block_size: int
     seed: int
+    attention_backend: str = "auto"
     log_level: int = logging.INFO
 
 
@@ -63,7 +64,7 @@ class TensorParallelWorker:
         layout = KVLayout(arch.num_hidden_layers, num_kv_heads, arch.head_dim, getattr(torch, setup.kv_dtype))
         self.group = group
         self.storage = KVCacheStorage(layout, device, setup.block_size)
-        self.runner = ModelRunner(model, self.storage, device)
+        self.runner = ModelRunner(model, self.storage, device, setup.attention_backend)
         self.runner.samples = False
 
     # ----------------------------------------------------------------- commands (names match the driver's)

@@ -97,15 +97,17 @@ class Int8Weight:
         self.range_row = torch.zeros(1, self.in_features)
         self.range_row[0, 0], self.range_row[0, -1] = 1.0, -1.0
         self.nbytes = w.numel() + 8 * w.shape[0] + (4 * self.in_features if smooth is not None else 0)
+        # The row scaling on the way in and out as one native pass each, bound once (int8 runs on the CPU
+        # in float32 only), or None: torch operators.
+        self._rows = native.bind_int8_rows()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         out_dtype = x2.dtype
-        x2 = x2.float()
-        prepared = native.int8_rows(x2, self.inv_smooth)  # the same rows in one pass, where it can run
-        if prepared is not None:
-            rows, row_max = prepared
+        x2 = x2.float().contiguous()
+        if self._rows is not None:
+            rows, row_max = self._rows[0](x2, self.inv_smooth)  # the same rows in one pass
         else:
             if self.inv_smooth is not None:
                 x2 = x2 * self.inv_smooth
@@ -113,7 +115,9 @@ class Int8Weight:
             rows = torch.cat([x2 / row_max, self.range_row])
         # reduce_range=True: 7-bit activations, so AVX2's pairwise int16 accumulation cannot saturate.
         y = torch.ops.quantized.linear_dynamic(rows, self.packed, True)[:-1]
-        if not native.scale_rows_(y, row_max, self.bias):
+        if self._rows is not None:
+            self._rows[1](y, row_max, self.bias)
+        else:
             y = y.mul_(row_max)
             if self.bias is not None:
                 y = y.add_(self.bias)
@@ -320,7 +324,7 @@ CALIBRATION_TEXT = (
 @torch.inference_mode()
 def calibrate(model: nn.Module, token_ids: list[int], device: torch.device) -> dict[str, torch.Tensor]:
     """Largest input magnitude per channel of every linear layer, over one float forward pass."""
-    from tideserve.model.layers.attention import AttentionMetadata, PrefillSpan
+    from tideserve.model.attention import BatchLayout, TorchSDPABackend
     from tideserve.model.layers.linear import Linear
 
     act_max: dict[str, torch.Tensor] = {}
@@ -339,8 +343,7 @@ def calibrate(model: nn.Module, token_ids: list[int], device: torch.device) -> d
         shape = (-(-n // block), block, arch.num_key_value_heads, arch.head_dim)
         caches = [(torch.empty(shape, dtype=model.dtype, device=device),
                    torch.empty(shape, dtype=model.dtype, device=device)) for _ in range(arch.num_hidden_layers)]
-        meta = AttentionMetadata(slot_mapping=torch.arange(n, device=device))
-        meta.prefills.append(PrefillSpan(start=0, query_len=n, context_len=n))
+        meta = TorchSDPABackend(device).build_metadata(BatchLayout.single_prefill(n, block))
         ids = torch.tensor(token_ids, dtype=torch.long, device=device)
         model(ids, torch.arange(n, device=device), caches, meta)
     finally:

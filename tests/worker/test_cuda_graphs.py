@@ -1,0 +1,91 @@
+"""Decode steps replayed from captured graphs (worker/cuda_graphs.py).
+
+On the CPU the runner is given ``eager_capture``: the same static buffers, padding rows, size choice and
+invalidation on a KV change as with CUDA graphs, only without the graph, so the mechanism is tested here;
+the test marked ``cuda`` captures real CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tideserve import SamplingParams, native
+from tideserve.worker.cuda_graphs import DecodeGraphs, capture_sizes, eager_capture
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = ["The capital of France is", "List three colours:", "Once upon a time",
+           "def fibonacci(n):", "Water boils at"]  # five: padded to a captured size of 8
+
+needs_native = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the native kernels")
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(5) == [1, 2, 4, 5]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert capture_sizes(1000)[-1] == 256
+
+
+def test_a_backend_without_static_metadata_is_refused():
+    with pytest.raises(ValueError, match="no static decode metadata"):
+        DecodeGraphs(torch.nn.Identity(), (), torch.device("cpu"), 8, 64, eager_capture)
+
+
+@needs_native
+def test_replayed_decodes_give_the_eager_tokens(make_llm):
+    eager = make_llm(dtype="float32", max_model_len=256, enable_prefix_caching=False, attention_backend="cpu-native")
+    want = tokens(eager.generate(PROMPTS, GREEDY))
+
+    llm = make_llm(dtype="float32", max_model_len=256, enable_prefix_caching=False, attention_backend="cpu-native")
+    runner = llm.engine.runner
+    assert runner.enable_graphs(max_num_seqs=8, max_model_len=256, capture=eager_capture)
+    got = tokens(llm.generate(PROMPTS, GREEDY))
+    assert got == want
+    graphs = runner.graphs
+    # Every decode-only step replayed (prompts finish prefill in the first steps); batches of 5, 4, ... rows
+    # ran padded to captured sizes, each size captured once.
+    assert graphs.num_replays >= GREEDY.max_tokens - 2
+    assert graphs.num_captures == len(graphs._graphs) <= len(graphs.sizes)
+
+    # One request alone runs in the size-1 graph and still gets its own tokens.
+    assert tokens(llm.generate(PROMPTS[:1], GREEDY)) == want[:1]
+
+
+@needs_native
+def test_graphs_are_recaptured_when_the_kv_pool_changes(make_llm):
+    llm = make_llm(dtype="float32", max_model_len=256, enable_prefix_caching=False, attention_backend="cpu-native")
+    engine = llm.engine
+    assert engine.runner.enable_graphs(max_num_seqs=8, max_model_len=256, capture=eager_capture)
+    want = tokens(llm.generate(PROMPTS[:2], GREEDY))
+    graphs = engine.runner.graphs
+    before = graphs.num_captures
+    assert before >= 1
+    engine.pool._resize(engine.kv_manager.num_blocks + 64, "test")  # the pool grows: every graph is stale
+    assert tokens(llm.generate(PROMPTS[:2], GREEDY)) == want
+    assert graphs.num_captures > before
+
+
+def test_the_torch_backend_stays_eager(make_llm):
+    llm = make_llm(dtype="float32", max_model_len=256, attention_backend="torch")
+    assert not llm.engine.runner.enable_graphs(max_num_seqs=8, max_model_len=256, capture=eager_capture)
+    assert llm.engine.runner.graphs is None
+
+
+@pytest.mark.cuda
+def test_cuda_graphs_give_the_eager_tokens(make_llm):
+    # benchmarks/gpu_check.sh names a model of the default's shape where the embedded one is not installed
+    model = os.environ.get("TIDESERVE_TEST_MODEL") or None
+    eager = make_llm(model=model, dtype="bfloat16", device="cuda", max_model_len=256, enforce_eager=True,
+                     enable_prefix_caching=False)
+    want = tokens(eager.generate(PROMPTS, GREEDY))
+    llm = make_llm(model=model, dtype="bfloat16", device="cuda", max_model_len=256, enable_prefix_caching=False)
+    assert llm.engine.runner.graphs is not None
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == want
+    assert llm.engine.runner.graphs.num_replays > 0

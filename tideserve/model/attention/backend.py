@@ -1,0 +1,74 @@
+"""The attention backend interface: one object per engine, chosen once at load (``selector.py``).
+
+A backend owns three things that must agree with each other: its metadata builder (``build_metadata``:
+a ``BatchLayout`` -> the tensors its kernels read), the kernels themselves (bound once, at construction,
+after checking device, dtypes and layout), and ``forward``. The model calls ``meta.backend.forward``, so
+one loaded model can serve engines with different backends at once (tests share models this way).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+from tideserve.model.attention.metadata import AttentionMetadata, BatchLayout
+
+# Rotate q|k of qkv [T, (H + 2 KVH) * D] in place and store k, v at meta.slot_mapping in the caches.
+RopeStore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+class AttentionBackend(ABC):
+    """Paged attention over ``[num_blocks, block_size, KVH, D]`` caches for a flat, unpadded batch."""
+
+    name: str = ""
+    # A kernel that does rotary and the KV store in one pass (bound at construction), or None: then the
+    # model rotates with torch and ``forward`` stores K/V itself.
+    rope_store: RopeStore | None = None
+    # The per-row tensors of a decode-only step's metadata (first dimension = the batch), read by a
+    # captured graph from static buffers (worker/cuda_graphs.py); empty: this backend's steps stay eager.
+    graph_fields: tuple[str, ...] = ()
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    @abstractmethod
+    def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
+        """This backend's metadata for one step, on its device."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
+        """Store this step's K/V in the cache (unless ``kv_stored``: ``rope_store`` did), then attend.
+
+        q: [T, H, D] with unit stride in D and D in H (rows may be strided: q is a view of the fused
+        qkv); k, v: [T, KVH, D]; caches: contiguous [num_blocks, block_size, KVH, D] (the KV store's
+        contract). Returns [T, H, D] in q's dtype, contiguous.
+        """
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self.attend(q, k, v, k_cache, v_cache, meta, scale, out)
+        return out
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        """Write every query's attention over its cached context into ``out`` (the K/V are stored)."""
+
+    def describe(self) -> str:
+        """What the start-up line ``decode attention: ...`` says."""
+        return self.name
+
+    def _to_device(self, array) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v [T, KVH, D] into the flat slots of the caches (torch's path; the CPU kernel fuses it with rotary)."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
+    v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))

@@ -1,0 +1,173 @@
+"""The reference backend: torch's scaled_dot_product_attention over gathered KV blocks, on any device.
+
+Decodes are taken in groups of similar context length (``group_by_blocks``), each group's blocks gathered
+whole (a few large copies, not one per token) and padded to its longest context with a mask; prefill
+chunks attend causally to their own keys, or, after a cached prefix, to the whole context's slots.
+The CPU native backend reuses the prefill half of this file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tideserve.model.attention.backend import AttentionBackend
+from tideserve.model.attention.metadata import AttentionMetadata, BatchLayout, PrefillSpan
+
+_HAS_ENABLE_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+# What one more decode group costs, in padded block-rows (each layer pays a gather and an attention
+# call per group): splitting is worth it when it saves more padding than this.
+GROUP_OVERHEAD_BLOCK_ROWS = 16
+
+
+def group_by_blocks(num_blocks: np.ndarray, overhead: int = GROUP_OVERHEAD_BLOCK_ROWS) -> list[tuple[int, int]]:
+    """Split rows (sorted by ascending block count) into contiguous groups, each padded to its largest
+    row, minimising padded block-rows plus ``overhead`` per group (exact, over distinct block counts)."""
+    n = len(num_blocks)
+    values, firsts = np.unique(num_blocks, return_index=True)
+    bounds = [int(i) for i in firsts] + [n]
+    d = len(values)
+    best = [0.0] + [float("inf")] * d
+    cut = [0] * (d + 1)
+    for j in range(1, d + 1):
+        for i in range(j):
+            cost = best[i] + (bounds[j] - bounds[i]) * int(values[j - 1]) + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], d
+    while j > 0:
+        groups.append((bounds[cut[j]], bounds[j]))
+        j = cut[j]
+    return groups[::-1]
+
+
+@dataclass
+class DecodeGroup:
+    """Decode rows ``start:end`` (contexts of similar length), attended together.
+
+    ``block_tables``: [rows, max_blocks] int64, padded with each request's own first block (so a padded
+    read never touches another request's block); ``mask``: [rows, 1, 1, max_blocks * block_size] bool,
+    True = a key of this request.
+    """
+
+    start: int
+    end: int
+    block_tables: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
+class TorchMetadata(AttentionMetadata):
+    """Decodes as groups of padded tables + masks; prefills as spans."""
+
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def build_prefill_spans(layout: BatchLayout, to_device) -> list[PrefillSpan]:
+    """The SDPA prefill spans of a layout's rows after its decodes (shared with the CPU native backend)."""
+    bs = layout.block_size
+    spans = []
+    for i in range(layout.num_decodes, len(layout.query_lens)):
+        q_len, start, ctx_len = int(layout.query_lens[i]), int(layout.num_computed[i]), int(layout.context_lens[i])
+        span = PrefillSpan(start=int(layout.query_start_loc[i]), query_len=q_len, context_len=ctx_len)
+        if start > 0:
+            nb = -(-ctx_len // bs)
+            slots = (layout.block_tables[i, :nb, None] * bs + np.arange(bs)).reshape(-1)[:ctx_len]
+            key_pos = np.arange(ctx_len)[None, :]
+            query_pos = start + np.arange(q_len)[:, None]
+            span.slots = to_device(slots)
+            span.mask = to_device((key_pos <= query_pos)[None, None])
+        spans.append(span)
+    return spans
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+          mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    """q: [B, H, Lq, D]; k, v: [B, KVH, Lk, D]. Grouped-query heads share K/V without copies where the
+    installed torch supports it."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if num_heads != num_kv_heads:
+        if _HAS_ENABLE_GQA:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                                  enable_gqa=True)
+        group = num_heads // num_kv_heads
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+
+
+def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, prefills: list[PrefillSpan], scale: float, out: torch.Tensor) -> None:
+    """Each span's queries into ``out``: causal over its own keys, or over its context's cached slots."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    for span in prefills:
+        end = span.start + span.query_len
+        qs = q[span.start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
+        if span.slots is None:
+            ks = k[span.start:end].transpose(0, 1).unsqueeze(0)
+            vs = v[span.start:end].transpose(0, 1).unsqueeze(0)
+            o = _sdpa(qs, ks, vs, scale, causal=True)
+        else:
+            ks = k_flat.index_select(0, span.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+            vs = v_flat.index_select(0, span.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+            o = _sdpa(qs, ks, vs, scale, mask=span.mask)
+        out[span.start:end] = o.squeeze(0).transpose(0, 1)
+
+
+def _decode_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """Single-token queries. q: [B, H, D]; k, v: [B, KVH, L, D]; mask: [B, 1, 1, L].
+
+    The query heads that share one KV head become that head's "query rows" ([B, KVH, group, D]), so
+    grouped-query attention reads each KV head once and never copies it per query head.
+    """
+    b, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    qg = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(b, num_heads, head_dim)
+
+
+class TorchSDPABackend(AttentionBackend):
+    """Runs wherever torch does; the reference the other backends are tested against."""
+
+    name = "torch"
+
+    def build_metadata(self, layout: BatchLayout) -> TorchMetadata:
+        to_dev = self._to_device
+        meta = TorchMetadata(self, to_dev(layout.slot_mapping), layout.num_decodes)
+        n, bs = layout.num_decodes, layout.block_size
+        if n:
+            ctx = layout.context_lens[:n]
+            # The runner sorts decodes by context length, so groups are contiguous runs; any other order
+            # (a hand-built batch) is attended as one group padded to its longest context.
+            ordered = bool(np.all(ctx[1:] >= ctx[:-1]))
+            for lo, hi in group_by_blocks(-(-ctx // bs)) if ordered else [(0, n)]:
+                c = ctx[lo:hi]
+                nb = -(-int(c.max()) // bs)
+                tables = layout.block_tables[lo:hi, :nb]
+                used = np.arange(nb)[None, :] < -(-c[:, None] // bs)
+                valid = np.arange(nb * bs)[None, :] < c[:, None]
+                meta.decode_groups.append(DecodeGroup(lo, hi, to_dev(np.where(used, tables, tables[:, :1])),
+                                                      to_dev(valid[:, None, None, :])))
+        meta.prefills = build_prefill_spans(layout, to_dev)
+        return meta
+
+    def attend(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale, out):
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        for group in meta.decode_groups:
+            # Whole blocks are gathered (a few large copies, not one per token), then viewed as keys.
+            b, nb = group.block_tables.shape
+            idx = group.block_tables.reshape(-1)
+            lk = nb * k_cache.shape[1]
+            kd = k_cache.index_select(0, idx).view(b, lk, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+            vd = v_cache.index_select(0, idx).view(b, lk, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+            out[group.start:group.end] = _decode_group(q[group.start:group.end], kd, vd, group.mask, scale)
+        attend_prefills(q, k, v, k_cache, v_cache, meta.prefills, scale, out)
