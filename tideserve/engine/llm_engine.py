@@ -34,7 +34,7 @@ from tideserve.model.layers.quantization import (
     quantize_model,
 )
 from tideserve.model.loader import LoadedModel, load_model
-from tideserve.model.tensor_parallel import check_tensor_parallel, num_kv_heads_of_rank, shard_model
+from tideserve.model.tensor_parallel import check_tensor_parallel, shard_model
 from tideserve.outputs import RequestOutput
 from tideserve.platform import platform_for, resolve_device
 from tideserve.request import Request, RequestStatus
@@ -117,7 +117,8 @@ class LLMEngine:
                 logging.getLogger("tideserve").getEffectiveLevel()))
             self.model = shard_model(self.model, self.tensor_parallel.group)
         self.kv_storage = KVCacheStorage(
-            KVLayout(arch.num_hidden_layers, num_kv_heads_of_rank(arch, 0, tp), arch.head_dim, self.kv_dtype),
+            # the model's own KV heads (a tensor-parallel part's arch counts its shard's)
+            KVLayout(arch.num_hidden_layers, self.model.arch.num_key_value_heads, arch.head_dim, self.kv_dtype),
             self.device, block_size)
         self.runner = ModelRunner(self.model, self.kv_storage, self.device, model_config.attention_backend)
         if self.tensor_parallel is not None:  # every step and every KV move mirrored on the other ranks

@@ -63,11 +63,6 @@ def head_shard(arch: ArchConfig, rank: int, world_size: int) -> HeadShard:
     return HeadShard(q, range(kv, kv + 1))
 
 
-def num_kv_heads_of_rank(arch: ArchConfig, rank: int, world_size: int) -> int:
-    """KV heads rank ``rank`` keeps (its KV cache's head count): ranks may differ by one."""
-    return len(head_shard(arch, rank, world_size).kv_heads)
-
-
 def check_tensor_parallel(arch: ArchConfig, world_size: int, quantization: str) -> None:
     """ValueError naming tensor_parallel_size when the model cannot be split ``world_size`` ways."""
     if world_size == 1:

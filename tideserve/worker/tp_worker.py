@@ -51,7 +51,7 @@ class TensorParallelWorker:
 
     def __init__(self, group: Any, setup: WorkerSetup, device: torch.device) -> None:
         from tideserve.model.loader import load_model
-        from tideserve.model.tensor_parallel import num_kv_heads_of_rank, shard_model
+        from tideserve.model.tensor_parallel import shard_model
         from tideserve.worker.kv_store import KVCacheStorage, KVLayout
         from tideserve.worker.model_runner import ModelRunner
 
@@ -59,9 +59,9 @@ class TensorParallelWorker:
         loaded = load_model(setup.model_path, setup.dtype, device, "none")
         model = shard_model(loaded.model, group)
         del loaded
-        arch = model.arch
-        num_kv_heads = num_kv_heads_of_rank(arch, group.rank, group.world_size)
-        layout = KVLayout(arch.num_hidden_layers, num_kv_heads, arch.head_dim, getattr(torch, setup.kv_dtype))
+        arch = model.arch  # the part's own: its KV heads are the ones this rank caches
+        layout = KVLayout(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
+                          getattr(torch, setup.kv_dtype))
         self.group = group
         self.storage = KVCacheStorage(layout, device, setup.block_size)
         self.runner = ModelRunner(model, self.storage, device, setup.attention_backend)
