@@ -117,11 +117,12 @@ def test_vllm_engine_flags_that_work():
 
 
 def test_multi_device_flags_explain_what_to_do():
-    for flag, name in (("-tp", "tensor_parallel_size"), ("--pipeline-parallel-size", "pipeline_parallel_size"),
-                       ("-dp", "data_parallel_size")):
+    for flag, name in (("--pipeline-parallel-size", "pipeline_parallel_size"), ("-dp", "data_parallel_size")):
         (error,) = parsed("serve", flag, "4").errors
         assert error.startswith(f"{name}=4 (") and "is not implemented in tideserve yet" in error
-        assert "one tideserve server per device" in error
+        assert "one tideserve server per device" in error and "--tensor-parallel-size N" in error
+    cl = parsed("serve", "-tp", "2")  # tensor parallelism exists
+    assert cl.errors == [] and cl.ns.tensor_parallel_size == 2
 
 
 def test_vllm_flags_without_meaning_warn_or_refuse():

@@ -52,7 +52,7 @@ SAMPLES = {
     "enable_chunked_prefill": (False, None, False),
     "preemption_mode": ("swap", "swap", "swap"),
     "scheduling_policy": ("priority", "priority", "priority"),
-    "tensor_parallel_size": (1, "1", 1),  # only 1 is accepted; test_vllm_api_compat covers the refusal
+    "tensor_parallel_size": (2, "2", 2),
     "pipeline_parallel_size": (1, "1", 1),
     "data_parallel_size": (1, "1", 1),
     "adaptive_threads": (False, None, False),

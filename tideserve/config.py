@@ -322,12 +322,15 @@ def _check_quantization(method: str | None) -> str:
 
 @dataclass
 class ParallelConfig:
-    """How many devices one engine spans, and whether its CPU threads follow the machine. tideserve runs
-    one engine on one device today; the size fields exist so vLLM's scripts get an explanation instead of
-    an unknown-argument error."""
+    """How many devices one engine spans, and whether its CPU threads follow the machine. Tensor
+    parallelism splits one model across ``tensor_parallel_size`` ranks (one process each, worker/); the
+    pipeline and data-parallel sizes exist so vLLM's scripts get an explanation instead of an
+    unknown-argument error."""
 
     tensor_parallel_size: int = setting(
-        1, aliases=("-tp",), help="only 1: tensor parallelism is not implemented yet (run one server per device)")
+        1, aliases=("-tp",),
+        help="split the model across this many ranks, one process each (heads, MLP and vocabulary sharded; gloo on "
+             "CPU, NCCL on CUDA; float weights only)")
     pipeline_parallel_size: int = setting(1, aliases=("-pp",), help="only 1 (not implemented yet)")
     data_parallel_size: int = setting(
         1, aliases=("-dp",), help="only 1: run one server per device behind a load balancer instead")
@@ -337,19 +340,19 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         for name, flag, what in (
-                ("tensor_parallel_size", "--tensor-parallel-size/-tp", "Tensor parallelism"),
+                ("tensor_parallel_size", "--tensor-parallel-size/-tp", ""),
                 ("pipeline_parallel_size", "--pipeline-parallel-size/-pp", "Pipeline parallelism"),
                 ("data_parallel_size", "--data-parallel-size/-dp", "Data parallelism inside one server")):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-            if value > 1:
+            if value > 1 and what:
                 raise ValueError(
-                    f"{name}={value} ({flag} {value}): {what} is not implemented in tideserve yet; one engine "
-                    f"runs on one device, so use {name}=1. For more throughput run one tideserve server per "
-                    "device (e.g. CUDA_VISIBLE_DEVICES=N tideserve serve ... --port 800N) behind a load "
-                    "balancer; for a model too large for one device, use a quantized GGUF file of it "
-                    "(e.g. Q4_K) or --quantization int4.")
+                    f"{name}={value} ({flag} {value}): {what} is not implemented in tideserve yet; use "
+                    f"{name}=1. For more throughput run one tideserve server per device (e.g. "
+                    "CUDA_VISIBLE_DEVICES=N tideserve serve ... --port 800N) behind a load balancer; for a model "
+                    "too large for one device, use --tensor-parallel-size N, a quantized GGUF file of it (e.g. "
+                    "Q4_K) or --quantization int4.")
 
 
 def resolve_max_model_len(requested: int | None, trained: int, allow_long: bool) -> int:

@@ -146,7 +146,6 @@ def garbage_pool(request, monkeypatch):
     """Every block a store hands out fresh starts as NaN, as ``torch.empty`` may hand it out (the copying
     store used on GPUs), and as nothing forbids for committed pages. Both stores, so the copying one
     (the CUDA path) runs here too."""
-    import tideserve.engine.llm_engine as llm_engine
     from tideserve.worker import kv_store
 
     def poison_new_blocks(store, cls):
@@ -174,7 +173,7 @@ def garbage_pool(request, monkeypatch):
         poison_new_blocks(store, cls)
         return store
 
-    monkeypatch.setattr(llm_engine, "create_kv_store", create)
+    monkeypatch.setattr(kv_store, "create_kv_store", create)
     return request.param
 
 

@@ -38,16 +38,17 @@ def test_async_llm_engine_from_a_dict_as_in_the_seed():
         engine.shutdown(5)
 
 
-def test_tensor_parallel_beyond_one_device_is_explained():
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .*Tensor parallelism is not implemented in "
-                                         r"tideserve yet.*one tideserve server per device"):
-        AsyncLLMEngine.from_engine_args({"model": "Qwen/Qwen-7B-Chat", "tensor_parallel_size": 2})
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):  # seed 004's LLM(...), before any load
-        LLM(model="meta-llama/Llama-2-7b-chat-hf", tensor_parallel_size=2, max_num_seqs=256, max_model_len=8192)
+def test_multi_device_settings_beyond_tensor_parallelism_are_explained():
     with pytest.raises(ValueError, match="pipeline_parallel_size=4 .*Pipeline parallelism is not implemented"):
         LLMEngine.from_engine_args(EngineArgs(pipeline_parallel_size=4))
+    with pytest.raises(ValueError, match="data_parallel_size=2 .*one tideserve server per device"):
+        LLM(data_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1, got 0"):
         LLMEngine.from_engine_args({"tensor_parallel_size": 0})
+    # seed 004's LLM(model=..., tensor_parallel_size=2): accepted; here the hub model is what cannot load
+    with pytest.raises(ValueError, match="Llama-2-7b-chat-hf") as info:
+        LLM(model="meta-llama/Llama-2-7b-chat-hf", tensor_parallel_size=2, max_num_seqs=256, max_model_len=8192)
+    assert "tensor_parallel" not in str(info.value)
 
 
 def test_from_engine_args_refuses_unknown_keys_and_other_types():

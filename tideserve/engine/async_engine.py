@@ -301,9 +301,10 @@ class AsyncEngine:
             self._cond.notify()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
-        close = getattr(self.engine, "close", None)  # test doubles of the engine may have none
-        if close is not None:
-            close()
+        for stop in (getattr(self.engine, "close", None),  # the KV events publisher (test doubles may have none)
+                     getattr(self.engine, "shutdown", None)):  # a tensor-parallel engine's ranks stop with it
+            if stop is not None:
+                stop()
 
     def _check_alive(self) -> None:
         if self._dead is not None:

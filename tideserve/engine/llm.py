@@ -38,6 +38,12 @@ class LLM:
         llm.engine = LLMEngine.from_loaded(_engine_args(kwargs.pop("model", None), kwargs), loaded, tokenizer)
         return llm
 
+    def __del__(self) -> None:
+        # ``del llm`` stops a tensor-parallel engine's ranks at once (no orphan processes)
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

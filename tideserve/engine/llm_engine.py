@@ -35,14 +35,21 @@ from tideserve.model.layers.quantization import (
     quantize_model,
 )
 from tideserve.model.loader import LoadedModel, load_model
+from tideserve.model.tensor_parallel import check_tensor_parallel, shard_model
 from tideserve.outputs import RequestOutput
 from tideserve.platform import platform_for, resolve_device
 from tideserve.request import Request, RequestStatus
 from tideserve.sampling_params import SamplingParams
 from tideserve.structured_output.manager import StructuredOutputManager
 from tideserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
-from tideserve.worker.kv_store import KVCacheStorage, KVLayout, create_kv_store
+from tideserve.worker.kv_store import KVCacheStorage, KVLayout
 from tideserve.worker.model_runner import ModelRunner
+from tideserve.worker.tp_executor import (
+    TensorParallelExecutor,
+    TensorParallelMemoryProbe,
+    TensorParallelRunner,
+)
+from tideserve.worker.tp_worker import WorkerSetup
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +80,8 @@ class LLMEngine:
         self.model_name = loaded.name
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else load_tokenizer(loaded.path)
         self.quantization = loaded.quantization  # "auto" resolved by the loader
+        tp = args.parallel_config().tensor_parallel_size
+        check_tensor_parallel(self.arch, tp, self.quantization)  # before anything starts or quantizes
         if self.quantization == "int8":
             act_max = calibrate(self.model, self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False),
                                 self.device)
@@ -101,10 +110,23 @@ class LLMEngine:
         self.kv_dtype = (self.platform.auto_kv_dtype(self.dtype, self.quantization)
                          if cache_config.kv_cache_dtype == "auto" else getattr(torch, cache_config.kv_cache_dtype))
         arch = self.arch
+        self.tensor_parallel: TensorParallelExecutor | None = None
+        if tp > 1:  # ranks 1..tp-1 start now and load their shards; this process is rank 0
+            self.tensor_parallel = TensorParallelExecutor(tp, self.device, WorkerSetup(
+                loaded.path, str(self.dtype).removeprefix("torch."), str(self.kv_dtype).removeprefix("torch."),
+                block_size, model_config.seed, model_config.attention_backend,
+                logging.getLogger("tideserve").getEffectiveLevel()))
+            self.model = shard_model(self.model, self.tensor_parallel.group)
         self.kv_storage = KVCacheStorage(
-            KVLayout(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, self.kv_dtype),
+            # the model's own KV heads (a tensor-parallel part's arch counts its shard's)
+            KVLayout(arch.num_hidden_layers, self.model.arch.num_key_value_heads, arch.head_dim, self.kv_dtype),
             self.device, block_size)
         self.runner = ModelRunner(self.model, self.kv_storage, self.device, model_config.attention_backend)
+        if self.tensor_parallel is not None:  # every step and every KV move mirrored on the other ranks
+            self.runner = TensorParallelRunner(self.runner, self.tensor_parallel)
+            self.kv_storage = self.runner.kv_storage
+            self.probe = TensorParallelMemoryProbe(self.probe, self.tensor_parallel,
+                                                   self.kv_storage.layout.token_bytes)
         logger.info("KV cache dtype %s (%d bytes per token); decode attention: %s",
                     str(self.kv_dtype).removeprefix("torch."), self.kv_storage.bytes_per_block(1),
                     self.runner.attn_backend.describe())
@@ -113,8 +135,7 @@ class LLMEngine:
         reserve = num_blocks * self.kv_storage.bytes_per_block()
         if policy is not None:  # the largest the pool could ever reach: the whole machine (virtual only)
             reserve = max(reserve, account.budget_bytes, self.probe.total_bytes())
-        self.kv_storage.attach(create_kv_store(self.kv_storage.layout, self.device, block_size, num_blocks,
-                                               reserve, static=policy is None))
+        self.kv_storage.create_store(num_blocks, reserve, static=policy is None)
         # The storage's geometry is the one source; the manager starts from it (and the pool controller
         # keeps it following every resize and block-size change).
         self.kv_manager = KVCacheManager(self.kv_storage.num_blocks, self.kv_storage.block_size,
@@ -133,12 +154,14 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(
             self.tokenizer.hf, self.arch.vocab_size, [*self.tokenizer.stop_token_ids, *self.arch.eos_token_ids])
         self.runner.structured_output = self.structured_output
-        if self.platform.graph_capture and not model_config.enforce_eager:
+        # Not under tensor parallelism: a captured step would have to capture the ranks' collectives too.
+        if self.platform.graph_capture and not model_config.enforce_eager and self.tensor_parallel is None:
             if self.runner.enable_graphs(sched_config.max_num_seqs, self.max_model_len):
                 logger.info("CUDA graphs: decode-only steps of up to %d requests replay graphs captured on first "
                             "use (--enforce-eager runs every step eagerly)", self.runner.graphs.sizes[-1])
+        # Under tensor parallelism the ranks split the cores between them (worker/tp_executor.py).
         self.thread_governor = (ThreadGovernor() if args.adaptive_threads and self.platform.computes_on_host
-                                else None)
+                                and self.tensor_parallel is None else None)
         self._ids = itertools.count()
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
@@ -158,7 +181,10 @@ class LLMEngine:
         model_config = args.configs()[0]  # every setting checked before anything loads
         device = resolve_device(model_config.device)
         torch.manual_seed(model_config.seed)
-        loaded = load_model(model_config.model, model_config.dtype, device, model_config.quantization)
+        quantization = model_config.quantization
+        if quantization == "auto" and args.parallel_config().tensor_parallel_size > 1:
+            quantization = "none"  # tensor parallelism splits float weights: a GGUF file is dequantized
+        loaded = load_model(model_config.model, model_config.dtype, device, quantization)
         return cls(args, loaded, load_tokenizer(loaded.path))
 
     @classmethod
@@ -369,6 +395,8 @@ class LLMEngine:
     def maintain(self) -> None:
         """The KV pool's upkeep (grow, shrink, give memory back, block size); the server's engine thread
         calls it on a timer while idle, so an idle server returns memory without a step."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.check_alive()  # a rank that died while idle ends the loop (/health: 503)
         self.pool.maintain()
         self._publish_kv_events()
 
@@ -384,9 +412,15 @@ class LLMEngine:
         if self.kv_events is not None:
             self.kv_events.shutdown()
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (bounded; nothing else needs stopping). The engine is unusable
+        afterwards. Garbage collection and interpreter exit do the same."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the outputs of every parent request that changed."""
-        self.pool.maintain()
+        self.maintain()
         if self.thread_governor is not None:
             self.thread_governor.observe()
         touched: dict[str, None] = {}

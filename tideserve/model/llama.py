@@ -155,6 +155,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (self.model.embed_tokens if arch.tie_word_embeddings
                         else Embedding(arch.vocab_size, arch.hidden_size, dtype, device))
         self.lm_head_q = None  # a quantized copy of the LM head under --quantization int8/int4
+        self.parallel_lm_head: Any = None  # this rank's vocabulary slice, all-gathered (model/tensor_parallel.py)
         # Every decoder layer of a decode-only step in one native call (model/native_decode.py); set by
         # enable_native_decode once the layers are block-quantized.
         self.native_decode: Any = None
@@ -176,6 +177,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
+        if self.parallel_lm_head is not None:
+            return self.parallel_lm_head(hidden)
         if self.lm_head_q is not None:
             return self.lm_head_q(hidden).float()
         return F.linear(hidden, self.lm_head.weight).float()

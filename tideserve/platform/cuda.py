@@ -15,6 +15,12 @@ class CudaPlatform(Platform):
     async_host_copies = True
     attention_backends = ("triton", "torch")
     graph_capture = True
+    distributed_backend = "nccl"
+
+    def device_for_rank(self, rank: int) -> torch.device:
+        """One GPU per tensor-parallel rank: rank r on the r-th visible device (CUDA_VISIBLE_DEVICES picks
+        which ones), as vLLM places its ranks on one node."""
+        return torch.device("cuda", rank)
 
     def available_bytes(self) -> int:
         free, _total = torch.cuda.mem_get_info(self.device)

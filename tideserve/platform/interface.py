@@ -39,12 +39,19 @@ class Platform(ABC):
     graph_capture: ClassVar[bool] = False
     """Decode-only steps can be captured once and replayed as a graph (CUDA graphs,
     worker/cuda_graphs.py); ``--enforce-eager`` turns it off."""
+    distributed_backend: ClassVar[str] = "gloo"
+    """The ``torch.distributed`` backend tensor-parallel ranks on this device join (gloo for host tensors,
+    NCCL between GPUs); the ranks' control messages always travel over gloo."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.device})"
+
+    def device_for_rank(self, rank: int) -> torch.device:
+        """The device tensor-parallel rank ``rank`` computes on (the host: every rank shares it)."""
+        return self.device
 
     # ----------------------------------------------------------------- memory probe (core's MemoryProbe)
     @abstractmethod

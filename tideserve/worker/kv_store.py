@@ -394,6 +394,12 @@ class KVCacheStorage:
         """Take the device pool (``create_kv_store``); from now on its block size is the only one."""
         self.device_store = store
 
+    def create_store(self, num_blocks: int, reserve_bytes: int, static: bool) -> None:
+        """Make and attach the device pool (``create_kv_store``) at the planned block size: one call that a
+        tensor-parallel driver can repeat on every rank (worker/tp_executor.py)."""
+        self.attach(create_kv_store(self.layout, self.device, self.block_size, num_blocks, reserve_bytes,
+                                    static=static))
+
     # ----------------------------------------------------------------- geometry
     @property
     def caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -75,6 +75,9 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         # Structured output: computes the token masks of requests with a grammar (set by the engine).
         self.structured_output: Any = None
+        # False on tensor-parallel ranks other than the driver: they compute the logits (a collective) but
+        # the driver samples, and sends them the tokens with the next step (worker/tp_worker.py).
+        self.samples = True
         # Captured decode steps (worker/cuda_graphs.py), set by enable_graphs; None: every step eager.
         self.graphs: DecodeGraphs | None = None
 
@@ -207,6 +210,8 @@ class ModelRunner:
         if not sample_ids:
             return result
         logits = self.model.compute_logits(hidden[sample_rows])
+        if not self.samples:
+            return result
         states = [self.requests[rid] for rid in sample_ids]
         sampling_meta = SamplingMetadata.build(
             params=[s.sampling_params for s in states],

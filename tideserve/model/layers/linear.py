@@ -8,12 +8,15 @@ Quantized loading (``quantize_on_load``): shards may arrive as GGUF blocks (kept
 floats (quantized by the hook); once every shard of the layer is in, the layer becomes a QuantWeight
 and its float weight, never written to when all shards came as blocks, is dropped. So a checkpoint
 is quantized one layer at a time and the float model never exists as a whole.
+
+Tensor parallelism (``ColumnParallelLinear``, ``RowParallelLinear``): a loaded layer is split across ranks
+after the load (model/tensor_parallel.py decides which rows and columns each rank keeps).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -99,3 +102,77 @@ class Linear(nn.Module):
         self.bias = None
         self._pending.clear()
         self.quantize_on_load = None
+
+
+# ----------------------------------------------------------------- tensor parallelism
+class CollectiveGroup(Protocol):
+    """What a tensor-parallel layer needs from its ranks (worker/parallel_state.py's ``TensorParallelGroup``)."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def _sharded(cls: type[Linear], source: Linear, weight: torch.Tensor, bias: torch.Tensor | None,
+             shard_sizes: dict[str | None, int]) -> Linear:
+    """A layer of class ``cls`` over new tensors ``weight`` / ``bias`` (never views of ``source``'s, which
+    other engines may share): ``Linear.__init__`` would allocate the full shape first."""
+    if source.qweight is not None:
+        raise ValueError("a quantized layer cannot be split across tensor-parallel ranks")
+    layer = cls.__new__(cls)
+    nn.Module.__init__(layer)
+    layer.in_features = weight.shape[1]
+    layer.shard_offsets = {}
+    offset = 0
+    for shard_id, size in shard_sizes.items():
+        layer.shard_offsets[shard_id] = (offset, size)
+        offset += size
+    layer.out_features = offset
+    layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    layer.bias = nn.Parameter(bias.contiguous(), requires_grad=False) if bias is not None else None
+    layer.qweight = None
+    layer.quantize_on_load = None
+    layer._pending = {}
+    return layer
+
+
+class ColumnParallelLinear(Linear):
+    """Output rows split across ranks (the fused q|k|v and gate|up): each rank computes its slice of y with
+    no communication, because what consumes it (attention over the rank's heads, the row-parallel down
+    projection) needs only that slice."""
+
+    @classmethod
+    def shard(cls, linear: Linear, rows: dict[str | None, torch.Tensor]) -> ColumnParallelLinear:
+        """Keep, for each fused shard, the output rows ``rows[shard_id]`` (indices into that shard)."""
+        weights, biases, sizes = [], [], {}
+        for shard_id, (offset, _size) in linear.shard_offsets.items():
+            index = rows[shard_id].to(linear.weight.device) + offset
+            weights.append(linear.weight.index_select(0, index))
+            if linear.bias is not None:
+                biases.append(linear.bias.index_select(0, index))
+            sizes[shard_id] = len(index)
+        bias = torch.cat(biases) if linear.bias is not None else None
+        return _sharded(cls, linear, torch.cat(weights), bias, sizes)
+
+
+class RowParallelLinear(Linear):
+    """Input columns split across ranks (o_proj over the rank's heads, down_proj over its slice of the
+    MLP): each rank's product is a partial sum, all-reduced here (the one collective per attention block
+    and per MLP); the bias is added once, after the sum."""
+
+    group: CollectiveGroup
+
+    @classmethod
+    def shard(cls, linear: Linear, cols: torch.Tensor, group: CollectiveGroup) -> RowParallelLinear:
+        weight = linear.weight.index_select(1, cols.to(linear.weight.device))
+        bias = linear.bias.clone() if linear.bias is not None else None
+        layer = _sharded(cls, linear, weight, bias, {k: size for k, (_, size) in linear.shard_offsets.items()})
+        layer.group = group
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.group.all_reduce(F.linear(x, self.weight))
+        return y.add_(self.bias) if self.bias is not None else y

@@ -1,0 +1,61 @@
+"""Tiny random-weight Llama and Qwen2 checkpoints for the tensor-parallel tests, saved by transformers (so a
+rank process can load them from disk), and the embedded model's tokenizer to drive them by token ids."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+COMMON: dict[str, Any] = {"hidden_size": 96, "intermediate_size": 98, "max_position_embeddings": 256,
+                          "rms_norm_eps": 1e-5, "num_hidden_layers": 2}
+TINY: dict[str, Callable[[], Any]] = {}
+
+
+def _configs() -> dict[str, Callable[[], Any]]:
+    from transformers import LlamaConfig, Qwen2Config
+
+    return {
+        # 4 KV heads: 2 per rank; an odd vocabulary and MLP size: the last rank's slices are shorter
+        "llama-kv4-untied": lambda: LlamaConfig(**COMMON, vocab_size=131, num_attention_heads=8,
+                                                num_key_value_heads=4, tie_word_embeddings=False),
+        # 1 KV head on 2 ranks: replicated, each rank keeps half of its query heads
+        "llama-kv1-tied": lambda: LlamaConfig(**COMMON, vocab_size=128, num_attention_heads=6,
+                                              num_key_value_heads=1, tie_word_embeddings=True),
+        # 3 KV heads on 2 ranks (as SmolLM2-135M): whole KV groups, 2 + 1; q/k/v biases
+        "qwen2-kv3-bias": lambda: Qwen2Config(**COMMON, vocab_size=130, num_attention_heads=6,
+                                              num_key_value_heads=3, tie_word_embeddings=False),
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Callable[[str], Path]:
+    """``tiny_checkpoint(name) -> directory`` of a saved random model (names: see ``_configs``)."""
+    from transformers import AutoModelForCausalLM
+
+    made: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            config = _configs()[name]()
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    p.copy_(1.0 + 0.2 * torch.randn_like(p)) if "norm" in pname else p.normal_(0.0, 0.15)
+            directory = tmp_path_factory.mktemp(name)
+            model.save_pretrained(directory)
+            made[name] = directory
+        return made[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf_path):
+    from tideserve.tokenizer.tokenizer import load_tokenizer
+
+    return load_tokenizer(str(smollm2_gguf_path))
