@@ -6,55 +6,28 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+from serve_process import log_tail, start_serve
 
 LOAD_TIMEOUT = 120.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def serve_process(smollm2_gguf_path, tmp_path):
-    port = free_port()
     log = open(tmp_path / "serve.log", "w+")  # closed below, after the process
-    cmd = [sys.executable, "-m", "tideserve.cli", "serve", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "256", "--num-blocks", "64", "--max-num-seqs", "4", "--shutdown-timeout", "60"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_serve(["--dtype", "float32", "--max-model-len", "256", "--num-blocks", "64", "--max-num-seqs",
+                             "4", "--shutdown-timeout", "60"], log, {**os.environ, "OMP_NUM_THREADS": "1"},
+                            LOAD_TIMEOUT)
     try:
-        deadline = time.monotonic() + LOAD_TIMEOUT
-        while True:
-            assert proc.poll() is None, f"server exited early:\n{_read(log)}"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"server not healthy after {LOAD_TIMEOUT} s:\n{_read(log)}"
-            time.sleep(0.25)
         yield proc, url, log
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
         log.close()
-
-
-def _read(log) -> str:
-    log.flush()
-    log.seek(0)
-    return log.read()[-4000:]
 
 
 def test_sigterm_drains_in_flight_requests(serve_process):
@@ -79,5 +52,5 @@ def test_sigterm_drains_in_flight_requests(serve_process):
     chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     assert chunks[-1]["usage"]["completion_tokens"] == 24
-    assert proc.wait(30) == 0, _read(log)
-    assert "draining" in _read(log)
+    assert proc.wait(30) == 0, log_tail(log)
+    assert "draining" in log_tail(log)

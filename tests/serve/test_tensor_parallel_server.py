@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import psutil
 import pytest
+from serve_process import log_tail, start_serve
 
 from tideserve import SamplingParams
 
@@ -23,39 +21,12 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CHAT = [{"role": "user", "content": "Name a primary colour."}]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _log(log) -> str:
-    log.flush()
-    log.seek(0)
-    return log.read()[-4000:]
-
-
 @pytest.fixture(scope="module")
 def tp_server(tmp_path_factory):
-    port = _free_port()
     log = open(tmp_path_factory.mktemp("tp-serve") / "serve.log", "w+")  # closed below, after the process
-    cmd = [sys.executable, "-m", "tideserve.cli", "serve", "--tensor-parallel-size", "2", "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "256", "--num-blocks", "64", "--max-num-seqs", "4"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_serve(["--tensor-parallel-size", "2", "--dtype", "float32", "--max-model-len", "256",
+                             "--num-blocks", "64", "--max-num-seqs", "4"], log, dict(os.environ), LOAD_TIMEOUT)
     try:
-        deadline = time.monotonic() + LOAD_TIMEOUT
-        while True:
-            assert proc.poll() is None, f"server exited early:\n{_log(log)}"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"server not healthy after {LOAD_TIMEOUT} s:\n{_log(log)}"
-            time.sleep(0.25)
         yield proc, url, log
     finally:
         ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)] if proc.poll() is None else []
@@ -89,7 +60,7 @@ def test_sigterm_stops_the_server_and_every_rank(tp_server):
     ranks = psutil.Process(proc.pid).children(recursive=True)
     assert len(ranks) == 1, [r.cmdline() for r in ranks]
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) == 0, _log(log)
+    assert proc.wait(60) == 0, log_tail(log)
     gone, alive = psutil.wait_procs(ranks, timeout=15)
     assert not alive, f"ranks outlived the server: {[r.pid for r in alive]}"
 
