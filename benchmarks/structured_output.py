@@ -29,6 +29,7 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -138,15 +139,20 @@ def llguidance_steps(tokenizer, vocab_size: int, eos: list[int], seqs: list[list
     for step in range(steps):
         fill.append(_timed(lambda: manager._fill(rows, cpu)))
 
-        def advance(step=step):
-            for m, seq in zip(matchers, seqs):
-                if not m.accept_token(seq[step]):
-                    raise RuntimeError(f"llguidance refused token {seq[step]} at step {step}: {m.error()}")
-        accept.append(_timed(advance))
+        accept.append(_timed(lambda step=step: _accept_step(matchers, seqs, step, "llguidance",
+                                                            lambda m: f": {m.error()}")))
     manager.shutdown()
     compiler.shutdown()
     assert bitmask_width(vocab_size) > 0
     return {"setup_ms": setup_s * 1e3, "compile_ms": compile_s * 1e3, "fill": fill, "accept": accept}
+
+
+def _accept_step(matchers: list, seqs: list[list[int]], step: int, engine: str,
+                 why: Callable[[Any], str] = lambda m: "") -> None:
+    """Every matcher takes its sequence's token ``step``; a refusal is an error naming the engine."""
+    for m, seq in zip(matchers, seqs):
+        if not m.accept_token(seq[step]):
+            raise RuntimeError(f"{engine} refused token {seq[step]} at step {step}{why(m)}")
 
 
 def xgrammar_steps(tokenizer, vocab_size: int, eos: list[int], seqs: list[list[int]], steps: int) -> dict:
@@ -169,11 +175,7 @@ def xgrammar_steps(tokenizer, vocab_size: int, eos: list[int], seqs: list[list[i
         else:
             fill.append(_timed(lambda: batch.batch_fill_next_token_bitmask(matchers, bitmask)))
 
-        def advance(step=step):
-            for m, seq in zip(matchers, seqs):
-                if not m.accept_token(seq[step]):
-                    raise RuntimeError(f"xgrammar refused token {seq[step]} at step {step}")
-        accept.append(_timed(advance))
+        accept.append(_timed(lambda step=step: _accept_step(matchers, seqs, step, "xgrammar")))
     return {"setup_ms": setup_s * 1e3, "compile_ms": compile_s * 1e3, "fill": fill, "accept": accept}
 
 
