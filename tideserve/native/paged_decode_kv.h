@@ -280,9 +280,14 @@ static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, co
     if (last <= first) return;
 
     /* Pass 1: scores[r][t - first] = q_r . k_t * scale. */
+    const int64_t block_bytes = (int64_t)sizeof(KV_T) * block_stride;
+    if (blk_lo < blk_hi) ts_prefetch_bytes(k_cache + table[blk_lo] * block_stride, block_bytes);
     for (int64_t blk = blk_lo; blk < blk_hi; blk++) {
         const int64_t t0 = blk * block_size;
         const int64_t n = last - t0 < block_size ? last - t0 : block_size;
+        /* Blocks lie anywhere in the pool, out of the hardware prefetchers' reach: ask for the next one. */
+        if (blk + 1 < blk_hi) ts_prefetch_bytes(k_cache + table[blk + 1] * block_stride, block_bytes);
+        else ts_prefetch_bytes(v_cache + table[blk_lo] * block_stride, block_bytes);
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t r0 = h * group;
             KV_NAME(block_scores)(isa, q + r0 * head_dim, qb != NULL ? qb + r0 * head_dim : NULL,
@@ -299,6 +304,7 @@ static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, co
     for (int64_t blk = blk_lo; blk < blk_hi; blk++) {
         const int64_t t0 = blk * block_size;
         const int64_t n = last - t0 < block_size ? last - t0 : block_size;
+        if (blk + 1 < blk_hi) ts_prefetch_bytes(v_cache + table[blk + 1] * block_stride, block_bytes);
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t r0 = h * group;
             KV_NAME(block_values)(isa, scores + r0 * max_context + (t0 - first), max_context,

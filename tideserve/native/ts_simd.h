@@ -38,6 +38,11 @@
 
 /* ---------------------------------------------------------------- scalar */
 
+/* Hints the cache lines of [p, p + bytes) towards L1 (no fault on any address). */
+TS_ALWAYS_INLINE void ts_prefetch_bytes(const void *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 3);
+}
+
 /* bfloat16 is the top half of a float32: widening is a shift. */
 TS_ALWAYS_INLINE float ts_bf16_to_f32(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
