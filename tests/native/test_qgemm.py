@@ -92,6 +92,42 @@ def test_amx_tiles_are_the_float_product_of_bf16_inputs(qtype, rows):
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("qtype", ["q4_1", "q5_0", "q6_k"])
+@pytest.mark.parametrize("rows", [300, 530])
+def test_amx_tiles_over_several_chunks_of_rows(qtype, rows):
+    """A prefill's rows go through the panels 256 at a time, every panel decoded once and shared by the
+    chunks; the last chunk is partly empty. SwiGLU and a bias ride along."""
+    need("amx")
+    data, values = weight(qtype, n=100, k=256, seed=4)
+    gen = torch.Generator().manual_seed(9)
+    gate_up = torch.randn(rows, 512, generator=gen)
+    bias = torch.randn(100, generator=gen)
+    mat = quant.make_qmat([(qtype, data)], 256, bias)
+    with quant.forced_isa("amx"):
+        got = quant.qmatmul(gate_up, mat, swiglu=True)
+    activated = torch.nn.functional.silu(gate_up[:, :256]) * gate_up[:, 256:]
+    want = activated.bfloat16().double() @ values.bfloat16().double().T + bias.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-3, atol=2e-3 * float(want.abs().max()))
+
+
+def test_amx_tiles_redecode_a_weight_too_large_to_share():
+    """Past 16 MiB decoded (here a 16,448-row table, as an LM head), each chunk of rows decodes the panels
+    again instead of holding the whole weight in bfloat16; the product is the same."""
+    need("amx")
+    rows_w, k = 16448, 512
+    gen = torch.Generator().manual_seed(11)
+    table = torch.randn(rows_w, k, generator=gen)
+    data, values = quantized_pair(table, "q8_0")
+    x = torch.randn(260, k, generator=gen)
+    mat = quant.make_qmat([("q8_0", data)], k, None)
+    with quant.forced_isa("amx"):
+        got = quant.qmatmul(x, mat)
+        first_chunk = quant.qmatmul(x[:256], mat)
+    want = x.bfloat16().float() @ values.bfloat16().float().T
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=2e-3 * float(want.abs().max()))
+    torch.testing.assert_close(got[:256], first_chunk, rtol=1e-6, atol=1e-5)
+
+
 @pytest.mark.parametrize("path", ["scalar", *ROW_PATHS, "amx"])
 def test_mixed_segments_swiglu_and_strided_rows(path):
     """A fused layer whose shards differ in format (Q5_0 | Q8_0, as llama.cpp's Q4_K_M stores q|k|v), with
