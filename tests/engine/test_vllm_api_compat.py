@@ -84,3 +84,23 @@ def test_vllm_spellings_are_accepted(make_llm, shared_model):
             EngineArgs(swap_space=bad).configs()
         with pytest.raises(ValueError, match="kv_cache_memory must be a size such as"):
             EngineArgs(kv_cache_memory=bad).configs()
+
+
+def test_vllm_prompt_dicts_are_prompts(make_llm):
+    """vLLM's TextPrompt and TokensPrompt dicts, alone or in a list, give what the plain forms give; a dict
+    with a field we would drop (multi-modal data) or neither field is refused before anything runs."""
+    llm = make_llm(**SMALL)
+    text = "The capital of France is"
+    ids = llm.tokenizer.encode(text)
+    want = llm.generate(text, GREEDY)[0].outputs[0].token_ids
+    assert llm.generate({"prompt": text}, GREEDY)[0].outputs[0].token_ids == want
+    both = llm.generate([{"prompt_token_ids": ids}, {"prompt": text}], GREEDY)
+    assert [o.outputs[0].token_ids for o in both] == [want, want]
+    assert both[0].prompt_token_ids == ids
+    for bad, match in [({"prompt": text, "multi_modal_data": {}}, "unsupported key.*'multi_modal_data'"),
+                       ({}, "exactly one of"), ({"prompt": text, "prompt_token_ids": ids}, "exactly one of"),
+                       ({"prompt_token_ids": "abc"}, "must be a list of token ids"),
+                       ({"prompt": ids}, "'prompt' must be a string")]:
+        with pytest.raises(ValueError, match=match):
+            llm.generate([{"prompt": text}, bad], GREEDY)
+    assert not llm.engine.has_unfinished_requests()

@@ -13,8 +13,32 @@ from tideserve.settings import check_names
 from tideserve.tokenizer.chat_template import load_chat_template
 from tideserve.tokenizer.tokenizer import Tokenizer
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | dict[str, Any]
 Message = dict[str, Any]
+# vLLM's prompt dicts: TextPrompt {"prompt": text} and TokensPrompt {"prompt_token_ids": ids}
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _plain_prompt(prompt: Prompt) -> str | Sequence[int]:
+    """Text or token ids from any accepted prompt form; a dict must carry exactly one of PROMPT_KEYS, so a
+    field we would ignore (multi-modal data, say) is refused instead of silently dropped."""
+    if not isinstance(prompt, dict):
+        return prompt
+    unknown = sorted(set(prompt) - set(PROMPT_KEYS))
+    if unknown:
+        raise ValueError(f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids' (token ids); "
+                         f"got unsupported key(s) {', '.join(map(repr, unknown))}.")
+    if len(prompt) != 1:
+        raise ValueError("a prompt dict takes exactly one of 'prompt' (text) or 'prompt_token_ids' (token ids), "
+                         f"got {sorted(prompt) or 'neither'}.")
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(f"'prompt' must be a string, got {type(prompt['prompt']).__name__}.")
+        return prompt["prompt"]
+    ids = prompt["prompt_token_ids"]
+    if isinstance(ids, str) or not isinstance(ids, Sequence):
+        raise ValueError(f"'prompt_token_ids' must be a list of token ids, got {type(ids).__name__}.")
+    return ids
 
 
 def _engine_args(model: str | None, kwargs: dict[str, Any]) -> EngineArgs:
@@ -51,11 +75,13 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """``priority``: one per prompt, lower first (needs ``scheduling_policy="priority"``)."""
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]  # a single prompt: text or token ids
-        prompts = list(prompts)
+        """Each prompt is text, a list of token ids, or vLLM's ``{"prompt": text}`` /
+        ``{"prompt_token_ids": ids}``; ``priority``: one per prompt, lower first (needs
+        ``scheduling_policy="priority"``)."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt
+        prompts = [_plain_prompt(p) for p in prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
         priorities = self._priorities(priority, len(prompts))
         # Validate every prompt before adding any, so a bad one loses nothing.
