@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from tideserve import LLM
+from tideserve import LLM, SamplingParams
 from tideserve.core.kv_cache.memory import reset_peak_rss
 from tideserve.model.loader import resolve_dtype
 from tideserve.platform import CpuPlatform, CudaPlatform, Platform, current_platform, platform_for, resolve_device
@@ -110,3 +110,21 @@ def test_a_fake_device_is_what_the_engine_budgets_from(make_llm, caplog: pytest.
     device.used = device.memory - engine.pool.account.margin_bytes // 2  # something else took the memory
     engine.step()
     assert engine.kv_manager.num_blocks < grown
+
+
+def test_an_engine_turning_idle_hands_freed_memory_back_once(make_llm, monkeypatch) -> None:
+    """The engine keeps a step's activations in the allocator between steps (tune_allocator), so when the
+    last request ends the pool's upkeep returns what they freed, once per busy spell."""
+    from tideserve.engine import pool_controller
+
+    calls: list[object] = []
+    monkeypatch.setattr(pool_controller, "release_freed_memory", calls.append)
+    llm = make_llm(dtype="float32", max_model_len=128)
+    CpuPlatform(torch.device("cpu")).tune_allocator()  # idempotent; never raises
+    engine = llm.engine
+    engine.maintain()
+    assert calls == []  # a fresh engine was never busy
+    llm.generate("The capital of France is", SamplingParams(max_tokens=3))
+    engine.maintain()
+    engine.maintain()
+    assert calls == [engine.runner.device]

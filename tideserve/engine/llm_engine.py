@@ -72,6 +72,7 @@ class LLMEngine:
         requested = None if model_config.device == "auto" else resolve_device(model_config.device)
         loaded, self.device = match_loaded(model_config, loaded, requested)
         self.platform = platform_for(self.device)
+        self.platform.tune_allocator()
         torch.manual_seed(model_config.seed)
         self.model = loaded.model
         self.arch = loaded.arch

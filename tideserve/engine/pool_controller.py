@@ -54,6 +54,7 @@ class PoolController:
         self._last_alloc_log = -math.inf
         self._last_advice = -math.inf
         self._grow_blocked_until = -math.inf
+        self._was_idle = True  # a fresh engine has nothing to hand back
         self._swap_dirty = False
         if policy is not None:
             scheduler.on_out_of_blocks = self.grow_for_allocation
@@ -195,6 +196,10 @@ class PoolController:
         timer (``LLMEngine.maintain``)."""
         now = self.clock()
         self._log_allocation(now)
+        idle = self.is_idle()
+        if idle and not self._was_idle:  # what the burst's steps freed goes back to the system now
+            release_freed_memory(self.runner.device)
+        self._was_idle = idle
         if self.policy is None:
             return
         if now - self._last_pressure_check >= self.policy.config.pressure_check_interval_s:
@@ -202,7 +207,6 @@ class PoolController:
             if self._relieve_pressure():
                 return
             self._refresh_ceiling()
-        idle = self.is_idle()
         used = self.num_used_blocks()
         if not idle and now >= self._grow_blocked_until:
             grow = self.policy.grow_target(self.kv.num_blocks, used, 0, self._reachable_blocks)

@@ -18,6 +18,13 @@ from tideserve.core.kv_cache.memory import (
 )
 from tideserve.platform.interface import Platform
 
+# glibc's mallopt parameters (malloc.h) and the values tune_allocator sets: blocks up to 64 MiB come from
+# the heap, and the heap is trimmed by free() only past 1 GiB (malloc_trim does it on request).
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+ALLOCATOR_MMAP_THRESHOLD = 64 << 20
+ALLOCATOR_TRIM_THRESHOLD = 1 << 30
+
 
 def _cpu_has_fast_bf16() -> bool:
     """bf16 matmuls beat fp32 on CPUs with AMX or AVX512-BF16; elsewhere they are emulated and slower."""
@@ -63,6 +70,19 @@ class CpuPlatform(Platform):
         """glibc keeps freed heap pages; malloc_trim hands them back to the kernel."""
         try:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+
+    def tune_allocator(self) -> None:
+        """Keep a step's activations (a 2,048-token prefill allocates tens of MiB per layer) in glibc's heap
+        between steps instead of mapping and unmapping them: each fresh mapping is page-faulted and zeroed
+        again, which cost a prefill a quarter of its time (docs/benchmarks.md, "Fifth round"). Freed memory
+        then stays in the process until ``release_freed_memory``, which the pool calls when it shrinks and
+        whenever the engine turns idle, so an idle server still hands it back. Not glibc: nothing to do."""
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallopt(M_MMAP_THRESHOLD, ALLOCATOR_MMAP_THRESHOLD)
+            libc.mallopt(M_TRIM_THRESHOLD, ALLOCATOR_TRIM_THRESHOLD)
         except (OSError, AttributeError):
             pass
 

@@ -81,7 +81,12 @@ class Platform(ABC):
 
     @abstractmethod
     def release_freed_memory(self) -> None:
-        """Hand memory freed by the process back to the system or the device (after a pool shrinks)."""
+        """Hand memory freed by the process back to the system or the device (after a pool shrinks, and
+        when the engine turns idle)."""
+
+    def tune_allocator(self) -> None:
+        """Settle the process's allocator for a step's short-lived activations; once, when an engine starts.
+        Nothing to do unless a device says otherwise."""
 
     # ----------------------------------------------------------------- dtypes
     @abstractmethod

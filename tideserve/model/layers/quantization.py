@@ -177,8 +177,10 @@ class QuantWeight:
     of one format are merged, so a fused q|k|v is one segment unless its shards differ (llama.cpp's
     Q4_K_M stores some layers' v rows as Q8_0 beside Q5_0 q and k). Each call quantizes its input to 8
     bits per block of 32, row by row (or, on AMX at 16 rows and more, rounds it to bfloat16), so a row's
-    result never depends on its batch-mates. Without the native library the weight is dequantized and
-    multiplied in float: slow, but the same numbers up to the input rounding.
+    result does not depend on its batch-mates' values; on AMX it does depend on which side of 16 rows the
+    batch is (the two roundings differ by about 1%, as far apart as any two dtypes). Without the native
+    library the weight is dequantized and multiplied in float: slow, but the same numbers up to the input
+    rounding.
     """
 
     takes_swiglu = True  # __call__ can apply silu(gate) * up to its input on the way in
