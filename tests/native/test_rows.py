@@ -92,3 +92,30 @@ def test_declines_what_it_cannot_run():
     assert native.int8_rows(torch.empty(0, 8), None) is None
     y = x.clone()
     assert not native.scale_rows_(y.t(), torch.ones(8, 1), None) and torch.equal(y, x)
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (64, 4099), (3, 15), (5, 16)])
+def test_argmax_rows_is_torchs_first_maximum(isa, shape):
+    """The greedy sampler's argmax: torch's ``max(dim=-1).indices`` on every path, ties to the first index
+    (in one lane, across lanes and in the scalar tail), rows of -inf, strided rows."""
+    gen = torch.Generator().manual_seed(shape[1])
+    x = torch.randn(shape, generator=gen)
+    assert torch.equal(native.argmax_rows(x), x.max(dim=-1).indices)
+    tied = torch.zeros(shape)
+    tied[:, -1] = 1.0
+    tied[:, shape[1] // 3] = 1.0  # two maxima: the first one counts
+    tied[0] = float("-inf")  # nothing but -inf: index 0, as torch says
+    assert torch.equal(native.argmax_rows(tied), tied.max(dim=-1).indices)
+    coarse = torch.randint(0, 3, shape, generator=gen).float()  # many ties everywhere
+    assert torch.equal(native.argmax_rows(coarse), coarse.max(dim=-1).indices)
+    wide = torch.randn(shape[0], shape[1] + 7, generator=gen)[:, 3:shape[1] + 3]  # rows 7 floats apart
+    assert torch.equal(native.argmax_rows(wide), wide.max(dim=-1).indices)
+
+
+def test_argmax_rows_leaves_nans_and_odd_inputs_to_torch():
+    x = torch.randn(4, 100)
+    x[2, 50] = float("nan")
+    assert native.argmax_rows(x) is None
+    assert native.argmax_rows(torch.randn(4, 100).t()) is None  # columns not contiguous
+    assert native.argmax_rows(torch.randn(4, 100, dtype=torch.bfloat16)) is None
+    assert native.argmax_rows(torch.empty(0, 100)).shape == (0,)

@@ -169,6 +169,7 @@ def _declare_isa_exports(lib: ctypes.CDLL) -> None:
         "ts_rms_norm_bf16": (None, [ptr, ptr, ptr, i64, i64, f32, cint]),
         "ts_add_rms_norm_bf16": (None, [ptr, ptr, ptr, ptr, i64, i64, f32, cint]),
         "ts_rope_store_bf16": (None, [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, cint, cint]),
+        "ts_argmax_rows_f32": (cint, [ptr, i64, i64, i64, ptr, cint]),
     }
     for name, (restype, argtypes) in signatures.items():
         getattr(lib, name).restype = restype
@@ -302,6 +303,22 @@ def int8_rows(x: torch.Tensor, inv_smooth: torch.Tensor | None) -> tuple[torch.T
     lib.ts_int8_rows_f32(x.data_ptr(), None if inv_smooth is None else inv_smooth.data_ptr(), rows.data_ptr(),
                          row_max.data_ptr(), m, k, torch.get_num_threads())
     return rows, row_max
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """Row-wise index of the first maximum of x [M, N] float32 (rows may be strided), int64 [M]: what
+    ``x.max(dim=-1).indices`` gives, in one pass. None when the input does not fit the kernel or a row
+    holds a NaN (torch's max then decides how it propagates)."""
+    lib = load_library()
+    if (lib is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] == 0
+            or x.stride(1) != 1):
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if x.shape[0] == 0:
+        return out
+    failed = lib.ts_argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
+                                    torch.get_num_threads())
+    return None if failed else out
 
 
 def scale_rows_(y: torch.Tensor, row_max: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -305,3 +305,55 @@ void ts_scale_rows_f32(const float *y, const float *row_max, const float *bias, 
         }
     }
 }
+
+/* ---------------------------------------------------------------- greedy sampling */
+
+/* out[r] = the index of the first largest value of row r (rows ``stride`` floats apart), which is what
+ * torch's max(dim=-1).indices gives: a greedy batch's whole sampling step. torch took 2 ms for 64 rows of a
+ * 49,152-token vocabulary (2 threads); one pass with a running maximum and index per lane reads the logits
+ * once. A row with a NaN makes the call return -1 (out undefined) so the caller can let torch decide. */
+int ts_argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out, int num_threads) {
+    int saw_nan = 0;
+    const int isa = ts_isa_level();
+#pragma omp parallel for num_threads(num_threads) if (rows * cols >= TS_PARALLEL_MIN && rows > 1) \
+    reduction(| : saw_nan)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * stride;
+        float best = -INFINITY;
+        int64_t at = 0, c = 0;
+        int nan = 0;
+#ifdef TS_HAVE_AVX512
+        if (isa >= TS_ISA_AVX512 && cols >= 16 && cols < INT32_MAX) {
+            __m512 lane_best = _mm512_set1_ps(-INFINITY);
+            __m512i lane_at = _mm512_setzero_si512();
+            __m512i index = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+            const __m512i sixteen = _mm512_set1_epi32(16);
+            __mmask16 unordered = 0;
+            for (; c + 16 <= cols; c += 16) {
+                const __m512 v = _mm512_loadu_ps(xr + c);
+                unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+                const __mmask16 above = _mm512_cmp_ps_mask(v, lane_best, _CMP_GT_OQ); /* strict: first wins */
+                lane_best = _mm512_mask_mov_ps(lane_best, above, v);
+                lane_at = _mm512_mask_mov_epi32(lane_at, above, index);
+                index = _mm512_add_epi32(index, sixteen);
+            }
+            best = _mm512_reduce_max_ps(lane_best);
+            const __mmask16 tied = _mm512_cmp_ps_mask(lane_best, _mm512_set1_ps(best), _CMP_EQ_OQ);
+            at = _mm512_mask_reduce_min_epi32(tied, lane_at); /* the earliest of the lanes' maxima */
+            nan = unordered != 0;
+        }
+#endif
+        for (; c < cols; c++) {
+            const float v = xr[c];
+            nan |= v != v;
+            if (v > best) {
+                best = v;
+                at = c;
+            }
+        }
+        out[r] = at;
+        saw_nan |= nan;
+    }
+    (void)isa;
+    return saw_nan ? -1 : 0;
+}

@@ -92,6 +92,8 @@ void ts_int8_rows_f32(const float *x, const float *inv_smooth, float *out, float
                       int64_t cols, int num_threads);
 void ts_scale_rows_f32(const float *y, const float *row_max, const float *bias, float *out, int64_t rows,
                        int64_t cols, int num_threads);
+/* out[r] = index of the first largest value of row r (torch's max(dim=-1).indices); -1 if a row has a NaN. */
+int ts_argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out, int num_threads);
 
 /* ---------------------------------------------------------------- rope_store.c: rotary + KV store */
 

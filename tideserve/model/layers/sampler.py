@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tideserve import native
 from tideserve.model.layers.logit_bias import LogitBias, apply_logit_bias
 from tideserve.outputs import Logprob
 from tideserve.platform import platform_for
@@ -237,8 +238,13 @@ class Sampler:
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax (the first maximum, as ``argmax``): ``max(dim=-1).indices`` is the same index and,
-    on CPU, 2.6x faster than ``argmax`` over [64, 49152] float32 rows (0.77 vs 2.0 ms, 2 threads)."""
+    """Row-wise argmax (the first maximum, as ``argmax``). On CPU the native one-pass kernel
+    (native.argmax_rows); otherwise ``max(dim=-1).indices``, the same index and on CPU 2.6x faster than
+    ``argmax`` (over [64, 49152] float32 rows, 2 threads: argmax 2.0 ms, max 0.8-2 ms, the kernel below)."""
+    if x.device.type == "cpu":
+        indices = native.argmax_rows(x)
+        if indices is not None:
+            return indices
     return x.max(dim=-1).indices
 
 
