@@ -87,6 +87,7 @@ class Platform(ABC):
     def tune_allocator(self) -> None:
         """Settle the process's allocator for a step's short-lived activations; once, when an engine starts.
         Nothing to do unless a device says otherwise."""
+        return None
 
     # ----------------------------------------------------------------- dtypes
     @abstractmethod
