@@ -167,6 +167,9 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self.pool.log_pool("elastic pool, start" if policy else "static pool")
+        # What loading and the profiling pass freed goes back now: the allocator keeps freed activations for
+        # the next step (tune_allocator), and a server sharing the machine must see them free at start-up.
+        self.platform.release_freed_memory()
         # KV cache events for a router (--kv-events-config): the manager records, each step publishes.
         # Last, so a failed start-up leaves no socket bound.
         self.kv_events = create_publisher(cache_config.kv_events_config)
