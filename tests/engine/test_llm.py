@@ -163,3 +163,20 @@ def test_max_tokens_zero_scores_the_prompt_alone(llm):
     assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
     plain = llm.generate(["Hello"], SamplingParams(max_tokens=0))[0]
     assert plain.finished and plain.outputs[0].token_ids == []
+
+
+def test_greedy_steps_take_the_native_argmax(llm, monkeypatch):
+    """On CPU every greedy step's token comes from the native argmax kernel (not torch's max); the tokens
+    are the ones torch's max picks."""
+    from tideserve import native
+
+    if native.load_library() is None:
+        pytest.skip("no C compiler to build the native kernels")
+    calls = []
+    kernel = native.argmax_rows
+    monkeypatch.setattr(native, "argmax_rows", lambda x: calls.append(x.shape) or kernel(x))
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    native_out = [o.outputs[0].token_ids for o in llm.generate(["The tide", "A harbour at dawn"], params)]
+    assert len(calls) >= 5 and all(rows <= 2 for rows, _ in calls)
+    monkeypatch.setattr(native, "argmax_rows", lambda x: None)  # the kernel declines: torch's max decides
+    assert [o.outputs[0].token_ids for o in llm.generate(["The tide", "A harbour at dawn"], params)] == native_out
