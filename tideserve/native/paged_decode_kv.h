@@ -99,31 +99,50 @@ static void KV_NAME(values_avx2)(const float *p, int64_t p_stride, const KV_T *v
 /* ---------------------------------------------------------------- AVX-512 (head_dim % 16 == 0) */
 #ifdef TS_HAVE_AVX512
 
-/* Sixteen keys per pass: sixteen accumulators, then one tree of adds gives their sixteen sums at once. */
+/* Eight keys against NG (<= 3) query heads per pass: each key vector is loaded and widened once for all
+ * NG heads that share it, and the 8 x NG accumulators stay in registers. (A head at a time would widen
+ * every key once per head of its group: with SmolLM2's three, that was most of the kernel's work.) */
+TS_ALWAYS_INLINE void KV_NAME(scores_tile_avx512)(const float *q, const KV_T *k, int64_t token_stride, int64_t n,
+                                                  int64_t head_dim, float scale, float *scores, int64_t score_stride,
+                                                  const int NG) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    int64_t s = 0;
+    for (; s + 8 <= n; s += 8) {
+        const KV_T *ks = k + s * token_stride;
+        __m512 a[3][8];
+        for (int g = 0; g < NG; g++)
+            for (int i = 0; i < 8; i++) a[g][i] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < head_dim; j += 16) {
+            __m512 qv[3];
+            for (int g = 0; g < NG; g++) qv[g] = _mm512_loadu_ps(q + g * head_dim + j);
+            for (int i = 0; i < 8; i++) {
+                const __m512 kv = KV_LOAD16(ks + i * token_stride + j);
+                for (int g = 0; g < NG; g++) a[g][i] = _mm512_fmadd_ps(qv[g], kv, a[g][i]);
+            }
+        }
+        for (int g = 0; g < NG; g++) _mm256_storeu_ps(scores + g * score_stride + s, _mm256_mul_ps(ts_hsum512x8(a[g]), vscale));
+    }
+    for (; s < n; s++) {
+        const KV_T *ks = k + s * token_stride;
+        __m512 a[3];
+        for (int g = 0; g < NG; g++) a[g] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < head_dim; j += 16) {
+            const __m512 kv = KV_LOAD16(ks + j);
+            for (int g = 0; g < NG; g++) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * head_dim + j), kv, a[g]);
+        }
+        for (int g = 0; g < NG; g++) scores[g * score_stride + s] = _mm512_reduce_add_ps(a[g]) * scale;
+    }
+}
+
 static void KV_NAME(scores_avx512)(const float *q, const KV_T *k, int64_t token_stride, int64_t n, int64_t group,
                                    int64_t head_dim, float scale, float *scores, int64_t score_stride) {
-    const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t g = 0; g < group; g++) {
-        const float *qg = q + g * head_dim;
-        float *sg = scores + g * score_stride;
-        int64_t s = 0;
-        for (; s + 16 <= n; s += 16) {
-            const KV_T *ks = k + s * token_stride;
-            __m512 a[16];
-#pragma GCC unroll 16
-            for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
-            for (int64_t j = 0; j < head_dim; j += 16) {
-                const __m512 qv = _mm512_loadu_ps(qg + j);
-#pragma GCC unroll 16
-                for (int i = 0; i < 16; i++) a[i] = _mm512_fmadd_ps(qv, KV_LOAD16(ks + i * token_stride + j), a[i]);
-            }
-            _mm512_storeu_ps(sg + s, _mm512_mul_ps(ts_hsum512x16(a), vscale));
-        }
-        for (; s < n; s++) {
-            const KV_T *ks = k + s * token_stride;
-            __m512 a = _mm512_setzero_ps();
-            for (int64_t j = 0; j < head_dim; j += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + j), KV_LOAD16(ks + j), a);
-            sg[s] = _mm512_reduce_add_ps(a) * scale;
+    for (int64_t g0 = 0; g0 < group; g0 += 3) {
+        const float *qg = q + g0 * head_dim;
+        float *sg = scores + g0 * score_stride;
+        switch (group - g0 < 3 ? group - g0 : 3) {
+        case 1: KV_NAME(scores_tile_avx512)(qg, k, token_stride, n, head_dim, scale, sg, score_stride, 1); break;
+        case 2: KV_NAME(scores_tile_avx512)(qg, k, token_stride, n, head_dim, scale, sg, score_stride, 2); break;
+        default: KV_NAME(scores_tile_avx512)(qg, k, token_stride, n, head_dim, scale, sg, score_stride, 3); break;
         }
     }
 }

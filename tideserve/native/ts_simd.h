@@ -213,6 +213,21 @@ TS_ALWAYS_INLINE __m512 ts_hsum512x16(const __m512 a[16]) {
     return _mm512_add_ps(lo, hi); /* 128-bit lane j holds the sums of a[4j .. 4j + 3], in order */
 }
 
+/* The eight horizontal sums of a[0..8), in order, as one 8-float vector (the same tree, one level short). */
+TS_ALWAYS_INLINE __m256 ts_hsum512x8(const __m512 a[8]) {
+    __m512 b[4], c[2];
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 2; i++) {
+        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    /* c[i]'s 128-bit lane L: lane L's partial sums of a[4i .. 4i + 3]; add the four lanes of each. */
+    const __m512 d = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+    const __m512 e = _mm512_add_ps(_mm512_shuffle_f32x4(d, d, 0x88), _mm512_shuffle_f32x4(d, d, 0xdd));
+    return _mm512_castps512_ps256(e);
+}
+
 TS_ALWAYS_INLINE __m512 ts_exp512(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
