@@ -73,7 +73,10 @@ def _block_size(text: str) -> int | str:
     return "auto" if text == "auto" else int(text)
 
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3")
+# fp8 is float8 e4m3 ("fn") with a scale of 1.0, vLLM's fp8 cache without calibrated scales
+KV_CACHE_TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                         "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 KV_EVENT_PUBLISHERS = ("null", "zmq")
 KV_EVENT_ENCODINGS = ("map", "array")
 
@@ -167,7 +170,9 @@ class CacheConfig:
     kv_cache_dtype: str = setting(
         "auto", group=KV_GROUP, choices=KV_CACHE_DTYPES,
         help="auto: the model's dtype (bfloat16 for a GGUF's own blocks on CPUs with fast bf16); bfloat16 holds "
-             "twice the tokens of float32 per byte and halves the bytes decode attention reads")
+             "twice the tokens of float32 per byte and halves the bytes decode attention reads; fp8 (e4m3, "
+             "values rounded to 3 mantissa bits, saturating at +-448) halves them again at a small cost in "
+             "quality (docs/benchmarks.md)")
     enable_prefix_caching: bool = setting(True, group=KV_GROUP)
     # GiB of host memory for preemption_mode="swap" (parsed to GiB in __post_init__)
     swap_space: float | str = setting(

@@ -272,8 +272,9 @@ def test_fixed_pool_flags_are_validated(make_llm):
         make_llm(dtype="float32", kv_cache_memory="lots")
     with pytest.raises(ValueError, match="preemption_mode"):
         make_llm(dtype="float32", preemption_mode="drop")
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, float16"):
-        make_llm(dtype="float32", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, float16, fp8, "
+                                         "fp8_e4m3, got 'fp8_e5m2'"):
+        make_llm(dtype="float32", kv_cache_dtype="fp8_e5m2")
 
 
 @pytest.mark.parametrize("decode_path", ["native", "torch"])
@@ -294,6 +295,30 @@ def test_bfloat16_kv_cache_halves_the_bytes_and_keeps_the_answers(make_llm, refe
     for ours, want in zip(got, reference):
         assert ours[:8] == want[:8]
     assert sum(a == b for o, w in zip(got, reference) for a, b in zip(o, w)) >= 0.75 * sum(map(len, reference))
+
+
+@pytest.mark.parametrize("decode_path", ["native", "torch"])
+def test_fp8_kv_cache_quarters_the_bytes_and_both_paths_agree(make_llm, reference, decode_path):
+    """A float32 model over an e4m3 cache (--kv-cache-dtype fp8): a quarter of float32's bytes per block;
+    the native kernel and the torch path read the same rounded values, so their greedy answers agree with
+    each other, and they follow the float32 cache's answers for the first tokens."""
+    import torch
+
+    kwargs = dict(dtype="float32", enable_prefix_caching=False, max_model_len=512, kv_cache_dtype="fp8")
+    llm = make_llm(**kwargs, attention_backend="cpu-native" if decode_path == "native" else "torch")
+    runner = llm.engine.runner
+    assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    assert runner.attn_backend.name == ("cpu-native" if decode_path == "native" else "torch")
+    arch = llm.engine.arch
+    fp8_bytes = 2 * arch.num_hidden_layers * 16 * arch.num_key_value_heads * arch.head_dim
+    assert llm.engine.kv_storage.bytes_per_block(16) == fp8_bytes
+    got = token_lists(llm.generate(chats(llm), GREEDY))
+    for ours, want in zip(got, reference):
+        assert ours[:4] == want[:4]
+    assert sum(a == b for o, w in zip(got, reference) for a, b in zip(o, w)) >= 0.5 * sum(map(len, reference))
+    if decode_path == "torch":
+        native_llm = make_llm(**kwargs, attention_backend="cpu-native")
+        assert token_lists(native_llm.generate(chats(native_llm), GREEDY)) == got
 
 
 def count_computed_tokens(engine) -> list[int]:

@@ -11,6 +11,7 @@ import torch
 
 from tideserve import native
 from tideserve.model.attention import BatchLayout, CpuNativeBackend, TorchSDPABackend
+from tideserve.worker.kv_store import as_copyable
 
 needs_kernel = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the kernel")
 
@@ -72,10 +73,11 @@ SHAPES = [  # num_seqs, heads, kv heads, head_dim, block size, longest context, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["q-f32", "q-bf16"])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["kv-f32", "kv-bf16"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn],
+                         ids=["kv-f32", "kv-bf16", "kv-fp8"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:6])) + f"-t{s[6]}")
 def test_every_path_matches_the_scalar_reference_and_float64(isa, on_scalar, shape, kv_dtype, dtype):
-    """bfloat16 inputs widen exactly, so every path must match float64 attention over the same values,
+    """bfloat16 and e4m3 inputs widen exactly, so every path must match float64 attention over the same values,
     and the scalar path's result (the order of float32 sums is all that differs)."""
     *dims, threads = shape
     q, k_cache, v_cache, tables, lens = make_case(*dims, dtype=dtype, kv_dtype=kv_dtype)
@@ -128,7 +130,7 @@ def test_peaked_scores_stay_exact(isa, dtype):
     torch.testing.assert_close(out.float(), want, rtol=1e-4 if dtype == torch.float32 else 2**-7, atol=1e-5)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_garbage_past_the_context_is_never_read(isa, kv_dtype):
     q, k_cache, v_cache, tables, lens = make_case(4, 4, 2, 16, 4, 30, seed=5, kv_dtype=kv_dtype)
     want = reference(q, k_cache.float(), v_cache.float(), tables, lens, 0.25)
@@ -137,7 +139,7 @@ def test_garbage_past_the_context_is_never_read(isa, kv_dtype):
         for i, n in enumerate(lens.tolist()):
             for t in range(n):
                 keep[tables[i, t // cache.shape[1]], t % cache.shape[1]] = True
-        cache[~keep] = float("nan")
+        as_copyable(cache)[~keep] = as_copyable(torch.tensor([float("nan")]).to(cache.dtype))
     torch.testing.assert_close(run_kernel(q, k_cache, v_cache, tables, lens, 0.25), want, rtol=1e-5, atol=2e-6)
 
 
@@ -155,13 +157,16 @@ def test_declines_what_it_cannot_run():
     assert (out == 0).all()
     assert CpuNativeBackend.supported("cpu", torch.bfloat16, torch.bfloat16, 9, 3, 64)
     assert CpuNativeBackend.supported("cpu", torch.bfloat16, torch.float32, 9, 3, 64)
+    assert CpuNativeBackend.supported("cpu", torch.float32, torch.float8_e4m3fn, 9, 3, 64)
+    assert not CpuNativeBackend.supported("cpu", torch.float32, torch.float8_e5m2, 9, 3, 64)
     assert not CpuNativeBackend.supported("cpu", torch.float16, torch.float16, 9, 3, 64)
     assert not CpuNativeBackend.supported("cpu", torch.float32, torch.float16, 9, 3, 64)
     assert not CpuNativeBackend.supported("meta", torch.float32, torch.float32, 9, 3, 64)
     assert not CpuNativeBackend.supported("cpu", torch.float32, torch.float32, 9, 4, 64)  # heads do not group
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["kv-f32", "kv-bf16"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn],
+                         ids=["kv-f32", "kv-bf16", "kv-fp8"])
 def test_both_cpu_backends_read_the_same_step_from_their_own_builders(kv_dtype):
     """The same step (unsorted contexts, so the torch builder pads one group) through each backend's own
     builder: the cpu-native backend's raw tables and lengths, and the torch backend's padded, masked group."""

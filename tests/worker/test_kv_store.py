@@ -211,3 +211,43 @@ def test_storage_clears_only_the_slots_nobody_wrote():
         for cache in (k, v):
             assert cache[2].isnan().all() and cache[0, :5].isnan().all()
             assert torch.all(cache[0, 5:] == 0) and torch.all(cache[3] == 0) and cache[1].isnan().all()
+
+
+FP8 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float8_e4m3fn)  # --kv-cache-dtype fp8
+
+
+def fp8_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def test_float8_caches_fill_copy_and_swap_by_their_bytes():
+    """torch's CPU index_fill_ / index_copy_ have no float8 kernels: every move of an fp8 pool (slot
+    clearing on both stores, compaction, the swap tier both ways) goes through the bytes, unchanged."""
+    assert FP8.block_bytes(BS) == 2 * 2 * BS * 2 * 64  # one byte per value
+    for store in (ReservedKVStore(FP8, BS, 4, 8 * MiB), CopyKVStore(FP8, torch.device("cpu"), BS, 4)):
+        for layer, (k, v) in enumerate(store.caches):
+            for b in range(4):
+                fp8_bytes(k[b]).fill_(16 * layer + b + 1)
+                fp8_bytes(v[b]).fill_(128 + 16 * layer + b + 1)
+        store.fill_slots(torch.tensor([0, 17, 63]))
+        for k, v in store.caches:
+            for t in (k, v):
+                flat = fp8_bytes(t).reshape(-1, 2, 64)
+                assert torch.all(flat[[0, 17, 63]] == 0) and torch.all(flat[1] != 0) and torch.all(flat[16] != 0)
+        store.copy_blocks([(2, 0)])
+        for layer, (k, v) in enumerate(store.caches):
+            assert torch.equal(fp8_bytes(k[0]), fp8_bytes(k[2]))
+            assert torch.all(fp8_bytes(v[0])[1:] == 128 + 16 * layer + 3)
+    device_store = ReservedKVStore(FP8, BS, 4, 8 * MiB)
+    swap = create_swap_store(FP8, torch.device("cpu"), BS, 2)
+    for layer, (k, v) in enumerate(device_store.caches):
+        k[3] = torch.linspace(-448, 448, k[3].numel()).view(k[3].shape).to(torch.float8_e4m3fn)
+        fp8_bytes(v[3]).fill_(layer + 7)
+    want = [(fp8_bytes(k[3]).clone(), fp8_bytes(v[3]).clone()) for k, v in device_store.caches]
+    copy_between(device_store, swap, [(3, 1)])
+    for k, v in device_store.caches:
+        fp8_bytes(k).zero_()
+        fp8_bytes(v).zero_()
+    copy_between(swap, device_store, [(1, 0)])
+    for (k, v), (wk, wv) in zip(device_store.caches, want):
+        assert torch.equal(fp8_bytes(k[0]), wk) and torch.equal(fp8_bytes(v[0]), wv)

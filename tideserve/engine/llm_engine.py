@@ -15,7 +15,13 @@ from typing import Any
 
 import torch
 
-from tideserve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheConfig, SchedulerConfig, resolve_max_model_len
+from tideserve.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    KV_CACHE_TORCH_DTYPES,
+    CacheConfig,
+    SchedulerConfig,
+    resolve_max_model_len,
+)
 from tideserve.core.kv_cache.elastic import ElasticConfig, ElasticPolicy, MemoryAccount, safety_margin
 from tideserve.core.kv_cache.manager import KVCacheManager
 from tideserve.core.kv_cache.memory import MemoryProbe
@@ -109,7 +115,8 @@ class LLMEngine:
 
         block_size = cache_config.initial_block_size
         self.kv_dtype = (self.platform.auto_kv_dtype(self.dtype, self.quantization)
-                         if cache_config.kv_cache_dtype == "auto" else getattr(torch, cache_config.kv_cache_dtype))
+                         if cache_config.kv_cache_dtype == "auto"
+                         else getattr(torch, KV_CACHE_TORCH_DTYPES[cache_config.kv_cache_dtype]))
         arch = self.arch
         self.tensor_parallel: TensorParallelExecutor | None = None
         if tp > 1:  # ranks 1..tp-1 start now and load their shards; this process is rank 0

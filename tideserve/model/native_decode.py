@@ -92,7 +92,7 @@ class NativeDecodeForward:
                 or not all(t.dtype == torch.int64 and t.is_contiguous() for t in (tables, lens, slots))):
             return False
         k0 = kv_caches[0][0]
-        if k0.dtype not in native.KV_DTYPES or not all(
+        if k0.dtype not in native.CACHE_DTYPE_CODES or not all(
                 k.dtype == v.dtype == k0.dtype and k.is_contiguous() and v.is_contiguous() for k, v in kv_caches):
             return False
         arch = self.model.arch
@@ -103,5 +103,5 @@ class NativeDecodeForward:
             tokens, arch.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, arch.intermediate_size,
             arch.rms_norm_eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
             lens.data_ptr(),
-            k0.shape[1], int(k0.dtype == torch.bfloat16), attn.scale, torch.get_num_threads())
+            k0.shape[1], native.CACHE_DTYPE_CODES[k0.dtype], attn.scale, torch.get_num_threads())
         return failed == 0

@@ -42,7 +42,9 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "rows.c", "qgemm.c", "rope_store.c",
                                                           "decode_forward.c", "isa.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("paged_decode_kv.h", "tideserve_native.h", "ts_simd.h"))
-KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # cache element types with a kernel
+KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the float types the kernels compute in, by suffix
+# KV cache element types the kernels read and write, by their TS_DTYPE_* code (e4m3: --kv-cache-dtype fp8)
+CACHE_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 CFLAGS = ("-O3", "-march=native", "-std=c11", "-fopenmp", "-fPIC", "-shared")
 # The ISA levels of isa.c (TS_ISA_*), lowest first; the index is the C level.
 ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512bf16", "amx")
@@ -227,14 +229,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """out[i] = attention of q[i] ([H, D]) over request i's first context_lens[i] cached keys.
 
     q, out: [N, H, D], both float32 or both bfloat16, with unit stride in D and D in H (rows may be
-    strided); k_cache, v_cache: contiguous [num_blocks, block_size, KVH, D], float32 or bfloat16;
+    strided); k_cache, v_cache: contiguous [num_blocks, block_size, KVH, D], float32, bfloat16 or float8_e4m3fn;
     block_tables [N, W] and context_lens [N] int64, with every block id below num_blocks. ``num_threads``
     defaults to torch's. Returns False, computing nothing, when the inputs do not fit.
     """
     lib = load_library()
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    ok = (lib is not None and n > 0 and q.dtype == out.dtype and q.dtype in _TS_DTYPES and k_cache.dtype in KV_DTYPES
+    ok = (lib is not None and n > 0 and q.dtype == out.dtype and q.dtype in _TS_DTYPES
+          and k_cache.dtype in CACHE_DTYPE_CODES
           and v_cache.dtype == k_cache.dtype and q.device.type == k_cache.device.type == "cpu"
           and k_cache.is_contiguous() and v_cache.is_contiguous()
           and q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
@@ -245,7 +248,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return False
     failed = lib.ts_paged_decode(
         q.data_ptr(), q.stride(0), _TS_DTYPES[q.dtype], k_cache.data_ptr(), v_cache.data_ptr(),
-        _TS_DTYPES[k_cache.dtype], block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
+        CACHE_DTYPE_CODES[k_cache.dtype], block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
         out.data_ptr(), out.stride(0), _TS_DTYPES[out.dtype], n, num_heads, num_kv_heads, head_dim,
         k_cache.shape[1], scale, num_threads or torch.get_num_threads())
     return failed == 0
@@ -334,8 +337,8 @@ def scale_rows_(y: torch.Tensor, row_max: torch.Tensor, bias: torch.Tensor | Non
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> bool:
     """Rotate the q and k heads of qkv [T, (H + 2 KVH) * D] in place and store k and v at ``slots`` in the
-    caches ([num_blocks, block_size, KVH, D], float32 or bfloat16); see rope_store.c. qkv, cos and sin are
-    all float32 or all bfloat16. False, touching nothing, when the inputs do not fit the kernel."""
+    caches ([num_blocks, block_size, KVH, D], float32, bfloat16 or float8_e4m3fn); see rope_store.c. qkv, cos
+    and sin are all float32 or all bfloat16. False, touching nothing, when the inputs do not fit the kernel."""
     lib = load_library()
     if lib is None or qkv.dim() != 2 or qkv.shape[0] == 0:
         return False
@@ -346,13 +349,13 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: t
           and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0
           and cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() == tokens * head_dim // 2
           and slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == tokens
-          and k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_DTYPES and k_cache.device.type == "cpu"
+          and k_cache.dtype == v_cache.dtype and k_cache.dtype in CACHE_DTYPE_CODES and k_cache.device.type == "cpu"
           and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-2] == num_kv_heads)
     if not ok:
         return False
     kernel = lib.ts_rope_store_f32 if qkv.dtype == torch.float32 else lib.ts_rope_store_bf16
     kernel(qkv.data_ptr(), qkv.stride(0), tokens, num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-           slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+           slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_DTYPE_CODES[k_cache.dtype],
            torch.get_num_threads())
     return True
 
@@ -370,9 +373,9 @@ def bind_paged_decode(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int,
     """``fn(q, k_cache, v_cache, block_tables, context_lens, scale, out)`` as ``paged_decode_attention``
     for q/out of ``dtype`` and caches of ``kv_dtype``, or None."""
     lib = load_library()
-    if lib is None or dtype not in _TS_DTYPES or kv_dtype not in KV_DTYPES or num_heads % num_kv_heads:
+    if lib is None or dtype not in _TS_DTYPES or kv_dtype not in CACHE_DTYPE_CODES or num_heads % num_kv_heads:
         return None
-    kernel, q_code, kv_code = lib.ts_paged_decode, _TS_DTYPES[dtype], _TS_DTYPES[kv_dtype]
+    kernel, q_code, kv_code = lib.ts_paged_decode, _TS_DTYPES[dtype], CACHE_DTYPE_CODES[kv_dtype]
 
     def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out) -> None:
         kernel(q.data_ptr(), q.stride(0), q_code, k_cache.data_ptr(), v_cache.data_ptr(), kv_code,
@@ -388,14 +391,14 @@ def bind_rope_store(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, n
     """``fn(qkv, cos, sin, slots, k_cache, v_cache)`` as ``rope_store`` for qkv/cos/sin of ``dtype`` and
     caches of ``kv_dtype``, or None."""
     lib = load_library()
-    if lib is None or dtype not in _TS_DTYPES or kv_dtype not in KV_DTYPES or head_dim % 2:
+    if lib is None or dtype not in _TS_DTYPES or kv_dtype not in CACHE_DTYPE_CODES or head_dim % 2:
         return None
     kernel = lib.ts_rope_store_f32 if dtype == torch.float32 else lib.ts_rope_store_bf16
-    kv_bf16 = int(kv_dtype == torch.bfloat16)
+    kv_code = CACHE_DTYPE_CODES[kv_dtype]
 
     def rope_store_bound(qkv, cos, sin, slots, k_cache, v_cache) -> None:
         kernel(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads, num_kv_heads, head_dim, cos.data_ptr(),
-               sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_bf16,
+               sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_code,
                torch.get_num_threads())
 
     return rope_store_bound

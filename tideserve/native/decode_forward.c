@@ -25,7 +25,7 @@ int ts_decode_forward_f32(const ts_decoder_layer *layers, void *const *k_caches,
                           int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t intermediate, float eps, const float *cos, const float *sin, const int64_t *slots,
                           const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
-                          int64_t block_size, int kv_bf16, float scale, int num_threads) {
+                          int64_t block_size, int kv_dtype, float scale, int num_threads) {
     const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
     const int64_t q_width = num_heads * head_dim;
     float *residual = malloc(sizeof(float) * (size_t)(tokens * hidden_size));
@@ -44,13 +44,10 @@ int ts_decode_forward_f32(const ts_decoder_layer *layers, void *const *k_caches,
         }
         failed |= project(&layer->qkv, normed, tokens, 0, qkv, num_threads);
         ts_rope_store_f32(qkv, qkv_width, tokens, num_heads, num_kv_heads, head_dim, cos, sin, slots, k_caches[l],
-                          v_caches[l], kv_bf16, num_threads);
-        failed |= kv_bf16 ? ts_paged_decode_bf16(qkv, qkv_width, k_caches[l], v_caches[l], block_tables, table_width,
-                                                 context_lens, attn, q_width, tokens, num_heads, num_kv_heads,
-                                                 head_dim, block_size, scale, num_threads)
-                          : ts_paged_decode_f32(qkv, qkv_width, k_caches[l], v_caches[l], block_tables, table_width,
-                                                context_lens, attn, q_width, tokens, num_heads, num_kv_heads,
-                                                head_dim, block_size, scale, num_threads);
+                          v_caches[l], kv_dtype, num_threads);
+        failed |= ts_paged_decode(qkv, qkv_width, TS_DTYPE_F32, k_caches[l], v_caches[l], kv_dtype, block_tables,
+                                  table_width, context_lens, attn, q_width, TS_DTYPE_F32, tokens, num_heads,
+                                  num_kv_heads, head_dim, block_size, scale, num_threads);
         failed |= project(&layer->o, attn, tokens, 0, hidden, num_threads);
         ts_add_rms_norm_f32(hidden, residual, layer->post_norm, normed, tokens, hidden_size, eps, num_threads);
         failed |= project(&layer->gate_up, normed, tokens, 0, gate_up, num_threads);

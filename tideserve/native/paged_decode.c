@@ -7,12 +7,12 @@
  *
  * Layouts (all contiguous in their last dimension):
  *   q            [num_seqs, num_heads, head_dim], float32 or bfloat16, rows q_stride elements apart
- *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16
+ *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim], float32, bfloat16 or float8 e4m3
  *   block_tables [num_seqs, table_width] int64
  *   context_lens [num_seqs] int64, keys per request including the token of this step
  *   out          [num_seqs, num_heads, head_dim], float32 or bfloat16, rows out_stride elements apart
  *
- * Arithmetic is float32 throughout (bfloat16 inputs widen exactly; a bfloat16 output is rounded once, at
+ * Arithmetic is float32 throughout (bfloat16 and e4m3 inputs widen exactly; a bfloat16 output is rounded once, at
  * the end). Paths (ts_isa_level): scalar reference; AVX2 + FMA; AVX-512; AVX-512 BF16, which takes the
  * q . k products of a bfloat16 q and cache with vdpbf16ps (exact products of bfloat16 pairs, summed in
  * float32). AMX is not used: a decode query is a handful of rows per KV head, so the tiles would be
@@ -137,6 +137,26 @@ static void softmax(int isa, float *s, int64_t n, float *max_out, float *sum_out
 #endif
 #include "paged_decode_kv.h"
 
+#undef KV_T
+#undef KV_IS_BF16
+#undef KV_NAME
+#undef KV_LOAD1
+#undef KV_LOAD8
+#undef KV_LOAD16
+
+/* e4m3: half bfloat16's bytes, for a decode step that waits on reading the cache (docs/benchmarks.md). */
+#define KV_T uint8_t
+#define KV_IS_BF16 0
+#define KV_NAME(x) x##_fp8
+#define KV_LOAD1(p) ts_fp8_to_f32(*(p))
+#ifdef TS_HAVE_AVX2
+#define KV_LOAD8(p) ts_load_fp8x8(p)
+#endif
+#ifdef TS_HAVE_AVX512
+#define KV_LOAD16(p) ts_load_fp8x16(p)
+#endif
+#include "paged_decode_kv.h"
+
 int ts_paged_decode(const void *q, int64_t q_stride, int q_dtype, const void *k_cache, const void *v_cache,
                     int kv_dtype, const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
                     void *out, int64_t out_stride, int out_dtype, int64_t num_seqs, int64_t num_heads,
@@ -151,6 +171,10 @@ int ts_paged_decode(const void *q, int64_t q_stride, int q_dtype, const void *k_
         return paged_decode_bf16(q, q_stride, q_dtype, k_cache, v_cache, block_tables, table_width, context_lens, out,
                                  out_stride, out_dtype, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
                                  num_threads);
+    if (kv_dtype == TS_DTYPE_FP8)
+        return paged_decode_fp8(q, q_stride, q_dtype, k_cache, v_cache, block_tables, table_width, context_lens, out,
+                                out_stride, out_dtype, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
+                                num_threads);
     return 1;
 }
 

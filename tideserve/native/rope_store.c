@@ -9,12 +9,13 @@
  *              of a head pair up)
  *   cos, sin   [tokens, head_dim / 2], qkv's dtype
  *   slots      [tokens] int64, cache slot (block * block_size + offset) of each token
- *   k/v cache  [num_slots, num_kv_heads, head_dim], float32 (kv_bf16 = 0) or bfloat16 (kv_bf16 = 1)
+ *   k/v cache  [num_slots, num_kv_heads, head_dim], float32, bfloat16 or float8 e4m3 (kv_dtype: TS_DTYPE_*)
  *
  * The results are those of the torch operators this replaces, bit for bit: in float32, x1 * cos - x2 * sin
  * without fused multiply-adds; in bfloat16, each product and the sum rounded to bfloat16 as torch's
  * bfloat16 operators round them (the only exception: the AVX-512 BF16 path's vcvtneps2bf16 flushes
- * subnormal values, below 1.2e-38, to zero). Paths: scalar, AVX2, AVX-512 (ts_isa_level).
+ * subnormal values, below 1.2e-38, to zero). A cache of another type gets those values rounded once to its
+ * type, as torch's cast rounds (e4m3 saturating at +-448). Paths: scalar, AVX2, AVX-512 (ts_isa_level).
  */
 #include <math.h>
 #include <stdint.h>
@@ -179,14 +180,27 @@ static void rotate_bf16(int isa, uint16_t *x, const uint16_t *cos, const uint16_
 
 /* ---------------------------------------------------------------- cache stores */
 
-/* n float32 values into the cache at ``offset`` elements, as float32 or rounded to bfloat16. */
-static void store_row_f32(int isa, const float *src, void *cache, int64_t offset, int64_t n, int kv_bf16) {
-    if (!kv_bf16) {
+/* n float32 values into the cache at ``offset`` elements, as float32 or rounded to bfloat16 or e4m3. */
+static void store_row_f32(int isa, const float *src, void *cache, int64_t offset, int64_t n, int kv_dtype) {
+    if (kv_dtype == TS_DTYPE_F32) {
         memcpy((float *)cache + offset, src, sizeof(float) * (size_t)n);
         return;
     }
-    uint16_t *dst = (uint16_t *)cache + offset;
     int64_t i = 0;
+    if (kv_dtype == TS_DTYPE_FP8) {
+        uint8_t *dst = (uint8_t *)cache + offset;
+#ifdef TS_HAVE_AVX512
+        if (isa >= TS_ISA_AVX512)
+            for (; i + 16 <= n; i += 16) ts_store_fp8x16(dst + i, _mm512_loadu_ps(src + i));
+#endif
+#ifdef TS_HAVE_AVX2
+        if (isa >= TS_ISA_AVX2)
+            for (; i + 8 <= n; i += 8) ts_store_fp8x8(dst + i, _mm256_loadu_ps(src + i));
+#endif
+        for (; i < n; i++) dst[i] = ts_f32_to_fp8(src[i]);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + offset;
 #ifdef TS_HAVE_AVX512
     if (isa >= TS_ISA_AVX512)
         for (; i + 16 <= n; i += 16) ts_store_bf16x16(dst + i, _mm512_loadu_ps(src + i));
@@ -199,10 +213,15 @@ static void store_row_f32(int isa, const float *src, void *cache, int64_t offset
     for (; i < n; i++) dst[i] = ts_f32_to_bf16(src[i]);
 }
 
-/* n bfloat16 values into the cache, as bfloat16 or widened to float32 (both exact). */
-static void store_row_bf16(const uint16_t *src, void *cache, int64_t offset, int64_t n, int kv_bf16) {
-    if (kv_bf16) {
+/* n bfloat16 values into the cache: as bfloat16, widened to float32 (both exact) or rounded to e4m3. */
+static void store_row_bf16(const uint16_t *src, void *cache, int64_t offset, int64_t n, int kv_dtype) {
+    if (kv_dtype == TS_DTYPE_BF16) {
         memcpy((uint16_t *)cache + offset, src, sizeof(uint16_t) * (size_t)n);
+        return;
+    }
+    if (kv_dtype == TS_DTYPE_FP8) {
+        uint8_t *dst = (uint8_t *)cache + offset;
+        for (int64_t i = 0; i < n; i++) dst[i] = ts_f32_to_fp8(ts_bf16_to_f32(src[i]));
         return;
     }
     float *dst = (float *)cache + offset;
@@ -212,7 +231,7 @@ static void store_row_bf16(const uint16_t *src, void *cache, int64_t offset, int
 
 void ts_rope_store_f32(float *qkv, int64_t qkv_stride, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
                        int64_t head_dim, const float *cos, const float *sin, const int64_t *slots, void *k_cache,
-                       void *v_cache, int kv_bf16, int num_threads) {
+                       void *v_cache, int kv_dtype, int num_threads) {
     const int isa = ts_isa_level();
     const int64_t half = head_dim / 2;
     const int64_t kv_width = num_kv_heads * head_dim;
@@ -222,14 +241,14 @@ void ts_rope_store_f32(float *qkv, int64_t qkv_stride, int64_t tokens, int64_t n
         const float *c = cos + t * half, *s = sin + t * half;
         for (int64_t h = 0; h < num_heads + num_kv_heads; h++) rotate_f32(isa, row + h * head_dim, c, s, half);
         const float *k = row + num_heads * head_dim;
-        store_row_f32(isa, k, k_cache, slots[t] * kv_width, kv_width, kv_bf16);
-        store_row_f32(isa, k + kv_width, v_cache, slots[t] * kv_width, kv_width, kv_bf16);
+        store_row_f32(isa, k, k_cache, slots[t] * kv_width, kv_width, kv_dtype);
+        store_row_f32(isa, k + kv_width, v_cache, slots[t] * kv_width, kv_width, kv_dtype);
     }
 }
 
 void ts_rope_store_bf16(uint16_t *qkv, int64_t qkv_stride, int64_t tokens, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, const uint16_t *cos, const uint16_t *sin,
-                        const int64_t *slots, void *k_cache, void *v_cache, int kv_bf16, int num_threads) {
+                        const int64_t *slots, void *k_cache, void *v_cache, int kv_dtype, int num_threads) {
     const int isa = ts_isa_level();
     const int64_t half = head_dim / 2;
     const int64_t kv_width = num_kv_heads * head_dim;
@@ -239,7 +258,7 @@ void ts_rope_store_bf16(uint16_t *qkv, int64_t qkv_stride, int64_t tokens, int64
         const uint16_t *c = cos + t * half, *s = sin + t * half;
         for (int64_t h = 0; h < num_heads + num_kv_heads; h++) rotate_bf16(isa, row + h * head_dim, c, s, half);
         const uint16_t *k = row + num_heads * head_dim;
-        store_row_bf16(k, k_cache, slots[t] * kv_width, kv_width, kv_bf16);
-        store_row_bf16(k + kv_width, v_cache, slots[t] * kv_width, kv_width, kv_bf16);
+        store_row_bf16(k, k_cache, slots[t] * kv_width, kv_width, kv_dtype);
+        store_row_bf16(k + kv_width, v_cache, slots[t] * kv_width, kv_width, kv_dtype);
     }
 }

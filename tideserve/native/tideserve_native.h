@@ -52,6 +52,7 @@ int ts_amx_probe(void);
 /* ---------------------------------------------------------------- element types */
 #define TS_DTYPE_F32 0
 #define TS_DTYPE_BF16 1
+#define TS_DTYPE_FP8 2 /* float8 e4m3 (fn), a KV cache element type only */
 
 /* ---------------------------------------------------------------- paged_decode.c: decode attention */
 
@@ -63,7 +64,7 @@ int ts_paged_decode(const void *q, int64_t q_stride, int q_dtype, const void *k_
                     int kv_dtype, const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
                     void *out, int64_t out_stride, int out_dtype, int64_t num_seqs, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads);
-/* float32 q and out over a float32 / bfloat16 cache (the entry points decode_forward.c calls). */
+/* float32 q and out over a float32 / bfloat16 cache, for callers that know the types at build time. */
 int ts_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                         const int64_t *block_tables, int64_t table_width, const int64_t *context_lens, float *out,
                         int64_t out_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -98,14 +99,14 @@ int ts_argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t strid
 /* ---------------------------------------------------------------- rope_store.c: rotary + KV store */
 
 /* Rotate q and k of qkv [tokens, (num_heads + 2 num_kv_heads) head_dim] in place and store k, v at slots
- * of the caches (float32 when kv_bf16 = 0, bfloat16 when 1). cos, sin: [tokens, head_dim / 2]. */
+ * of the caches, whose element type kv_dtype gives (TS_DTYPE_F32, _BF16 or _FP8). cos, sin: [tokens, head_dim / 2]. */
 void ts_rope_store_f32(float *qkv, int64_t qkv_stride, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
                        int64_t head_dim, const float *cos, const float *sin, const int64_t *slots, void *k_cache,
-                       void *v_cache, int kv_bf16, int num_threads);
+                       void *v_cache, int kv_dtype, int num_threads);
 /* The same with bfloat16 qkv, cos and sin, rounding as torch's bfloat16 operators do. */
 void ts_rope_store_bf16(uint16_t *qkv, int64_t qkv_stride, int64_t tokens, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, const uint16_t *cos, const uint16_t *sin,
-                        const int64_t *slots, void *k_cache, void *v_cache, int kv_bf16, int num_threads);
+                        const int64_t *slots, void *k_cache, void *v_cache, int kv_dtype, int num_threads);
 
 /* ---------------------------------------------------------------- qgemm.c: block-quantized linear layers */
 
@@ -137,6 +138,6 @@ int ts_decode_forward_f32(const ts_decoder_layer *layers, void *const *k_caches,
                           int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t intermediate, float eps, const float *cos, const float *sin, const int64_t *slots,
                           const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
-                          int64_t block_size, int kv_bf16, float scale, int num_threads);
+                          int64_t block_size, int kv_dtype, float scale, int num_threads);
 
 #endif /* TIDESERVE_NATIVE_H */

@@ -61,6 +61,29 @@ TS_ALWAYS_INLINE uint16_t ts_f32_to_bf16(float x) {
 }
 
 /* x rounded to the nearest bfloat16, as a float32 (what torch's bf16 operators keep between two ops). */
+/* float8 e4m3 ("fn": no infinities, 0x7f / 0xff the only NaNs; largest finite 448), the KV cache's
+ * --kv-cache-dtype fp8. Placed in the low byte of a float16's exponent and mantissa fields, its seven
+ * magnitude bits (exponent bias 7 against 15) read as value / 256, subnormals included. */
+TS_ALWAYS_INLINE float ts_fp8_to_f32(uint8_t b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    const float v = e ? ldexpf(1.0f + (float)m / 8.0f, e - 7) : ldexpf((float)m, -9);
+    return b & 0x80 ? -v : v;
+}
+
+/* float32 -> e4m3, rounding to nearest even and saturating at +-448 as torch's cast does. */
+TS_ALWAYS_INLINE uint8_t ts_f32_to_fp8(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    float a = fabsf(x);
+    if (!(a == a)) return (uint8_t)(sign | 0x7f); /* NaN */
+    if (a >= 448.0f) return (uint8_t)(sign | 0x7e);
+    if (a < 0.015625f) return (uint8_t)(sign | (uint8_t)lrintf(a * 512.0f)); /* subnormal: multiples of 2^-9 */
+    memcpy(&u, &a, sizeof u);
+    u += 0x7ffffu + ((u >> 20) & 1u); /* round the 23-bit mantissa to 3 bits, ties to even */
+    return (uint8_t)(sign | ((u >> 20) - ((127u - 7u) << 3)));
+}
+
 TS_ALWAYS_INLINE float ts_round_bf16(float x) { return ts_bf16_to_f32(ts_f32_to_bf16(x)); }
 
 /* exp(x), clamped to [-87, 88] (the float32 range), written so loops that call it vectorize: range
@@ -114,6 +137,40 @@ TS_ALWAYS_INLINE __m256 ts_load_bf16x8(const uint16_t *p) {
 }
 
 /* The bfloat16 bit patterns (in the low half of each 32-bit lane) of x, rounded as ts_f32_to_bf16. */
+/* Eight e4m3 values as float32: sign-extended to 16 bits and shifted, the byte is a float16 of value / 256. */
+TS_ALWAYS_INLINE __m256 ts_load_fp8x8(const uint8_t *p) {
+    const __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16((short)0xbf80));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+}
+
+/* The e4m3 codes of eight float32 values (in the low byte of each lane), as ts_f32_to_fp8. */
+TS_ALWAYS_INLINE __m256i ts_fp8_codes256(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80));
+    const __m256 a = _mm256_min_ps(_mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))),
+                                   _mm256_set1_ps(448.0f));
+    const __m256i ua = _mm256_castps_si256(a);
+    const __m256i rounded = _mm256_add_epi32(
+        ua, _mm256_add_epi32(_mm256_set1_epi32(0x7ffff), _mm256_and_si256(_mm256_srli_epi32(ua, 20), _mm256_set1_epi32(1))));
+    const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(rounded, 20), _mm256_set1_epi32((127 - 7) << 3));
+    const __m256i sub = _mm256_cvtps_epi32(_mm256_mul_ps(a, _mm256_set1_ps(512.0f))); /* ties to even */
+    const __m256 is_sub = _mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ);
+    const __m256i code = _mm256_blendv_epi8(normal, sub, _mm256_castps_si256(is_sub));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    return _mm256_or_si256(sign, _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7f), nan));
+}
+
+TS_ALWAYS_INLINE void ts_store_fp8x8(uint8_t *p, __m256 x) {
+    const __m256i c = ts_fp8_codes256(x); /* bytes 0, 4, 8, ... of each 128-bit lane */
+    const __m256i packed = _mm256_shuffle_epi8(c, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                   -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                   -1, -1, -1, -1));
+    const uint32_t lo = (uint32_t)_mm256_extract_epi32(packed, 0), hi = (uint32_t)_mm256_extract_epi32(packed, 4);
+    memcpy(p, &lo, 4);
+    memcpy(p + 4, &hi, 4);
+}
+
 TS_ALWAYS_INLINE __m256i ts_bf16_bits256(__m256 x) {
     const __m256i bits = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
@@ -159,6 +216,26 @@ TS_ALWAYS_INLINE __m256 ts_exp256(__m256 x) {
 /* Sixteen bfloat16 values -> float32 (the masked form reads only the lanes in m; the rest are 0). */
 TS_ALWAYS_INLINE __m512 ts_load_bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+TS_ALWAYS_INLINE __m512 ts_load_fp8x16(const uint8_t *p) {
+    const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16((short)0xbf80));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+}
+
+TS_ALWAYS_INLINE void ts_store_fp8x16(uint8_t *p, __m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80));
+    const __m512 a = _mm512_min_ps(_mm512_abs_ps(x), _mm512_set1_ps(448.0f));
+    const __m512i ua = _mm512_castps_si512(a);
+    const __m512i rounded = _mm512_add_epi32(
+        ua, _mm512_add_epi32(_mm512_set1_epi32(0x7ffff), _mm512_and_si512(_mm512_srli_epi32(ua, 20), _mm512_set1_epi32(1))));
+    __m512i code = _mm512_sub_epi32(_mm512_srli_epi32(rounded, 20), _mm512_set1_epi32((127 - 7) << 3));
+    const __mmask16 is_sub = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
+    code = _mm512_mask_mov_epi32(code, is_sub, _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(512.0f))));
+    code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7f));
+    _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(_mm512_or_si512(sign, code)));
 }
 
 TS_ALWAYS_INLINE __m512 ts_maskz_load_bf16x16(__mmask16 m, const uint16_t *p) {

@@ -68,6 +68,19 @@ class KVLayout:
         return 2 * self.num_layers * block_size * self.token_bytes
 
 
+def as_copyable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or for a float8 cache its bytes: torch's CPU index_copy_ / index_fill_ have no float8
+    kernels, and moving or zeroing the bytes is the same operation."""
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+
+
+def fill_code(t: torch.Tensor, value: float) -> float | int:
+    """``value`` as ``as_copyable(t)`` holds it (a float8 value's byte)."""
+    if t.is_floating_point() and t.element_size() == 1:
+        return int(torch.tensor(value).to(t.dtype).view(torch.uint8))
+    return value
+
+
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
@@ -113,15 +126,15 @@ class KVStore(ABC):
         src = torch.tensor([m[0] for m in moves], dtype=torch.long, device=self.device)
         dst = torch.tensor([m[1] for m in moves], dtype=torch.long, device=self.device)
         for k, v in self.caches:
-            k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+            for t in (as_copyable(k), as_copyable(v)):
+                t.index_copy_(0, dst, t.index_select(0, src))
 
     def fill_slots(self, slots: torch.Tensor, value: float = 0.0) -> None:
         """Set the token slots ``block_id * block_size + offset`` of every layer's K and V to ``value``."""
         hd = (self.layout.num_kv_heads, self.layout.head_dim)
         for k, v in self.caches:
-            k.view(-1, *hd).index_fill_(0, slots, value)
-            v.view(-1, *hd).index_fill_(0, slots, value)
+            for t in (as_copyable(k), as_copyable(v)):
+                t.view(-1, *hd).index_fill_(0, slots, fill_code(k, value))
 
 
 def copy_between(src: KVStore, dst: KVStore, pairs: list[tuple[int, int]]) -> None:
@@ -135,8 +148,9 @@ def copy_between(src: KVStore, dst: KVStore, pairs: list[tuple[int, int]]) -> No
     # since the host reads the result at once.
     overlap = platform_for(dst.device).async_host_copies
     for (k, v), (dk, dv) in zip(src.caches, dst.caches, strict=True):
-        dk.index_copy_(0, d_dst, k.index_select(0, s_src).to(dst.device, non_blocking=overlap))
-        dv.index_copy_(0, d_dst, v.index_select(0, s_src).to(dst.device, non_blocking=overlap))
+        for a, b in ((k, dk), (v, dv)):
+            as_copyable(b).index_copy_(0, d_dst, as_copyable(a).index_select(0, s_src).to(dst.device,
+                                                                                        non_blocking=overlap))
 
 
 class ReservedKVStore(KVStore):
@@ -265,7 +279,9 @@ class ReservedKVStore(KVStore):
         L = self.layout
         width = L.num_kv_heads * L.head_dim
         tokens = self.num_blocks * self.block_size
-        self._regions[:, :tokens * width].view(2 * L.num_layers, tokens, width).index_fill_(1, slots, value)
+        regions = as_copyable(self._regions)
+        regions[:, :tokens * width].view(2 * L.num_layers, tokens, width).index_fill_(1, slots,
+                                                                                     fill_code(self._regions, value))
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
@@ -342,8 +358,8 @@ class CopyKVStore(KVStore):
         return max(self.num_blocks, max(0, spare_bytes) // self.bytes_per_block())
 
     def fill_slots(self, slots: torch.Tensor, value: float = 0.0) -> None:
-        s = self.storage
-        s.view(*s.shape[:2], -1, *s.shape[4:]).index_fill_(2, slots, value)
+        s = as_copyable(self.storage)
+        s.view(*s.shape[:2], -1, *s.shape[4:]).index_fill_(2, slots, fill_code(self.storage, value))
 
 
 def create_kv_store(layout: KVLayout, device: torch.device, block_size: int, num_blocks: int,

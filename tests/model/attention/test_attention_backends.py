@@ -29,6 +29,7 @@ from tideserve.model.attention import (
     select_attention_backend,
 )
 from tideserve.model.llama import LlamaForCausalLM
+from tideserve.platform import platform_for
 
 HAS_NATIVE = native.load_library() is not None
 DECODE_MODULE = "tideserve.model.attention.triton.paged_decode"
@@ -225,6 +226,17 @@ def test_auto_picks_the_native_kernels_on_the_cpu_where_the_dtypes_fit():
     assert select_attention_backend("auto", "cpu", torch.float32, torch.float16, *HEADS).name == "torch"
     assert select_attention_backend("auto", "cpu", torch.float16, torch.float16, *HEADS).name == "torch"
     assert select_attention_backend("torch", "cpu", torch.float32, torch.float32, *HEADS).rope_store is None
+    fp8 = select_attention_backend("auto", "cpu", torch.float32, torch.float8_e4m3fn, *HEADS)
+    assert fp8.name == ("cpu-native" if HAS_NATIVE else "torch")
+
+
+def test_triton_declines_an_fp8_cache(monkeypatch):
+    """Its kernels read 16- and 32-bit caches: auto passes over it, asked for by name it says so."""
+    monkeypatch.setattr(TritonBackend, "available", staticmethod(lambda: True))
+    monkeypatch.setattr(type(platform_for(torch.device("cpu"))), "attention_backends", ("triton", "torch"))
+    assert select_attention_backend("auto", "cpu", torch.float32, torch.float8_e4m3fn, *HEADS).name == "torch"
+    with pytest.raises(ValueError, match="attention_backend='triton' has no kernels for an fp8 KV cache"):
+        select_attention_backend("triton", "cpu", torch.float32, torch.float8_e4m3fn, *HEADS)
 
 
 def test_auto_is_torch_without_the_native_library(monkeypatch):
@@ -238,7 +250,7 @@ def test_auto_is_torch_without_the_native_library(monkeypatch):
 @pytest.mark.skipif(not HAS_NATIVE, reason="no C compiler to build the native kernels")
 def test_cpu_native_says_what_does_not_fit():
     with pytest.raises(ValueError, match=r"cpu-native.*KV cache dtype float16 has no kernel \(kernels: float32, "
-                                         r"bfloat16\); use attention_backend='auto' or 'torch'"):
+                                         r"bfloat16, float8_e4m3fn\); use attention_backend='auto' or 'torch'"):
         select_attention_backend("cpu-native", "cpu", torch.float32, torch.float16, *HEADS)
     with pytest.raises(ValueError, match="cpu-native.*the model's dtype float16"):
         select_attention_backend("cpu-native", "cpu", torch.float16, torch.float32, *HEADS)

@@ -70,5 +70,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    if k_flat.element_size() == 1:  # float8: torch's CPU index_copy_ has no such kernel, its bytes copy alike
+        k_flat.view(torch.uint8).index_copy_(0, slot_mapping, k.to(k_flat.dtype).view(torch.uint8))
+        v_flat.view(torch.uint8).index_copy_(0, slot_mapping, v.to(v_flat.dtype).view(torch.uint8))
+        return
     k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
     v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))

@@ -44,9 +44,10 @@ def unsupported_reason(device: torch.device | str, dtype: torch.dtype, kv_dtype:
     kernel_dtypes = ", ".join(str(d).removeprefix("torch.") for d in native.KV_DTYPES)
     if dtype not in native.KV_DTYPES:
         return f"the model's dtype {str(dtype).removeprefix('torch.')} has no kernel (kernels: {kernel_dtypes})"
-    if kv_dtype not in native.KV_DTYPES:
+    if kv_dtype not in native.CACHE_DTYPE_CODES:
+        cache_dtypes = ", ".join(str(d).removeprefix("torch.") for d in native.CACHE_DTYPE_CODES)
         return (f"the KV cache dtype {str(kv_dtype).removeprefix('torch.')} has no kernel "
-                f"(kernels: {kernel_dtypes})")
+                f"(kernels: {cache_dtypes})")
     if num_heads % num_kv_heads or head_dim % 2:
         return f"{num_heads} heads over {num_kv_heads} KV heads of size {head_dim} do not fit the kernels"
     return None

@@ -24,16 +24,20 @@ def select_attention_backend(name: str, device: torch.device | str, dtype: torch
                              num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
     """The backend ``name`` (one of ATTENTION_BACKENDS), constructed with its kernels bound."""
     device = torch.device(device)
+    fp8_cache = kv_dtype.is_floating_point and kv_dtype.itemsize == 1  # the Triton kernels read 16/32-bit caches
     if name == "auto":  # the platform's backends, best first; torch runs everywhere
         fits = {"cpu-native": lambda: CpuNativeBackend.supported(device, dtype, kv_dtype, num_heads, num_kv_heads,
                                                                  head_dim),
-                "triton": TritonBackend.available, "torch": lambda: True}
+                "triton": lambda: TritonBackend.available() and not fp8_cache, "torch": lambda: True}
         name = next((b for b in platform_for(device).attention_backends if fits[b]()), "torch")
     if name == "torch":
         return TorchSDPABackend(device)
     if name == "cpu-native":
         return CpuNativeBackend(device, dtype, kv_dtype, num_heads, num_kv_heads, head_dim)
     if name == "triton":
+        if fp8_cache:
+            raise ValueError("attention_backend='triton' has no kernels for an fp8 KV cache; use "
+                             "attention_backend='auto' or 'torch', or another kv_cache_dtype.")
         return TritonBackend(device)
     raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}.")
 
