@@ -11,6 +11,11 @@ Three measures against the float model on the same file:
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/quantization_quality.py --quantization gguf,int4,int8 \
         --json docs/quantization-quality.json
+
+``--kv-cache-dtypes auto,fp8`` scores each mode over each cache dtype. A one-shot prefill attends to its
+fresh keys and values, not to the cache, so for a cache dtype to show in the perplexity the text must be
+scored in chunks that read the earlier ones back from the cache: ``--score-chunk 32`` (every model, the
+float reference included, then scores that way).
 """
 
 from __future__ import annotations
@@ -68,25 +73,32 @@ def main() -> None:
     ap.add_argument("--quantization", default="gguf",
                     help="comma-separated tideserve modes to score against the float model (gguf,int4,int8)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated KV cache dtypes (auto,fp8)")
+    ap.add_argument("--score-chunk", type=int, default=None,
+                    help="prefill chunk (max_num_batched_tokens) for every model: later chunks read the cache")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
     from tideserve import LLM
 
-    ref_llm = LLM(args.model, dtype="float32", max_model_len=1024, quantization="none")
+    chunk = {"max_num_batched_tokens": args.score_chunk} if args.score_chunk else {}
+    ref_llm = LLM(args.model, dtype="float32", max_model_len=1024, quantization="none", **chunk)
     ids = ref_llm.tokenizer.encode(EVAL_TEXT)
     ref_ppl, ref_top1 = score_text(ref_llm, ids)
     ref_greedy = greedy(ref_llm, args.max_tokens)
     del ref_llm
     results = []
-    for method in args.quantization.split(","):
-        q_llm = LLM(args.model, dtype="float32", max_model_len=1024, quantization=method)
+    combos = [(m, kv) for m in args.quantization.split(",") for kv in args.kv_cache_dtypes.split(",")]
+    for method, kv in combos:
+        q_llm = LLM(args.model, dtype="float32", max_model_len=1024, quantization=method, kv_cache_dtype=kv,
+                    **chunk)
         ppl, top1 = score_text(q_llm, ids)
         runs = greedy(q_llm, args.max_tokens)
         del q_llm
         shared = [next((i for i, (a, b) in enumerate(zip(r, q)) if a != b), len(r)) for r, q in zip(ref_greedy, runs)]
         results.append({
-            "quantization": method, "model": args.model, "eval_tokens": len(ids),
+            "quantization": method, "kv_cache_dtype": kv, "score_chunk": args.score_chunk, "model": args.model,
+            "eval_tokens": len(ids),
             "perplexity_float32": ref_ppl, "perplexity_quantized": ppl,
             "perplexity_change_pct": (ppl / ref_ppl - 1) * 100,
             "teacher_forced_top1_agreement": sum(a == b for a, b in zip(top1, ref_top1)) / len(ref_top1),

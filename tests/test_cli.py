@@ -30,8 +30,8 @@ def test_bad_flag_values_exit_with_a_clear_error():
     assert out.returncode == 2 and "kv_cache_memory must be a size" in out.stderr
     out = run_cli("generate", "--quantization", "int3", "--prompt", "x")
     assert out.returncode == 2 and "quantization must be one of auto, none, gguf, int8, int4, got 'int3'" in out.stderr
-    out = run_cli("generate", "--kv-cache-dtype", "fp8", "--prompt", "x")
-    assert out.returncode == 2 and "invalid choice: 'fp8'" in out.stderr
+    out = run_cli("generate", "--kv-cache-dtype", "fp8_e5m2", "--prompt", "x")
+    assert out.returncode == 2 and "invalid choice: 'fp8_e5m2'" in out.stderr
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
