@@ -22,6 +22,7 @@
  * and k are Q5_0, as llama.cpp's Q4_K_M mixes them); each writes its own range of output columns.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -213,6 +214,75 @@ static void decode_panel_bf16_any(int type, const uint8_t *data, int64_t row_byt
 #undef TS_CASE
 }
 
+/* A panel decoded a few blocks at a time, row after row, so that the decode of a thread's next panel runs
+ * between the tile instructions of its current one: the tiles and the vector units then work at once
+ * (done one after the other, the decode took 58% of the time at 64 rows: docs/benchmarks.md). */
+typedef struct {
+    int type;
+    const uint8_t *data;
+    int64_t row_bytes, n, n0, k;
+    uint16_t *panel;
+    int64_t r, b; /* the next block to decode: row r of the panel, block b of that row */
+    float unit_s[16], unit_o[16];
+} ts_panel_decode;
+
+static void panel_decode_start(ts_panel_decode *d, const ts_qseg *seg, int64_t n0, int64_t k, uint16_t *panel) {
+    d->type = (int)seg->type;
+    d->data = seg->data;
+    d->row_bytes = ts_qrow_bytes(seg->type, k);
+    d->n = seg->n;
+    d->n0 = n0;
+    d->k = k;
+    d->panel = panel;
+    d->r = d->b = 0;
+}
+
+/* Decodes the next ``count`` blocks (a row past the segment, zeroed, counts as its k / 32 blocks). */
+static inline __attribute__((always_inline)) void panel_decode_blocks(const int type, ts_panel_decode *d,
+                                                                      int64_t count) {
+    const int64_t k = d->k, kb = k / TS_QBLOCK, n = d->n, n0 = d->n0, row_bytes = d->row_bytes;
+    int64_t r = d->r, b = d->b;
+    while (count > 0 && r < TS_PANEL) {
+        uint16_t *dst = d->panel + r * k;
+        if (n0 + r >= n) {
+            memset(dst, 0, sizeof(uint16_t) * (size_t)k);
+            r++;
+            count -= kb;
+            continue;
+        }
+        const uint8_t *row = d->data + (n0 + r) * row_bytes;
+        if (b == 0) prefetch_ahead(row, row_bytes);
+        for (; b < kb && count > 0; b++, count--) {
+            float s[2], o[2];
+            const __m256i codes = decode_avx512(type, row, b, s, o, d->unit_s, d->unit_o);
+            const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+            const __m512i lo32 = type == TS_Q8_0 ? _mm512_cvtepi8_epi32(lo) : _mm512_cvtepu8_epi32(lo);
+            const __m512i hi32 = type == TS_Q8_0 ? _mm512_cvtepi8_epi32(hi) : _mm512_cvtepu8_epi32(hi);
+            const __m512 vlo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo32), _mm512_set1_ps(s[0]), _mm512_set1_ps(o[0]));
+            const __m512 vhi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi32), _mm512_set1_ps(s[1]), _mm512_set1_ps(o[1]));
+            _mm512_storeu_si512((void *)(dst + b * TS_QBLOCK), (__m512i)_mm512_cvtne2ps_pbh(vhi, vlo));
+        }
+        if (b == kb) {
+            r++;
+            b = 0;
+        }
+    }
+    d->r = r;
+    d->b = b;
+}
+
+static void panel_decode_some(ts_panel_decode *d, int64_t count) {
+    if (d == NULL) return;
+#define TS_CASE(T) case T: panel_decode_blocks(T, d, count); break;
+    switch (d->type) {
+        TS_FOR_EACH_QTYPE(TS_CASE)
+    default:
+        memset(d->panel, 0, sizeof(uint16_t) * (size_t)(TS_PANEL * d->k));
+        d->r = TS_PANEL;
+    }
+#undef TS_CASE
+}
+
 /* x rows -> bfloat16 in AMX B-tile order: tile (mt, kb) holds rows 16 mt.. and columns 32 kb..; its row
  * p is the pairs (x[m][32 kb + 2p], x[m][32 kb + 2p + 1]) for the tile's 16 m. Rows past m are zero. */
 static void pack_rows_bf16(const float *row, int64_t m_index, int64_t k, uint32_t *packed) {
@@ -248,11 +318,14 @@ static const ts_qseg *panel_segment(const ts_qmat *w, int64_t p, int64_t *first,
     return w->seg + s;
 }
 
-/* out rows of x tiles [mt_lo, mt_hi) (16 rows each, mt_lo even) times one decoded panel. */
+/* out rows of x tiles [mt_lo, mt_hi) (16 rows each, mt_lo even) times one decoded panel; ``next`` (or
+ * NULL) is the panel to decode meanwhile, an even share of it after each group of tile products. */
 static void amx_panel_tiles(const uint16_t *panel, const uint32_t *packed, int64_t kb, int64_t k, int64_t mt_lo,
                             int64_t mt_hi, const ts_qseg *seg, int64_t n0, int64_t col0, const float *bias, int64_t m,
-                            float *out, int64_t out_stride) {
+                            float *out, int64_t out_stride, ts_panel_decode *next) {
     float tile_out[4][16 * 16];
+    const int64_t pairs = (mt_hi - mt_lo + 1) / 2;
+    const int64_t quota = (TS_PANEL + pairs - 1) / pairs; /* blocks of next per step of b: all of it, evenly */
     for (int64_t mt = mt_lo; mt < mt_hi; mt += 2) {
         _tile_zero(4);
         _tile_zero(5);
@@ -267,6 +340,7 @@ static void amx_panel_tiles(const uint16_t *panel, const uint32_t *packed, int64
             _tile_dpbf16ps(5, 0, 3);
             _tile_dpbf16ps(6, 1, 2);
             _tile_dpbf16ps(7, 1, 3);
+            panel_decode_some(next, quota);
         }
         _tile_stored(4, tile_out[0], 64);
         _tile_stored(5, tile_out[1], 64);
@@ -308,7 +382,8 @@ static int amx_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         float *activated = act ? malloc(sizeof(float) * (size_t)k) : NULL;
-        uint16_t *panel = shared != NULL ? NULL : aligned_alloc(64, sizeof(uint16_t) * (size_t)panel_values);
+        /* two panels: the one multiplied, and the next one being decoded meanwhile */
+        uint16_t *panel = shared != NULL ? NULL : aligned_alloc(64, sizeof(uint16_t) * (size_t)(2 * panel_values));
         if ((act && activated == NULL) || (shared == NULL && panel == NULL)) {
 #pragma omp atomic write
             failed = 1;
@@ -322,15 +397,6 @@ static int amx_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_
             }
             pack_rows_bf16(row, i, k, packed);
         }
-        if (shared != NULL) {
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; p++) {
-                int64_t first, col0;
-                const ts_qseg *seg = panel_segment(w, p, &first, &col0);
-                decode_panel_bf16_any((int)seg->type, seg->data, ts_qrow_bytes(seg->type, k), seg->n, first * TS_PANEL,
-                                      k, shared + p * panel_values);
-            }
-        }
         if (!failed) {
             ts_tilecfg cfg;
             memset(&cfg, 0, sizeof cfg);
@@ -340,21 +406,37 @@ static int amx_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_
                 cfg.colsb[t] = 64;
             }
             _tile_loadconfig(&cfg);
-            for (int64_t chunk = 0; chunk < chunks; chunk++) {
+            /* This thread's panels [lo, hi), once per chunk of x (the same split every time): step i multiplies
+             * panel lo + i % count while step i + 1's panel is decoded: into the other of two buffers, or, when
+             * the decoded weight is shared by the chunks, into its place there during the first chunk only. */
+            const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+            const int64_t lo = panels * tid / nth, count = panels * (tid + 1) / nth - lo;
+            ts_panel_decode decoder;
+            int64_t first, col0;
+            if (count > 0) {
+                const ts_qseg *seg = panel_segment(w, lo, &first, &col0);
+                panel_decode_start(&decoder, seg, first * TS_PANEL, k, shared != NULL ? shared + lo * panel_values : panel);
+                panel_decode_some(&decoder, INT64_MAX);
+            }
+            for (int64_t i = 0; i < chunks * count; i++) {
+                const int64_t chunk = i / count, p = lo + i % count;
                 const int64_t mt_lo = chunk * (TS_AMX_M_CHUNK / 16);
                 const int64_t mt_hi = mp / 16 < mt_lo + TS_AMX_M_CHUNK / 16 ? mp / 16 : mt_lo + TS_AMX_M_CHUNK / 16;
-                /* nowait: the packed x and the shared panels are read-only from here on */
-#pragma omp for schedule(static) nowait
-                for (int64_t p = 0; p < panels; p++) {
-                    int64_t first, col0;
-                    const ts_qseg *seg = panel_segment(w, p, &first, &col0);
-                    const int64_t n0 = first * TS_PANEL;
-                    const uint16_t *decoded = shared != NULL ? shared + p * panel_values : panel;
-                    if (shared == NULL)
-                        decode_panel_bf16_any((int)seg->type, seg->data, ts_qrow_bytes(seg->type, k), seg->n, n0, k,
-                                              panel);
-                    amx_panel_tiles(decoded, packed, kb, k, mt_lo, mt_hi, seg, n0, col0, w->bias, m, out, out_stride);
+                const ts_qseg *seg = panel_segment(w, p, &first, &col0);
+                const int64_t n0 = first * TS_PANEL;
+                const uint16_t *current = shared != NULL ? shared + p * panel_values : panel + (i % 2) * panel_values;
+                ts_panel_decode *next = NULL;
+                const int more = shared != NULL ? i + 1 < count : i + 1 < chunks * count;
+                if (more) {
+                    const int64_t q = lo + (i + 1) % count;
+                    int64_t next_first, next_col0;
+                    const ts_qseg *next_seg = panel_segment(w, q, &next_first, &next_col0);
+                    panel_decode_start(&decoder, next_seg, next_first * TS_PANEL, k,
+                                       shared != NULL ? shared + q * panel_values : panel + ((i + 1) % 2) * panel_values);
+                    next = &decoder;
                 }
+                amx_panel_tiles(current, packed, kb, k, mt_lo, mt_hi, seg, n0, col0, w->bias, m, out, out_stride, next);
+                panel_decode_some(next, INT64_MAX); /* whatever the tiles left */
             }
             _tile_release();
         }
