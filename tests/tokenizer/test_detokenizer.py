@@ -220,3 +220,10 @@ def test_property_stop_strings(tokenizer: Tokenizer, data: st.DataObject) -> Non
     for shown in seen[:-1]:
         assert detok.text.startswith(shown)
         assert all(s not in shown for s in stops)
+
+
+def test_decodes_through_the_rust_tokenizer(tokenizer: Tokenizer) -> None:
+    """The fast path the property tests above hold to HF's decode: the ``tokenizers`` object itself."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    assert isinstance(IncrementalDetokenizer(tokenizer, [])._backend, RustTokenizer)
