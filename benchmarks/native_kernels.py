@@ -45,12 +45,15 @@ def cpu_description() -> str:
     return f"{model}; {flags}"
 
 
-def attention_case(batch: int, context: int, dtype: torch.dtype) -> tuple[Callable[[], None], Callable[[], None], int]:
-    """(native call, torch call, K/V bytes read per call) over LAYERS caches used in turn."""
+def attention_case(batch: int, context: int, dtype: torch.dtype,
+                   kv_dtype: torch.dtype | None = None) -> tuple[Callable[[], None], Callable[[], None], int]:
+    """(native call, torch call, K/V bytes read per call) over LAYERS caches used in turn; the cache is of
+    ``kv_dtype`` (default: ``dtype``), as --kv-cache-dtype makes it."""
     gen = torch.Generator().manual_seed(0)
     blocks = -(-context // BLOCK)
-    caches = [(torch.randn(batch * blocks + 1, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype),
-               torch.randn(batch * blocks + 1, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype))
+    kv_dtype = kv_dtype or dtype
+    caches = [(torch.randn(batch * blocks + 1, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(kv_dtype),
+               torch.randn(batch * blocks + 1, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(kv_dtype))
               for _ in range(LAYERS)]
     tables = torch.randperm(batch * blocks, generator=gen)[: batch * blocks].view(batch, blocks).contiguous()
     lens = torch.full((batch,), context, dtype=torch.int64)
@@ -138,6 +141,13 @@ def main() -> None:
             ours, theirs, nbytes = attention_case(batch, args.context, dtype)
             cases[f"decode attention {name}, batch {batch} x {args.context} keys, {LAYERS} layers"] = (ours, theirs,
                                                                                                        nbytes)
+        # a float32 model (a GGUF's blocks) over the bf16 cache "auto" gives it, and over --kv-cache-dtype fp8
+        for kv_dtype in ((torch.bfloat16, torch.float8_e4m3fn) if dtype == torch.float32 else ()):
+            kv_name = "bf16" if kv_dtype == torch.bfloat16 else "fp8"
+            for batch in (1, 64):
+                ours, theirs, nbytes = attention_case(batch, args.context, dtype, kv_dtype)
+                cases[f"decode attention float32 over a {kv_name} cache, batch {batch} x {args.context} keys, "
+                      f"{LAYERS} layers"] = (ours, theirs, nbytes)
         for rows in (1, 64):
             cases[f"add + RMSNorm {name}, {rows} x {HIDDEN}, {2 * LAYERS} calls"] = (*rms_case(rows, dtype), None)
             cases[f"rotary + KV store {name}, {rows} tokens, {LAYERS} calls"] = (*rope_case(rows, dtype), None)
