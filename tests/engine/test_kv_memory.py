@@ -321,6 +321,20 @@ def test_fp8_kv_cache_quarters_the_bytes_and_both_paths_agree(make_llm, referenc
         assert token_lists(native_llm.generate(chats(native_llm), GREEDY)) == got
 
 
+def test_fp8_cache_swaps_out_and_back_by_its_bytes(make_llm):
+    """Preempted requests over an fp8 cache swap out and back (torch's CPU index ops have no float8
+    kernels, so the swap tier moves bytes): their tokens equal a run whose pool never preempts."""
+    kwargs = dict(dtype="float32", max_model_len=512, block_size=16, kv_cache_dtype="fp8",
+                  enable_prefix_caching=False)
+    small = make_llm(**kwargs, num_blocks=32, preemption_mode="swap", swap_space=0.05)
+    prompts = chats(small)
+    got = token_lists(small.generate(prompts, GREEDY))
+    assert small.engine.scheduler.num_swap_ins > 0
+    roomy = make_llm(**kwargs, num_blocks=256)
+    assert token_lists(roomy.generate(prompts, GREEDY)) == got
+    assert roomy.engine.scheduler.num_preemptions == 0
+
+
 def count_computed_tokens(engine) -> list[int]:
     """Wrap the runner so every token a forward pass computes is counted."""
     counted = [0]
