@@ -39,34 +39,52 @@ static void KV_NAME(values_scalar)(const float *p, int64_t p_stride, const KV_T 
 /* ---------------------------------------------------------------- AVX2 + FMA (head_dim % 32 == 0) */
 #ifdef TS_HAVE_AVX2
 
+/* Four keys against NG (<= 3) query heads per pass, each key loaded and widened once for the NG heads
+ * that share it: 4 x NG accumulators and the key in the sixteen ymm registers (q is read from memory by
+ * the multiply-adds). One head at a time widened every key once per head of its group. */
+TS_ALWAYS_INLINE void KV_NAME(scores_tile_avx2)(const float *q, const KV_T *k, int64_t token_stride, int64_t n,
+                                                int64_t head_dim, float scale, float *scores, int64_t score_stride,
+                                                const int NG) {
+    const __m128 vscale = _mm_set1_ps(scale);
+    int64_t s = 0;
+    for (; s + 4 <= n; s += 4) {
+        const KV_T *ks = k + s * token_stride;
+        __m256 a[3][4];
+        for (int g = 0; g < NG; g++)
+            for (int i = 0; i < 4; i++) a[g][i] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < head_dim; j += 8) {
+            for (int i = 0; i < 4; i++) {
+                const __m256 kv = KV_LOAD8(ks + i * token_stride + j);
+                for (int g = 0; g < NG; g++) a[g][i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + j), kv, a[g][i]);
+            }
+        }
+        for (int g = 0; g < NG; g++) {
+            const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_hadd_ps(a[g][2], a[g][3]));
+            const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+            _mm_storeu_ps(scores + g * score_stride + s, _mm_mul_ps(sums, vscale));
+        }
+    }
+    for (; s < n; s++) {
+        const KV_T *ks = k + s * token_stride;
+        __m256 a[3];
+        for (int g = 0; g < NG; g++) a[g] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < head_dim; j += 8) {
+            const __m256 kv = KV_LOAD8(ks + j);
+            for (int g = 0; g < NG; g++) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + j), kv, a[g]);
+        }
+        for (int g = 0; g < NG; g++) scores[g * score_stride + s] = ts_hsum256(a[g]) * scale;
+    }
+}
+
 static void KV_NAME(scores_avx2)(const float *q, const KV_T *k, int64_t token_stride, int64_t n, int64_t group,
                                  int64_t head_dim, float scale, float *scores, int64_t score_stride) {
-    const __m256 vscale = _mm256_set1_ps(scale);
-    for (int64_t g = 0; g < group; g++) {
-        const float *qg = q + g * head_dim;
-        float *sg = scores + g * score_stride;
-        int64_t s = 0;
-        for (; s + 8 <= n; s += 8) { /* eight keys at once: one q load feeds eight FMAs */
-            const KV_T *ks = k + s * token_stride;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-            for (int64_t j = 0; j < head_dim; j += 8) {
-                const __m256 qv = _mm256_loadu_ps(qg + j);
-                a0 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + j), a0);
-                a1 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + token_stride + j), a1);
-                a2 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + 2 * token_stride + j), a2);
-                a3 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + 3 * token_stride + j), a3);
-                a4 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + 4 * token_stride + j), a4);
-                a5 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + 5 * token_stride + j), a5);
-                a6 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + 6 * token_stride + j), a6);
-                a7 = _mm256_fmadd_ps(qv, KV_LOAD8(ks + 7 * token_stride + j), a7);
-            }
-            _mm256_storeu_ps(sg + s, _mm256_mul_ps(ts_hsum256x8(a0, a1, a2, a3, a4, a5, a6, a7), vscale));
-        }
-        for (; s < n; s++) {
-            const KV_T *ks = k + s * token_stride;
-            __m256 a = _mm256_setzero_ps();
-            for (int64_t j = 0; j < head_dim; j += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j), KV_LOAD8(ks + j), a);
-            sg[s] = ts_hsum256(a) * scale;
+    for (int64_t g0 = 0; g0 < group; g0 += 3) {
+        const float *qg = q + g0 * head_dim;
+        float *sg = scores + g0 * score_stride;
+        switch (group - g0 < 3 ? group - g0 : 3) {
+        case 1: KV_NAME(scores_tile_avx2)(qg, k, token_stride, n, head_dim, scale, sg, score_stride, 1); break;
+        case 2: KV_NAME(scores_tile_avx2)(qg, k, token_stride, n, head_dim, scale, sg, score_stride, 2); break;
+        default: KV_NAME(scores_tile_avx2)(qg, k, token_stride, n, head_dim, scale, sg, score_stride, 3); break;
         }
     }
 }

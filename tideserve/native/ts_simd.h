@@ -123,14 +123,6 @@ TS_ALWAYS_INLINE float ts_hmax256(__m256 a) {
     return _mm_cvtss_f32(x);
 }
 
-/* The eight horizontal sums of a0..a7, as one vector [sum(a0), ..., sum(a7)]. */
-TS_ALWAYS_INLINE __m256 ts_hsum256x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
-                                     __m256 a7) {
-    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
 /* Eight bfloat16 values -> float32. */
 TS_ALWAYS_INLINE __m256 ts_load_bf16x8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
