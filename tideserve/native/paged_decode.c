@@ -118,12 +118,6 @@ static void softmax(int isa, float *s, int64_t n, float *max_out, float *sum_out
 #define KV_LOAD16(p) _mm512_loadu_ps(p)
 #endif
 #include "paged_decode_kv.h"
-#undef KV_T
-#undef KV_IS_BF16
-#undef KV_NAME
-#undef KV_LOAD1
-#undef KV_LOAD8
-#undef KV_LOAD16
 
 #define KV_T uint16_t
 #define KV_IS_BF16 1
@@ -137,12 +131,6 @@ static void softmax(int isa, float *s, int64_t n, float *max_out, float *sum_out
 #endif
 #include "paged_decode_kv.h"
 
-#undef KV_T
-#undef KV_IS_BF16
-#undef KV_NAME
-#undef KV_LOAD1
-#undef KV_LOAD8
-#undef KV_LOAD16
 
 /* e4m3: half bfloat16's bytes, for a decode step that waits on reading the cache (docs/benchmarks.md). */
 #define KV_T uint8_t

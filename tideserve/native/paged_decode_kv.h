@@ -1,13 +1,28 @@
 /* The decode-attention kernels for one KV cache element type; included once per type by paged_decode.c
  * with KV_T (the stored type), KV_IS_BF16 (0 or 1), KV_NAME(x) (x with the type's suffix), KV_LOAD1(p) (one
  * element as float), and, where the build has those paths, KV_LOAD8(p) / KV_LOAD16(p) (8 / 16 elements as
- * float32 in an AVX2 / AVX-512 register) defined.
+ * float32 in an AVX2 / AVX-512 register) defined; it undefines them at its end, for the next type.
  *
  * Every path computes the same two block-level steps, so each can be checked against the scalar one:
  *   scores[g][s] = q_g . k_s * scale             for the n keys of one block and one KV head
  *   acc[g] += sum_s p[g][s] v_s                  for the n values of the same block and head
  * for the ``group`` query heads g that share the KV head (rows head_dim floats apart in q and acc).
  */
+
+#ifndef TS_SCORES_BY_THREES
+/* A group's query heads in chunks of up to three, each chunk through TILE with a constant head count (so
+ * the tile's accumulators stay in registers). */
+#define TS_SCORES_BY_THREES(TILE)                                                                   \
+    for (int64_t g0 = 0; g0 < group; g0 += 3) {                                                     \
+        const float *qg = q + g0 * head_dim;                                                        \
+        float *sg = scores + g0 * score_stride;                                                     \
+        switch (group - g0 < 3 ? group - g0 : 3) {                                                  \
+        case 1: TILE(qg, k, token_stride, n, head_dim, scale, sg, score_stride, 1); break;          \
+        case 2: TILE(qg, k, token_stride, n, head_dim, scale, sg, score_stride, 2); break;          \
+        default: TILE(qg, k, token_stride, n, head_dim, scale, sg, score_stride, 3); break;         \
+        }                                                                                           \
+    }
+#endif
 
 /* ---------------------------------------------------------------- scalar reference */
 
@@ -78,15 +93,7 @@ TS_ALWAYS_INLINE void KV_NAME(scores_tile_avx2)(const float *q, const KV_T *k, i
 
 static void KV_NAME(scores_avx2)(const float *q, const KV_T *k, int64_t token_stride, int64_t n, int64_t group,
                                  int64_t head_dim, float scale, float *scores, int64_t score_stride) {
-    for (int64_t g0 = 0; g0 < group; g0 += 3) {
-        const float *qg = q + g0 * head_dim;
-        float *sg = scores + g0 * score_stride;
-        switch (group - g0 < 3 ? group - g0 : 3) {
-        case 1: KV_NAME(scores_tile_avx2)(qg, k, token_stride, n, head_dim, scale, sg, score_stride, 1); break;
-        case 2: KV_NAME(scores_tile_avx2)(qg, k, token_stride, n, head_dim, scale, sg, score_stride, 2); break;
-        default: KV_NAME(scores_tile_avx2)(qg, k, token_stride, n, head_dim, scale, sg, score_stride, 3); break;
-        }
-    }
+    TS_SCORES_BY_THREES(KV_NAME(scores_tile_avx2));
 }
 
 static void KV_NAME(values_avx2)(const float *p, int64_t p_stride, const KV_T *v, int64_t token_stride, int64_t n,
@@ -154,15 +161,7 @@ TS_ALWAYS_INLINE void KV_NAME(scores_tile_avx512)(const float *q, const KV_T *k,
 
 static void KV_NAME(scores_avx512)(const float *q, const KV_T *k, int64_t token_stride, int64_t n, int64_t group,
                                    int64_t head_dim, float scale, float *scores, int64_t score_stride) {
-    for (int64_t g0 = 0; g0 < group; g0 += 3) {
-        const float *qg = q + g0 * head_dim;
-        float *sg = scores + g0 * score_stride;
-        switch (group - g0 < 3 ? group - g0 : 3) {
-        case 1: KV_NAME(scores_tile_avx512)(qg, k, token_stride, n, head_dim, scale, sg, score_stride, 1); break;
-        case 2: KV_NAME(scores_tile_avx512)(qg, k, token_stride, n, head_dim, scale, sg, score_stride, 2); break;
-        default: KV_NAME(scores_tile_avx512)(qg, k, token_stride, n, head_dim, scale, sg, score_stride, 3); break;
-        }
-    }
+    TS_SCORES_BY_THREES(KV_NAME(scores_tile_avx512));
 }
 
 /* acc rows [0, NG) x columns of NV vectors at a time, over the n values: each value vector is loaded
@@ -454,3 +453,10 @@ static int KV_NAME(paged_decode)(const void *q, int64_t q_stride, int q_dtype, c
     free(part_sum);
     return failed;
 }
+
+#undef KV_T
+#undef KV_IS_BF16
+#undef KV_NAME
+#undef KV_LOAD1
+#undef KV_LOAD8
+#undef KV_LOAD16

@@ -13,7 +13,8 @@
  *   weight block is decoded once for up to TS_QGEMM_ROWS rows of x;
  * - tiles (AMX, from ts_amx_min_rows rows: batched decode, prefill): each thread decodes a panel of 32
  *   weight rows once to bfloat16 and multiplies it with the whole batch through tdpbf16ps, 16x16 output
- *   tiles accumulated in float over all of K. The input is rounded to bfloat16 (8 bits of mantissa,
+ *   tiles accumulated in float over all of K; the next panel's decode runs between the current one's
+ *   tile products. The input is rounded to bfloat16 (8 bits of mantissa,
  *   like the row kernels' 8-bit codes, but with no block scale to share).
  * A scalar path computes the same arithmetic as the row kernels in plain C: the reference in tests and
  * the path on CPUs with neither. ts_qgemm_set_isa caps the choice so tests can run every path.
@@ -177,42 +178,6 @@ typedef struct __attribute__((packed)) {
 } ts_tilecfg;
 
 #define TS_PANEL 32 /* weight rows decoded together: two A tiles */
-
-/* Weight rows [n0, n0 + 32) of a segment, decoded to bfloat16 [32][k]; rows past the segment are zero. */
-static void decode_panel_bf16(int type, const uint8_t *data, int64_t row_bytes, int64_t n, int64_t n0, int64_t k,
-                              uint16_t *panel) {
-    const int64_t kb = k / TS_QBLOCK;
-    for (int64_t r = 0; r < TS_PANEL; r++) {
-        uint16_t *dst = panel + r * k;
-        if (n0 + r >= n) {
-            memset(dst, 0, sizeof(uint16_t) * (size_t)k);
-            continue;
-        }
-        const uint8_t *row = data + (n0 + r) * row_bytes;
-        prefetch_ahead(row, row_bytes);
-        float unit_s[16], unit_o[16];
-        for (int64_t b = 0; b < kb; b++) {
-            float s[2], o[2];
-            const __m256i codes = decode_avx512(type, row, b, s, o, unit_s, unit_o);
-            const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
-            const __m512i lo32 = type == TS_Q8_0 ? _mm512_cvtepi8_epi32(lo) : _mm512_cvtepu8_epi32(lo);
-            const __m512i hi32 = type == TS_Q8_0 ? _mm512_cvtepi8_epi32(hi) : _mm512_cvtepu8_epi32(hi);
-            const __m512 vlo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo32), _mm512_set1_ps(s[0]), _mm512_set1_ps(o[0]));
-            const __m512 vhi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi32), _mm512_set1_ps(s[1]), _mm512_set1_ps(o[1]));
-            _mm512_storeu_si512((void *)(dst + b * TS_QBLOCK), (__m512i)_mm512_cvtne2ps_pbh(vhi, vlo));
-        }
-    }
-}
-
-static void decode_panel_bf16_any(int type, const uint8_t *data, int64_t row_bytes, int64_t n, int64_t n0,
-                                  int64_t k, uint16_t *panel) {
-#define TS_CASE(T) case T: decode_panel_bf16(T, data, row_bytes, n, n0, k, panel); break;
-    switch (type) {
-        TS_FOR_EACH_QTYPE(TS_CASE)
-    default: memset(panel, 0, sizeof(uint16_t) * (size_t)(TS_PANEL * k));
-    }
-#undef TS_CASE
-}
 
 /* A panel decoded a few blocks at a time, row after row, so that the decode of a thread's next panel runs
  * between the tile instructions of its current one: the tiles and the vector units then work at once
