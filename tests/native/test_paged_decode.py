@@ -143,6 +143,21 @@ def test_garbage_past_the_context_is_never_read(isa, kv_dtype):
     torch.testing.assert_close(run_kernel(q, k_cache, v_cache, tables, lens, 0.25), want, rtol=1e-5, atol=2e-6)
 
 
+def test_every_fp8_code_widens_exactly(isa):
+    """One key per request: attention returns that token's value row itself, so each of the 254 finite e4m3
+    codes (subnormals and -0 included) must come back as torch's float32 of it, on every path."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes[codes & 0x7f == 0x7f] = 0  # the two NaN codes are never stored (stores saturate at +-448)
+    head_dim = 32  # the AVX2 and AVX-512 loops both take it
+    n = 256 // head_dim
+    values = codes.view(n, 1, 1, head_dim).view(torch.float8_e4m3fn)  # [blocks, block_size 1, KVH 1, D]
+    keys = torch.zeros_like(values)
+    q = torch.randn(n, 1, head_dim)
+    tables = torch.arange(n).view(n, 1)
+    out = run_kernel(q, keys, values, tables, torch.ones(n, dtype=torch.int64), 0.25)
+    torch.testing.assert_close(out.flatten(), values.float().flatten(), rtol=0, atol=0)
+
+
 @needs_kernel
 def test_declines_what_it_cannot_run():
     q, k_cache, v_cache, tables, lens = make_case(3, 4, 2, 16, 4, 20)

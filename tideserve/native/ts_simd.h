@@ -65,8 +65,14 @@ TS_ALWAYS_INLINE uint16_t ts_f32_to_bf16(float x) {
  * --kv-cache-dtype fp8. Placed in the low byte of a float16's exponent and mantissa fields, its seven
  * magnitude bits (exponent bias 7 against 15) read as value / 256, subnormals included. */
 TS_ALWAYS_INLINE float ts_fp8_to_f32(uint8_t b) {
-    const int e = (b >> 3) & 15, m = b & 7;
-    const float v = e ? ldexpf(1.0f + (float)m / 8.0f, e - 7) : ldexpf((float)m, -9);
+    const uint32_t e = (b >> 3) & 15, m = b & 7;
+    float v;
+    if (e) { /* a normal value: rebias the exponent (7 -> 127), mantissa on top */
+        const uint32_t bits = ((e + 120u) << 23) | (m << 20);
+        memcpy(&v, &bits, sizeof v);
+    } else { /* subnormal: m * 2^-9 */
+        v = (float)m * 0.001953125f;
+    }
     return b & 0x80 ? -v : v;
 }
 
