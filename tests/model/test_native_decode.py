@@ -1,6 +1,6 @@
 """The whole-step native decode (model/native_decode.py) against the Python layer loop over the same
-kernels: equal outputs, bit for bit, on tiny random Llama (GQA) and Qwen2 (qkv bias) models, with float32
-and bfloat16 caches; and the cases it must leave to the Python path."""
+kernels: equal outputs, bit for bit, on tiny random Llama (GQA) and Qwen2 (qkv bias) models, with float32,
+bfloat16 and fp8 (e4m3) caches; and the cases it must leave to the Python path."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def tiny(bias: bool) -> LlamaForCausalLM:
     return tiny_llama(qwen2=bias, num_layers=3, scale=0.1)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("bias", [False, True])
 def test_native_decode_equals_the_python_layer_loop(bias, kv_dtype, mixed_batch):
     qmodel, _ = quantize_model(tiny(bias), "int4", torch.device("cpu"))
