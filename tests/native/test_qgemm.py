@@ -1,8 +1,8 @@
 """The quantized linear kernels (qgemm.c) on every GGUF format they take and every ISA path this CPU has:
 - the scalar path computes exactly the arithmetic it documents (activations rounded to 8 bits per block
   of 32, integer dot products, each block's scales), written here in float64;
-- each SIMD row path (AVX2, AVX-512 VNNI) gives the scalar path's numbers, and the AMX tile path the
-  float product with bfloat16-rounded inputs;
+- each SIMD row path (AVX2, AVX-512 VNNI) and AVX2's tiles give the scalar path's numbers, and the AMX
+  tile path the float product with bfloat16-rounded inputs;
 - all of them are the float product of the gguf package's own dequantization, up to the input rounding.
 Paths the CPU lacks are skipped with their name."""
 
@@ -60,10 +60,18 @@ def test_scalar_path_is_the_documented_arithmetic(qtype, rows):
     assert (out.double() - exact).norm() < 0.01 * exact.norm()
 
 
+@pytest.fixture
+def row_kernels(request):
+    """The row kernels for every batch size (no tiles)."""
+    previous = quant.set_tile_min_rows(1 << 30)
+    request.addfinalizer(lambda: quant.set_tile_min_rows(previous))
+    assert quant.kernel_for(4096) == "rows"
+
+
 @pytest.mark.parametrize("path", ROW_PATHS)
 @pytest.mark.parametrize("qtype", FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 4, 7])
-def test_simd_row_paths_equal_the_scalar_path(path, qtype, rows):
+def test_simd_row_paths_equal_the_scalar_path(path, qtype, rows, row_kernels):
     need(path)
     data, _ = weight(qtype, seed=1)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(7)) * 3
@@ -76,6 +84,75 @@ def test_simd_row_paths_equal_the_scalar_path(path, qtype, rows):
         got = quant.qmatmul(x, mat)
     # Same integer dot products; only the float summation order differs.
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
+
+
+@pytest.fixture
+def avx2_tiles(request):
+    """AVX2's tiles for every product, whatever the batch size (on an AVX2-capable CPU)."""
+    need("avx2")
+    previous = quant.set_tile_min_rows(1)
+    request.addfinalizer(lambda: quant.set_tile_min_rows(previous))
+    with quant.forced_isa("avx2"):
+        assert quant.kernel_for(1) == "avx2-tiles"
+        yield
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 6, 16, 37, 70])
+def test_avx2_tiles_equal_the_scalar_path(qtype, rows, avx2_tiles):
+    """Panels of 16 weight rows (100 rows: the last panel is partly empty), micro tiles of 4 rows of x
+    (the 1, 2 and 3-row remainders), every format's int16 chain and Q6_K's per-half scales."""
+    data, _ = weight(qtype, n=100, seed=2)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(3)) * 3
+    bias = torch.randn(100)
+    mat = quant.make_qmat([(qtype, data)], 512, bias)
+    got = quant.qmatmul(x, mat)
+    with quant.forced_isa("scalar"):
+        want = quant.qmatmul(x, mat)
+    # Same integer dot products; only the float summation order differs.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_avx2_tiles_extreme_codes_do_not_overflow(qtype, sign, avx2_tiles):
+    """The int16 sums of vpmaddubsw are added for as many steps as the format's largest code allows: a
+    weight at its largest codes (one low value per block, the rest high) against x at +-127 everywhere
+    comes close to that bound on every format, and Q8_0's -128 reads as |w| = 128."""
+    w = torch.ones(32, 256)
+    w[:, ::32] = -1.0
+    data, values = quantized_pair(w, qtype)
+    if qtype == "q8_0":  # one code of each block set to -128 (the value -128 d: exact for the reference)
+        blocks = data.view(torch.uint8).reshape(32, 8, 34).clone()
+        blocks[:, :, 3] = 0x80
+        data = blocks.reshape(data.shape).view(data.dtype)
+    x = torch.full((20, 256), sign)
+    mat = quant.make_qmat([(qtype, data)], 256, None)
+    got = quant.qmatmul(x, mat)
+    with quant.forced_isa("scalar"):
+        want = quant.qmatmul(x, mat)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-4)
+    if qtype != "q8_0":
+        torch.testing.assert_close(got, x @ values.T, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
+
+
+def test_batch_sizes_pick_the_measured_kernel():
+    """Below the tiles' threshold the row kernels, from it the tiles (on AVX2 and AMX CPUs; AVX2's from 4
+    rows, 12 over Q8_0); the override moves the threshold and 0 restores it."""
+    isa = quant.qgemm_isa()
+    tiles = {"avx2": "avx2-tiles", "amx": "amx-tiles"}.get(isa)
+    assert quant.kernel_for(1) == "rows" and quant.kernel_for(3) == "rows"
+    assert quant.kernel_for(64) == (tiles or "rows")
+    assert quant.kernel_for(64, "q8_0") == (tiles or "rows")
+    previous = quant.set_tile_min_rows(128)
+    try:
+        assert quant.kernel_for(64) == "rows"
+        assert quant.kernel_for(128) == (tiles or "rows")
+    finally:
+        quant.set_tile_min_rows(previous)
+    assert quant.kernel_for(64) == (tiles or "rows")
+    want = {"avx2": "avx2, avx2-tiles from 4 rows (q8_0 from 12)", "amx": "amx, amx-tiles from 16 rows"}
+    assert quant.kernels_summary() == want.get(isa, isa)
 
 
 @pytest.mark.parametrize("qtype", FORMATS)
@@ -128,10 +205,15 @@ def test_amx_tiles_redecode_a_weight_too_large_to_share():
     torch.testing.assert_close(got[:256], first_chunk, rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("path", ["scalar", *ROW_PATHS, "amx"])
-def test_mixed_segments_swiglu_and_strided_rows(path):
+@pytest.mark.parametrize("path", ["scalar", *ROW_PATHS, "avx2-tiles", "amx"])
+def test_mixed_segments_swiglu_and_strided_rows(path, request):
     """A fused layer whose shards differ in format (Q5_0 | Q8_0, as llama.cpp's Q4_K_M stores q|k|v), with
     SwiGLU applied on the way in and input rows that are not contiguous."""
+    if path == "avx2-tiles":
+        request.getfixturevalue("avx2_tiles")
+        path = "avx2"
+    elif path in ROW_PATHS:
+        request.getfixturevalue("row_kernels")
     need(path)
     gen = torch.Generator().manual_seed(5)
     a, a_values = quantized_pair(torch.randn(48, 256, generator=gen), "q5_0")

@@ -50,11 +50,12 @@ def test_batched_decodes_give_the_same_tokens_as_requests_alone(make_llm, monkey
     if decode_path != "torch" and native.load_library() is None:
         pytest.skip("no C compiler to build the native kernel")
     quantization = "int4" if decode_path == "int4-one-call" else "none"
-    if quantization == "int4" and quant.cpu_isa() == "amx":
-        # The tiles round x to bfloat16 and the row kernels to int8 blocks, so a row's numbers change when its
-        # batch crosses the tiles' threshold (16 rows); one path for every batch size keeps rows independent.
-        previous = quant.set_amx_min_rows(1)
-        request.addfinalizer(lambda: quant.set_amx_min_rows(previous))
+    if quantization == "int4" and quant.cpu_isa() in ("amx", "avx2"):
+        # AMX tiles round x to bfloat16 and the row kernels to int8 blocks, and AVX2's tiles sum in another
+        # order, so a row's numbers change when its batch crosses the tiles' threshold (16 rows); one path for
+        # every batch size keeps rows independent.
+        previous = quant.set_tile_min_rows(1)
+        request.addfinalizer(lambda: quant.set_tile_min_rows(previous))
     llm = make_llm(dtype="float32", max_model_len=1024, enable_prefix_caching=False, quantization=quantization,
                    attention_backend="torch" if decode_path == "torch" else "cpu-native")
     backend = llm.engine.runner.attn_backend

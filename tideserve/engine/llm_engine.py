@@ -96,11 +96,11 @@ class LLMEngine:
             logger.info("quantization int8 (per-token activations, SmoothQuant-calibrated): weights now %.2f GiB "
                         "(%.2f GiB saved)", model_weight_bytes(self.model) / GiB, saved / GiB)
         elif self.quantization != "none":
-            from tideserve.native.quant import qgemm_isa
+            from tideserve.native.quant import kernels_summary
 
             how = ("the GGUF file's own blocks" if self.quantization == "gguf"
                    else "4-bit blocks, tables 8-bit")
-            logger.info("quantization %s (%s, kernels: %s): weights %.2f GiB", self.quantization, how, qgemm_isa(),
+            logger.info("quantization %s (%s, kernels: %s): weights %.2f GiB", self.quantization, how, kernels_summary(),
                         model_weight_bytes(self.model) / GiB)
         self.max_model_len = resolve_max_model_len(
             model_config.max_model_len, self.arch.max_position_embeddings,

@@ -11,11 +11,14 @@
  *   a block's dot product is 32 byte products summed in integers and one float multiply-add per
  *   16-value half. AVX2 (vpmaddubsw) or AVX-512 VNNI (vpdpbusd), from one source (qgemm_simd.h); a
  *   weight block is decoded once for up to TS_QGEMM_ROWS rows of x;
- * - tiles (AMX, from ts_amx_min_rows rows: batched decode, prefill): each thread decodes a panel of 32
+ * - tiles (AMX, from TS_AMX_MIN_ROWS rows: batched decode, prefill): each thread decodes a panel of 32
  *   weight rows once to bfloat16 and multiplies it with the whole batch through tdpbf16ps, 16x16 output
  *   tiles accumulated in float over all of K; the next panel's decode runs between the current one's
  *   tile products. The input is rounded to bfloat16 (8 bits of mantissa,
- *   like the row kernels' 8-bit codes, but with no block scale to share).
+ *   like the row kernels' 8-bit codes, but with no block scale to share);
+ * - AVX2 tiles (CPUs with AVX2 but no AVX-512 VNNI or AMX, from TS_AVX2_TILE_MIN_ROWS rows;
+ *   qgemm_tiles_avx2.h): the row kernels' int8 arithmetic, but a panel of 16 weight rows is decoded once
+ *   for the whole batch, in an order where each vector lane is its own output column.
  * A scalar path computes the same arithmetic as the row kernels in plain C: the reference in tests and
  * the path on CPUs with neither. ts_qgemm_set_isa caps the choice so tests can run every path.
  *
@@ -43,9 +46,14 @@
 #define TS_QGEMM_PARALLEL_MIN 65536
 /* Rows of x that share one decode of a weight row in the row kernels. */
 #define TS_QGEMM_ROWS 4
-/* From this many rows of x, the AMX tiles beat the row kernels (measured: docs/benchmarks.md);
- * ts_qgemm_set_amx_min_rows changes it (benchmarks). */
-static int ts_amx_min_rows = 16;
+/* From this many rows of x, the tiles (AMX, or AVX2 where there is no AMX) beat the row kernels (measured:
+ * docs/benchmarks.md); ts_qgemm_set_tile_min_rows overrides both (tests, benchmarks). */
+#define TS_AMX_MIN_ROWS 16
+#define TS_AVX2_TILE_MIN_ROWS 4
+/* A Q8_0 panel costs more to decode (codes and signs); below this many rows the row kernels read an LM
+ * head faster. */
+#define TS_AVX2_TILE_MIN_ROWS_Q8_0 12
+static int ts_tile_min_rows_override = 0; /* 0: each path's own threshold */
 /* How far ahead of the row being multiplied the weight stream is prefetched, in bytes. A row kernel does
  * a few dozen instructions per 32-value block, so with the hardware prefetchers alone only a handful of
  * cache lines are in flight and a decode step runs at the L3's latency, not its bandwidth (measured: a
@@ -145,13 +153,35 @@ static void dot_row_group_scalar(int type, const uint8_t *row, int64_t kb, const
     }
 }
 
-/* --------------------------------------------------------------------------------- AVX2, AVX-512 */
 #ifdef TS_QGEMM_X86
+/* Panels of ``width`` weight rows over a layer's segments: a panel never spans two segments, so the last
+ * one of each segment may be partly empty. */
+static int64_t ts_panel_count(const ts_qmat *w, int64_t width) {
+    int64_t panels = 0;
+    for (int64_t s = 0; s < w->num_segs; s++) panels += (w->seg[s].n + width - 1) / width;
+    return panels;
+}
+
+/* The segment, its first panel and first output column of panel p of a weight. */
+static const ts_qseg *ts_panel_segment(const ts_qmat *w, int64_t p, int64_t width, int64_t *first, int64_t *col0) {
+    int64_t s = 0;
+    *col0 = 0;
+    while (p >= (w->seg[s].n + width - 1) / width) {
+        p -= (w->seg[s].n + width - 1) / width;
+        *col0 += w->seg[s].n;
+        s++;
+    }
+    *first = p;
+    return w->seg + s;
+}
+
+/* --------------------------------------------------------------------------------- AVX2, AVX-512 */
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define TS_SIMD(name) name##_avx2
 #define TS_SIMD_VNNI 0
 #include "qgemm_simd.h"
+#include "qgemm_tiles_avx2.h"
 #undef TS_SIMD
 #undef TS_SIMD_VNNI
 #pragma GCC pop_options
@@ -301,19 +331,6 @@ static void pack_tile_bf16(const float *const rows[16], int64_t valid, int64_t m
  * (an LM head over thousands of rows) each chunk decodes its panels again. */
 #define TS_AMX_SHARED_PANELS_MAX ((int64_t)16 << 20)
 
-/* The segment, its first panel and first output column of panel p of a weight. */
-static const ts_qseg *panel_segment(const ts_qmat *w, int64_t p, int64_t *first, int64_t *col0) {
-    int64_t s = 0;
-    *col0 = 0;
-    while (p >= (w->seg[s].n + TS_PANEL - 1) / TS_PANEL) {
-        p -= (w->seg[s].n + TS_PANEL - 1) / TS_PANEL;
-        *col0 += w->seg[s].n;
-        s++;
-    }
-    *first = p;
-    return w->seg + s;
-}
-
 /* out rows of x tiles [mt_lo, mt_hi) (16 rows each, mt_lo even) times one decoded panel; ``next`` (or
  * NULL) is the panel to decode meanwhile, an even share of it after each group of tile products. */
 static void amx_panel_tiles(const uint16_t *panel, const uint32_t *packed, int64_t kb, int64_t k, int64_t mt_lo,
@@ -366,8 +383,7 @@ static int amx_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_
     const int64_t k = w->k, kb = k / TS_QBLOCK, mp = (m + 31) / 32 * 32;
     uint32_t *packed = aligned_alloc(64, sizeof(uint32_t) * (size_t)(mp * k / 2));
     if (packed == NULL) return -1;
-    int64_t panels = 0;
-    for (int64_t s = 0; s < w->num_segs; s++) panels += (w->seg[s].n + TS_PANEL - 1) / TS_PANEL;
+    const int64_t panels = ts_panel_count(w, TS_PANEL);
     const int64_t chunks = (mp + TS_AMX_M_CHUNK - 1) / TS_AMX_M_CHUNK;
     const int64_t panel_values = TS_PANEL * k;
     uint16_t *shared = NULL; /* every panel decoded once, when x comes in several chunks */
@@ -413,7 +429,7 @@ static int amx_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_
             ts_panel_decode decoder;
             int64_t first, col0;
             if (count > 0) {
-                const ts_qseg *seg = panel_segment(w, lo, &first, &col0);
+                const ts_qseg *seg = ts_panel_segment(w, lo, TS_PANEL, &first, &col0);
                 panel_decode_start(&decoder, seg, first * TS_PANEL, k, shared != NULL ? shared + lo * panel_values : panel);
                 panel_decode_some(&decoder, INT64_MAX);
             }
@@ -421,7 +437,7 @@ static int amx_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_
                 const int64_t chunk = i / count, p = lo + i % count;
                 const int64_t mt_lo = chunk * (TS_AMX_M_CHUNK / 16);
                 const int64_t mt_hi = mp / 16 < mt_lo + TS_AMX_M_CHUNK / 16 ? mp / 16 : mt_lo + TS_AMX_M_CHUNK / 16;
-                const ts_qseg *seg = panel_segment(w, p, &first, &col0);
+                const ts_qseg *seg = ts_panel_segment(w, p, TS_PANEL, &first, &col0);
                 const int64_t n0 = first * TS_PANEL;
                 const uint16_t *current = shared != NULL ? shared + p * panel_values : panel + (i % 2) * panel_values;
                 ts_panel_decode *next = NULL;
@@ -429,7 +445,7 @@ static int amx_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_
                 if (more) {
                     const int64_t q = lo + (i + 1) % count;
                     int64_t next_first, next_col0;
-                    const ts_qseg *next_seg = panel_segment(w, q, &next_first, &next_col0);
+                    const ts_qseg *next_seg = ts_panel_segment(w, q, TS_PANEL, &next_first, &next_col0);
                     panel_decode_start(&decoder, next_seg, next_first * TS_PANEL, k,
                                        shared != NULL ? shared + q * panel_values : panel + ((i + 1) % 2) * panel_values);
                     next = &decoder;
@@ -479,11 +495,19 @@ int ts_qgemm_set_isa(int cap) {
     return previous;
 }
 
-/* Row count from which AMX tiles are used instead of the row kernels; returns the previous one. */
-int ts_qgemm_set_amx_min_rows(int rows) {
-    const int previous = ts_amx_min_rows;
-    ts_amx_min_rows = rows < 1 ? 1 : rows;
+/* Row count from which the tiles (AMX, or AVX2's) are used instead of the row kernels, for every path;
+ * 0 restores each path's own threshold. Returns the previous override. */
+int ts_qgemm_set_tile_min_rows(int rows) {
+    const int previous = ts_tile_min_rows_override;
+    ts_tile_min_rows_override = rows < 0 ? 0 : rows;
     return previous;
+}
+
+/* type: the weight's format, or -1 for "any format" (the threshold of the common formats). */
+static int tile_min_rows(int isa, int64_t type) {
+    if (ts_tile_min_rows_override > 0) return ts_tile_min_rows_override;
+    if (isa >= TS_QG_AMX) return TS_AMX_MIN_ROWS;
+    return type == TS_Q8_0 ? TS_AVX2_TILE_MIN_ROWS_Q8_0 : TS_AVX2_TILE_MIN_ROWS;
 }
 
 /* The path the kernels take now: the CPU's best, capped by isa.c's level and by ts_qgemm_set_isa. */
@@ -492,10 +516,35 @@ int ts_qgemm_active_isa(void) {
     return level < ts_isa_cap ? level : ts_isa_cap;
 }
 
+/* Which kernel a product of m rows over a weight in format ``type`` takes now: 0 the row kernels, 1 AVX2's
+ * tiles, 2 the AMX tiles. */
+int ts_qgemm_kernel_for(int64_t m, int64_t type) {
+    const int isa = ts_qgemm_active_isa();
+#ifdef TS_QGEMM_HAVE_AMX
+    if (isa >= TS_QG_AMX && m >= tile_min_rows(isa, type)) return 2;
+#endif
+#ifdef TS_QGEMM_X86
+    if (isa == TS_QG_AVX2 && m >= tile_min_rows(isa, type)) return 1;
+#endif
+    return 0;
+}
+
+/* A layer's kernel: its segments' strictest threshold decides. */
+static int kernel_for_weight(const ts_qmat *w, int64_t m) {
+    int kernel = 3;
+    for (int64_t s = 0; s < w->num_segs; s++) {
+        const int k = ts_qgemm_kernel_for(m, w->seg[s].type);
+        kernel = k < kernel ? k : kernel;
+    }
+    return kernel;
+}
+
 typedef void (*ts_row_kernel)(int, const uint8_t *, int64_t, const ts_act *, int64_t, int, float *);
 
+/* x quantized to 8 bits per block (SwiGLU applied first for act 1), then multiplied by the row kernel
+ * ``kernel`` or, with ``tiles`` (AVX2 builds only), by the AVX2 tiles. */
 static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_t m, int act, float *out,
-                       int64_t out_stride, int num_threads, ts_row_kernel kernel) {
+                       int64_t out_stride, int num_threads, ts_row_kernel kernel, int tiles) {
     const int64_t k = w->k, kb = k / TS_QBLOCK;
     ts_act a = {malloc((size_t)(m * k)), malloc(sizeof(float) * (size_t)(m * kb)),
                 malloc(sizeof(float) * (size_t)(2 * m * kb)), k, kb};
@@ -510,6 +559,7 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
     int64_t bytes = 0;
     for (int64_t s = 0; s < w->num_segs; s++) bytes += w->seg[s].n * ts_qrow_bytes(w->seg[s].type, k);
     const int parallel = bytes * (m < 8 ? 1 : m / 8) >= TS_QGEMM_PARALLEL_MIN && num_threads > 1;
+    int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
 #pragma omp for schedule(static)
@@ -521,7 +571,13 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
             }
             quantize_row_q8(row, k, a.q + i * k, a.d + i * kb, a.s + 2 * i * kb);
         }
-        for (int64_t s = 0; s < w->num_segs; s++) {
+#ifdef TS_QGEMM_X86
+        if (tiles && tiles_matmul_share(w, &a, m, out, out_stride) != 0) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#endif
+        for (int64_t s = 0; !tiles && s < w->num_segs; s++) {
             const ts_qseg *seg = w->seg + s;
             int64_t col0 = 0;
             for (int64_t t = 0; t < s; t++) col0 += w->seg[t].n;
@@ -543,7 +599,7 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
     free(a.d);
     free(a.s);
     free(activated);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* out[i, c] = sum_j a(x)[i, j] * W[c, j] (+ bias[c]) for i < m, c < w->n. act 0: a(x) = x, rows of k values;
@@ -560,16 +616,17 @@ int ts_qmatmul_f32(const ts_qmat *w, const float *x, int64_t x_stride, int64_t m
         n += w->seg[s].n;
     }
     if (n != w->n) return -1;
-    const int isa = ts_qgemm_active_isa();
+    const int isa = ts_qgemm_active_isa(), kernel = kernel_for_weight(w, m);
 #ifdef TS_QGEMM_HAVE_AMX
-    if (isa >= TS_QG_AMX && m >= ts_amx_min_rows) return amx_matmul(w, x, x_stride, m, act, out, out_stride, num_threads);
+    if (kernel == 2) return amx_matmul(w, x, x_stride, m, act, out, out_stride, num_threads);
 #endif
 #ifdef TS_QGEMM_X86
     if (isa >= TS_QG_AVX512)
-        return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_avx512);
-    if (isa >= TS_QG_AVX2) return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_avx2);
+        return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_avx512, 0);
+    if (isa >= TS_QG_AVX2)
+        return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_avx2, kernel == 1);
 #endif
-    return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_scalar);
+    return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_scalar, 0);
 }
 
 /* out[i] = the dequantized row ids[i] of a [rows, k] weight in format ``type`` (embedding lookups on a

@@ -62,8 +62,10 @@ def _lib() -> ctypes.CDLL | None:
     lib.ts_qgemm_set_isa.argtypes = [cint]
     lib.ts_qgemm_active_isa.restype = cint
     lib.ts_qgemm_active_isa.argtypes = []
-    lib.ts_qgemm_set_amx_min_rows.restype = cint
-    lib.ts_qgemm_set_amx_min_rows.argtypes = [cint]
+    lib.ts_qgemm_kernel_for.restype = cint
+    lib.ts_qgemm_kernel_for.argtypes = [i64, i64]
+    lib.ts_qgemm_set_tile_min_rows.restype = cint
+    lib.ts_qgemm_set_tile_min_rows.argtypes = [cint]
     forced = os.environ.get("TIDESERVE_QGEMM_ISA", "").strip().lower()
     if forced:
         if forced not in ISA_NAMES:
@@ -81,6 +83,33 @@ def qgemm_isa() -> str | None:
     ``forced_isa``); None without the native library."""
     lib = _lib()
     return None if lib is None else ISA_NAMES[lib.ts_qgemm_active_isa()]
+
+
+KERNELS = ("rows", "avx2-tiles", "amx-tiles")
+
+
+def kernel_for(rows: int, qtype: str = "q4_1") -> str | None:
+    """Which kernel a product of ``rows`` input rows over a ``qtype`` weight takes now: "rows" (the row
+    kernels), "avx2-tiles" or "amx-tiles"; None without the native library."""
+    lib = _lib()
+    return None if lib is None else KERNELS[lib.ts_qgemm_kernel_for(rows, QTYPES[qtype])]
+
+
+def kernels_summary() -> str | None:
+    """The path and, where tiles take over from the row kernels, from how many rows (per format where they
+    differ): for the start-up log."""
+    isa = qgemm_isa()
+    if isa is None:
+        return None
+
+    def start(qtype: str) -> int | None:
+        return next((rows for rows in range(1, 4097) if kernel_for(rows, qtype) != "rows"), None)
+
+    common, q8 = start("q4_1"), start("q8_0")
+    if common is None:
+        return isa
+    extra = f" (q8_0 from {q8})" if q8 != common else ""
+    return f"{isa}, {kernel_for(common)} from {common} rows{extra}"
 
 
 def cpu_isa() -> str | None:
@@ -103,13 +132,14 @@ def forced_isa(name: str) -> Iterator[str]:
         lib.ts_qgemm_set_isa(previous)
 
 
-def set_amx_min_rows(rows: int) -> int:
-    """From how many input rows the AMX tiles replace the row kernels (a tuning knob for benchmarks);
-    returns the previous value."""
+def set_tile_min_rows(rows: int) -> int:
+    """From how many input rows the tiles (AMX, or AVX2's where there is no AMX) replace the row kernels,
+    on every path; 0 restores each path's own threshold. Returns the previous override (0: none). For
+    tests and benchmarks."""
     lib = _lib()
     if lib is None:
         raise RuntimeError("the native kernels are not available")
-    return lib.ts_qgemm_set_amx_min_rows(rows)
+    return lib.ts_qgemm_set_tile_min_rows(rows)
 
 
 def make_qmat(segments: list[tuple[str, torch.Tensor]], in_features: int, bias: torch.Tensor | None) -> QMat:

@@ -116,8 +116,9 @@ void ts_rope_store_bf16(uint16_t *qkv, int64_t qkv_stride, int64_t tokens, int64
 /* qgemm's paths: 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AMX tiles; derived from isa.c's level. */
 int ts_qgemm_isa(void);                      /* the best this CPU and build have */
 int ts_qgemm_set_isa(int cap);               /* cap the path (tests); returns the previous cap */
-int ts_qgemm_set_amx_min_rows(int rows);     /* rows from which tiles replace row kernels; returns previous */
+int ts_qgemm_set_tile_min_rows(int rows);    /* rows from which tiles replace row kernels (0: per path); returns previous */
 int ts_qgemm_active_isa(void);               /* the path taken now */
+int ts_qgemm_kernel_for(int64_t m, int64_t type); /* 0 row kernels, 1 AVX2 tiles, 2 AMX tiles: m rows, a format */
 /* out[m, n] = act(x)[m, k] @ w^T (+ bias); act 1: x is [m, 2k] (gate | up) and silu(gate) * up is used.
  * Returns 0, or -1 for a shape or format it cannot take. */
 int ts_qmatmul_f32(const ts_qmat *w, const float *x, int64_t x_stride, int64_t m, int act, float *out,

@@ -1,0 +1,235 @@
+/* Tiles for batched rows on CPUs without AMX, in AVX2 instructions (qgemm.c includes this under its AVX2
+ * target, after qgemm_simd.h, whose decode_avx2 it uses).
+ *
+ * Why: the row kernels decode each weight block once per TS_QGEMM_ROWS rows of x, and their dot product
+ * lives inside one vector, so every block and row ends in a horizontal reduction. At 64 rows that ran at
+ * 60 GFLOPS on a 2-core AVX2 EPYC, half of torch's float32 GEMM (docs/benchmarks.md). Here a thread
+ * decodes a panel of 16 weight rows once for the whole batch into an interleaved order: a vector holds 4
+ * consecutive codes of 8 output columns, so one broadcast of 4 of x's int8 codes and one vpmaddubsw give 8
+ * columns' partial dot products at once, and no lane is ever summed across.
+ *
+ * The arithmetic is the row kernels' (x rounded to 8 bits per block of 32, exact integer products, each
+ * block's scales in float); only the float summation order differs. vpmaddubsw's int16 pair sums are
+ * added in int16 for as many steps as the format's largest code allows without overflow (tile_chain),
+ * then widened once: a Q4 block needs one widening, not eight.
+ */
+
+#define TS_TILE_COLS 16 /* weight rows (output columns) per panel: two vectors of 8 */
+#ifndef TS_TILE_ROWS
+#define TS_TILE_ROWS 4 /* rows of x per micro tile (2-5 measured: 4 was best, docs/benchmarks.md) */
+#endif
+
+/* One panel, decoded. Block b, step g (values 4g .. 4g + 3 of the block), column half h: 32 bytes whose
+ * 4c + i is that value's code in output column 8h + c. */
+typedef struct {
+    uint8_t *codes;  /* [kb][8][2][32]; |code| for Q8_0 */
+    int8_t *signs;   /* Q8_0: the signed codes in the same order (vpmaddubsw multiplies u8 by s8) */
+    float *scale;    /* [kb][halves][16]: per block (per 16-value half for Q6_K: tile_halves), per column */
+    float *offset;   /* [kb][halves][16] */
+} ts_tile_panel;
+
+/* Steps of 4 values whose vpmaddubsw results (each at most 2 x largest code x 127) add up in int16. */
+static inline int tile_chain(int type) {
+    switch (type) {
+    case TS_Q4_0: case TS_Q4_1: case TS_Q4_K: return 8; /* 8 x 2 x 15 x 127 = 30,480 */
+    case TS_Q5_0: case TS_Q5_1: case TS_Q5_K: return 4; /* 4 x 2 x 31 x 127 = 31,496 */
+    case TS_Q6_K: return 2;                              /* 2 x 2 x 63 x 127 = 32,004 */
+    default: return 1;                                   /* Q8_0: 2 x 128 x 127 = 32,512 */
+    }
+}
+
+/* Scales per block: Q6_K has one per 16 values, every other format one per 32. */
+static inline int tile_halves(int type) { return type == TS_Q6_K ? 2 : 1; }
+
+/* r[c] lane g becomes r[g] lane c (8 x 8 32-bit values). */
+static inline __attribute__((always_inline)) void tile_transpose8x8(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20);
+        r[i + 4] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
+    }
+}
+
+/* Weight rows [n0, n0 + 16) of a segment (rows past its end decode to zeros) into a panel. */
+static inline __attribute__((always_inline)) void tile_decode_panel(const int type, const ts_qseg *seg, int64_t n0,
+                                                                    int64_t k, ts_tile_panel *p) {
+    const int64_t kb = k / TS_QBLOCK, row_bytes = ts_qrow_bytes(type, k);
+    const int64_t valid = seg->n - n0 < TS_TILE_COLS ? seg->n - n0 : TS_TILE_COLS;
+    const int halves = tile_halves(type);
+    float unit_s[TS_TILE_COLS][16], unit_o[TS_TILE_COLS][16];
+    for (int64_t b = 0; b < kb; b++) {
+        for (int h = 0; h < 2; h++) {
+            __m256i v[8];
+            for (int c = 0; c < 8; c++) {
+                const int col = 8 * h + c;
+                float s[2] = {0.0f, 0.0f}, o[2] = {0.0f, 0.0f};
+                v[c] = col < valid ? decode_avx2(type, seg->data + (n0 + col) * row_bytes, b, s, o, unit_s[col], unit_o[col])
+                                   : _mm256_setzero_si256();
+                for (int half = 0; half < halves; half++) {
+                    p->scale[(b * halves + half) * TS_TILE_COLS + col] = s[half];
+                    p->offset[(b * halves + half) * TS_TILE_COLS + col] = o[half];
+                }
+            }
+            tile_transpose8x8(v);
+            for (int g = 0; g < 8; g++) {
+                const int64_t at = ((b * 8 + g) * 2 + h) * 32;
+                if (type == TS_Q8_0) {
+                    _mm256_storeu_si256((__m256i *)(p->signs + at), v[g]);
+                    v[g] = _mm256_abs_epi8(v[g]); /* -128 -> 0x80, read as the unsigned 128 */
+                }
+                _mm256_storeu_si256((__m256i *)(p->codes + at), v[g]);
+            }
+        }
+    }
+}
+
+/* res[r][c] = dot(x row r0 + r, panel column c) for r < R. */
+static inline __attribute__((always_inline)) void tile_rows(const int type, const int R, const ts_tile_panel *p,
+                                                            int64_t kb, const ts_act *a, int64_t r0,
+                                                            float res[TS_TILE_ROWS][TS_TILE_COLS]) {
+    const int chain = tile_chain(type), halves = tile_halves(type);
+    const int signed_codes = type == TS_Q8_0, has_offset = type != TS_Q8_0;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[TS_TILE_ROWS][2];
+    const int8_t *xq[TS_TILE_ROWS];
+    for (int r = 0; r < R; r++) {
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        xq[r] = a->q + (r0 + r) * a->k;
+    }
+    for (int64_t b = 0; b < kb; b++) {
+        for (int half = 0; half < halves; half++) {
+            const int g_lo = half * 8 / halves, g_hi = (half + 1) * 8 / halves;
+            __m256i wide[TS_TILE_ROWS][2] = {{_mm256_setzero_si256()}}; /* set at g0 == g_lo (for the compiler) */
+            for (int g0 = g_lo; g0 < g_hi; g0 += chain) {
+                __m256i sums[TS_TILE_ROWS][2];
+                for (int g = g0; g < g0 + chain; g++) {
+                    const int64_t at = (b * 8 + g) * 64;
+                    const __m256i w0 = _mm256_loadu_si256((const __m256i *)(p->codes + at));
+                    const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p->codes + at + 32));
+                    for (int r = 0; r < R; r++) {
+                        int32_t four;
+                        memcpy(&four, xq[r] + b * TS_QBLOCK + 4 * g, 4);
+                        __m256i x0 = _mm256_set1_epi32(four), x1 = x0;
+                        if (signed_codes) { /* |w| * (x with w's sign) = w * x */
+                            x0 = _mm256_sign_epi8(x0, _mm256_loadu_si256((const __m256i *)(p->signs + at)));
+                            x1 = _mm256_sign_epi8(x1, _mm256_loadu_si256((const __m256i *)(p->signs + at + 32)));
+                        }
+                        const __m256i p0 = _mm256_maddubs_epi16(w0, x0), p1 = _mm256_maddubs_epi16(w1, x1);
+                        sums[r][0] = g == g0 ? p0 : _mm256_add_epi16(sums[r][0], p0);
+                        sums[r][1] = g == g0 ? p1 : _mm256_add_epi16(sums[r][1], p1);
+                    }
+                }
+                for (int r = 0; r < R; r++) {
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i w32 = _mm256_madd_epi16(sums[r][h], ones);
+                        wide[r][h] = g0 == g_lo ? w32 : _mm256_add_epi32(wide[r][h], w32);
+                    }
+                }
+            }
+            const float *scale = p->scale + (b * halves + half) * TS_TILE_COLS;
+            const float *offset = p->offset + (b * halves + half) * TS_TILE_COLS;
+            for (int r = 0; r < R; r++) {
+                const int64_t at = (r0 + r) * a->kb + b;
+                const __m256 xd = _mm256_set1_ps(a->d[at]);
+                const float *xs = a->s + 2 * at;
+                const __m256 xsum = _mm256_set1_ps(halves == 2 ? xs[half] : xs[0] + xs[1]);
+                for (int h = 0; h < 2; h++) {
+                    const __m256 dots = _mm256_mul_ps(_mm256_cvtepi32_ps(wide[r][h]), xd);
+                    acc[r][h] = _mm256_fmadd_ps(dots, _mm256_loadu_ps(scale + 8 * h), acc[r][h]);
+                    if (has_offset) acc[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(offset + 8 * h), xsum, acc[r][h]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(res[r], acc[r][0]);
+        _mm256_storeu_ps(res[r] + 8, acc[r][1]);
+    }
+}
+
+static void tile_decode_panel_any(const ts_qseg *seg, int64_t n0, int64_t k, ts_tile_panel *p) {
+#define TS_CASE(T) case T: tile_decode_panel(T, seg, n0, k, p); break;
+    switch ((int)seg->type) {
+        TS_FOR_EACH_QTYPE(TS_CASE)
+    default: break; /* ts_qmatmul_f32 declined unknown formats before any thread got here */
+    }
+#undef TS_CASE
+}
+
+/* The micro tile for format ``type`` and ``rows`` (1 .. TS_TILE_ROWS) rows, each combination its own loop. */
+static void tile_rows_any(int type, int rows, const ts_tile_panel *p, int64_t kb, const ts_act *a, int64_t r0,
+                          float res[TS_TILE_ROWS][TS_TILE_COLS]) {
+#define TS_CASE(T)                                                  \
+    case T:                                                         \
+        switch (rows) {                                             \
+        case 1: tile_rows(T, 1, p, kb, a, r0, res); break;          \
+        case 2: tile_rows(T, 2, p, kb, a, r0, res); break;          \
+        case 3: tile_rows(T, 3, p, kb, a, r0, res); break;          \
+        default: tile_rows(T, TS_TILE_ROWS, p, kb, a, r0, res); break; \
+        }                                                           \
+        break;
+    switch (type) {
+        TS_FOR_EACH_QTYPE(TS_CASE)
+    default: break;
+    }
+#undef TS_CASE
+}
+
+/* This thread's share of out = x W^T (+ bias) through the tiles, x already quantized into ``a``. Called by
+ * every thread of the team (each takes a static, contiguous range of panels); returns -1 when its scratch
+ * memory cannot be had. */
+static int tiles_matmul_share(const ts_qmat *w, const ts_act *a, int64_t m, float *out, int64_t out_stride) {
+    const int64_t k = w->k, kb = k / TS_QBLOCK;
+    const int64_t panels = ts_panel_count(w, TS_TILE_COLS);
+    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t lo = panels * tid / nth, hi = panels * (tid + 1) / nth;
+    if (lo >= hi) return 0;
+    ts_tile_panel p;
+    p.codes = malloc((size_t)(kb * 512));
+    p.signs = malloc((size_t)(kb * 512));
+    p.scale = malloc(sizeof(float) * (size_t)(kb * 2 * TS_TILE_COLS));
+    p.offset = malloc(sizeof(float) * (size_t)(kb * 2 * TS_TILE_COLS));
+    const int ok = p.codes != NULL && p.signs != NULL && p.scale != NULL && p.offset != NULL;
+    for (int64_t i = lo; ok && i < hi; i++) {
+        int64_t first, col0;
+        const ts_qseg *seg = ts_panel_segment(w, i, TS_TILE_COLS, &first, &col0);
+        const int64_t n0 = first * TS_TILE_COLS;
+        if (i + 1 < hi) { /* the next panel's rows (contiguous) towards L2 while this one is multiplied */
+            int64_t next_first, next_col0;
+            const ts_qseg *next = ts_panel_segment(w, i + 1, TS_TILE_COLS, &next_first, &next_col0);
+            const int64_t bytes = ts_qrow_bytes(next->type, k);
+            const int64_t rows = next->n - next_first * TS_TILE_COLS < TS_TILE_COLS ? next->n - next_first * TS_TILE_COLS
+                                                                                    : TS_TILE_COLS;
+            const char *start = (const char *)next->data + next_first * TS_TILE_COLS * bytes;
+            for (int64_t off = 0; off < rows * bytes; off += 64) __builtin_prefetch(start + off, 0, 2);
+        }
+        tile_decode_panel_any(seg, n0, k, &p);
+        const int64_t valid = seg->n - n0 < TS_TILE_COLS ? seg->n - n0 : TS_TILE_COLS;
+        float add[TS_TILE_COLS];
+        for (int64_t c = 0; c < valid; c++) add[c] = w->bias != NULL ? w->bias[col0 + n0 + c] : 0.0f;
+        for (int64_t r0 = 0; r0 < m; r0 += TS_TILE_ROWS) {
+            const int rows = (int)(m - r0 < TS_TILE_ROWS ? m - r0 : TS_TILE_ROWS);
+            float res[TS_TILE_ROWS][TS_TILE_COLS];
+            tile_rows_any((int)seg->type, rows, &p, kb, a, r0, res);
+            for (int r = 0; r < rows; r++) {
+                float *dst = out + (r0 + r) * out_stride + col0 + n0;
+                for (int64_t c = 0; c < valid; c++) dst[c] = res[r][c] + add[c];
+            }
+        }
+    }
+    free(p.codes);
+    free(p.signs);
+    free(p.scale);
+    free(p.offset);
+    return ok ? 0 : -1;
+}
