@@ -1,8 +1,8 @@
 """The quantized linear kernels (qgemm.c) on every GGUF format they take and every ISA path this CPU has:
 - the scalar path computes exactly the arithmetic it documents (activations rounded to 8 bits per block
   of 32, integer dot products, each block's scales), written here in float64;
-- each SIMD row path (AVX2, AVX-512 VNNI) and AVX2's tiles give the scalar path's numbers, and the AMX
-  tile path the float product with bfloat16-rounded inputs;
+- each SIMD row path (AVX2, AVX-512 VNNI), AVX2's matrix-vector kernel and AVX2's tiles give the scalar
+  path's numbers, and the AMX tile path the float product with bfloat16-rounded inputs;
 - all of them are the float product of the gguf package's own dequantization, up to the input rounding.
 Paths the CPU lacks are skipped with their name."""
 
@@ -19,6 +19,7 @@ from tideserve.native import quant
 pytestmark = pytest.mark.skipif(not quant.available(), reason="no C compiler to build the kernels")
 
 FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]
+GEMV_FORMATS = ["q4_0", "q4_1", "q8_0"]  # the formats AVX2's matrix-vector kernel takes
 ROW_PATHS = ["avx2", "avx512"]
 
 
@@ -62,10 +63,12 @@ def test_scalar_path_is_the_documented_arithmetic(qtype, rows):
 
 @pytest.fixture
 def row_kernels(request):
-    """The row kernels for every batch size (no tiles)."""
+    """The row kernels for every batch size and format (no tiles, no matrix-vector kernel)."""
     previous = quant.set_tile_min_rows(1 << 30)
     request.addfinalizer(lambda: quant.set_tile_min_rows(previous))
-    assert quant.kernel_for(4096) == "rows"
+    gemv = quant.set_gemv(False)
+    request.addfinalizer(lambda: quant.set_gemv(gemv))
+    assert quant.kernel_for(4096) == "rows" and quant.kernel_for(1, "q8_0") == "rows"
 
 
 @pytest.mark.parametrize("path", ROW_PATHS)
@@ -113,12 +116,62 @@ def test_avx2_tiles_equal_the_scalar_path(qtype, rows, avx2_tiles):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.fixture
+def avx2_gemv(request):
+    """AVX2's matrix-vector kernel for every product over the formats it takes, whatever the batch size
+    (on an AVX2-capable CPU); the other formats take the row kernels."""
+    need("avx2")
+    previous = quant.set_tile_min_rows(1 << 30)
+    request.addfinalizer(lambda: quant.set_tile_min_rows(previous))
+    gemv = quant.set_gemv(True)
+    request.addfinalizer(lambda: quant.set_gemv(gemv))
+    with quant.forced_isa("avx2"):
+        assert all(quant.kernel_for(rows, qtype) == "avx2-gemv" for qtype in GEMV_FORMATS for rows in (1, 70))
+        assert quant.kernel_for(1, "q6_k") == "rows"
+        yield
+
+
+@pytest.mark.parametrize("qtype", GEMV_FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
+def test_avx2_gemv_equals_the_scalar_path(qtype, rows, avx2_gemv):
+    """Groups of 8 weight rows (100 rows: 12 groups, and 4 left to the row kernels), 1-3 rows of x per
+    pass (7: passes of 3, 3 and 1), with a bias."""
+    data, _ = weight(qtype, n=100, seed=4)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(5)) * 3
+    bias = torch.randn(100)
+    mat = quant.make_qmat([(qtype, data)], 512, bias)
+    got = quant.qmatmul(x, mat)
+    with quant.forced_isa("scalar"):
+        want = quant.qmatmul(x, mat)
+    # Same integer dot products; only the float summation order differs.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
+
+
+def test_avx2_gemv_next_to_row_kernels_in_one_layer(avx2_gemv):
+    """A fused layer of Q4_1 | Q8_0 | Q6_K shards (45, 19 and 24 rows: every shard ends in a partial group,
+    and Q6_K has no matrix-vector kernel) writes each shard's columns, with SwiGLU on the way in."""
+    gen = torch.Generator().manual_seed(6)
+    shards = [quantized_pair(torch.randn(n, 256, generator=gen), qtype) for qtype, n in
+              (("q4_1", 45), ("q8_0", 19), ("q6_k", 24))]
+    w = QuantWeight([(qtype, data) for qtype, (data, _) in zip(("q4_1", "q8_0", "q6_k"), shards)], 256)
+    gate_up = torch.randn(3, 600, generator=gen)[:, :512]  # rows 600 apart
+    got = w(gate_up, swiglu=True)
+    with quant.forced_isa("scalar"):
+        want = w(gate_up, swiglu=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
+    activated = torch.nn.functional.silu(gate_up[:, :256]) * gate_up[:, 256:]
+    exact = activated @ torch.cat([values for _, values in shards]).T
+    assert (got - exact).norm() < 0.01 * exact.norm()
+
+
+@pytest.mark.parametrize(("kernel", "qtype"), [*(("avx2_tiles", q) for q in FORMATS),
+                                               *(("avx2_gemv", q) for q in GEMV_FORMATS)])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_avx2_tiles_extreme_codes_do_not_overflow(qtype, sign, avx2_tiles):
+def test_avx2_extreme_codes_do_not_overflow(kernel, qtype, sign, request):
     """The int16 sums of vpmaddubsw are added for as many steps as the format's largest code allows: a
     weight at its largest codes (one low value per block, the rest high) against x at +-127 everywhere
     comes close to that bound on every format, and Q8_0's -128 reads as |w| = 128."""
+    request.getfixturevalue(kernel)
     w = torch.ones(32, 256)
     w[:, ::32] = -1.0
     data, values = quantized_pair(w, qtype)
@@ -137,22 +190,38 @@ def test_avx2_tiles_extreme_codes_do_not_overflow(qtype, sign, avx2_tiles):
 
 
 def test_batch_sizes_pick_the_measured_kernel():
-    """Below the tiles' threshold the row kernels, from it the tiles (on AVX2 and AMX CPUs; AVX2's from 4
-    rows, 12 over Q8_0); the override moves the threshold and 0 restores it."""
+    """Below the tiles' threshold the row kernels, from it the tiles (on AVX2 and AMX CPUs). On AVX2,
+    Q4_0, Q4_1 and Q8_0 take the matrix-vector kernel below the tiles, which start at 4 rows (20 over
+    Q8_0); with it off, the tiles start at 4 rows (12 over Q8_0). The override moves the threshold and 0
+    restores it."""
     isa = quant.qgemm_isa()
     tiles = {"avx2": "avx2-tiles", "amx": "amx-tiles"}.get(isa)
-    assert quant.kernel_for(1) == "rows" and quant.kernel_for(3) == "rows"
+    small = "avx2-gemv" if isa == "avx2" else "rows"
+    assert quant.kernel_for(1) == small and quant.kernel_for(3) == small
+    assert quant.kernel_for(3, "q6_k") == "rows"
     assert quant.kernel_for(64) == (tiles or "rows")
     assert quant.kernel_for(64, "q8_0") == (tiles or "rows")
+    if isa == "avx2":
+        assert quant.kernel_for(4) == quant.kernel_for(4, "q6_k") == "avx2-tiles"
+        assert quant.kernel_for(19, "q8_0") == "avx2-gemv" and quant.kernel_for(20, "q8_0") == "avx2-tiles"
+        previous = quant.set_gemv(False)
+        try:
+            assert quant.kernel_for(1) == "rows" and quant.kernel_for(4) == "avx2-tiles"
+            assert quant.kernel_for(11, "q8_0") == "rows" and quant.kernel_for(12, "q8_0") == "avx2-tiles"
+        finally:
+            quant.set_gemv(previous)
     previous = quant.set_tile_min_rows(128)
     try:
-        assert quant.kernel_for(64) == "rows"
+        assert quant.kernel_for(64) == small
         assert quant.kernel_for(128) == (tiles or "rows")
     finally:
         quant.set_tile_min_rows(previous)
     assert quant.kernel_for(64) == (tiles or "rows")
-    want = {"avx2": "avx2, avx2-tiles from 4 rows (q8_0 from 12)", "amx": "amx, amx-tiles from 16 rows"}
-    assert quant.kernels_summary() == want.get(isa, isa)
+    want = {"avx2": "avx2: q4_0, q4_1: avx2-gemv to 3 rows, avx2-tiles from 4 rows; q5_0, q5_1, q4_k, q5_k, "
+                    "q6_k: rows to 3 rows, avx2-tiles from 4 rows; q8_0: avx2-gemv to 19 rows, avx2-tiles from "
+                    "20 rows",
+            "amx": "amx: rows to 15 rows, amx-tiles from 16 rows"}
+    assert quant.kernels_summary() == want.get(isa, f"{isa}: rows")
 
 
 @pytest.mark.parametrize("qtype", FORMATS)

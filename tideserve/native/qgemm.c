@@ -53,7 +53,13 @@
 /* A Q8_0 panel costs more to decode (codes and signs); below this many rows the row kernels read an LM
  * head faster. */
 #define TS_AVX2_TILE_MIN_ROWS_Q8_0 12
+/* Over the formats AVX2's matrix-vector kernel takes, it beats the tiles up to this many rows (measured:
+ * docs/benchmarks.md). It decodes a block once per TS_GEMV_ROWS rows of x and the tiles once per call, at
+ * about the same cost for Q4_0 and Q4_1; a Q8_0 panel also stores every code's sign. */
+#define TS_AVX2_GEMV_MAX_ROWS 3
+#define TS_AVX2_GEMV_MAX_ROWS_Q8_0 19
 static int ts_tile_min_rows_override = 0; /* 0: each path's own threshold */
+static int ts_gemv_enabled = 1;           /* AVX2's matrix-vector kernel below the tiles (tests turn it off) */
 /* How far ahead of the row being multiplied the weight stream is prefetched, in bytes. A row kernel does
  * a few dozen instructions per 32-value block, so with the hardware prefetchers alone only a handful of
  * cache lines are in flight and a decode step runs at the L3's latency, not its bandwidth (measured: a
@@ -182,6 +188,7 @@ static const ts_qseg *ts_panel_segment(const ts_qmat *w, int64_t p, int64_t widt
 #define TS_SIMD_VNNI 0
 #include "qgemm_simd.h"
 #include "qgemm_tiles_avx2.h"
+#include "qgemm_gemv_avx2.h"
 #undef TS_SIMD
 #undef TS_SIMD_VNNI
 #pragma GCC pop_options
@@ -503,10 +510,31 @@ int ts_qgemm_set_tile_min_rows(int rows) {
     return previous;
 }
 
+/* Whether AVX2's matrix-vector kernel (qgemm_gemv_avx2.h) takes the products below the tiles' threshold
+ * over the formats it has (1, the default) or the row kernels do (0: tests compare the two). Returns the
+ * previous setting. */
+int ts_qgemm_set_gemv(int enabled) {
+    const int previous = ts_gemv_enabled;
+    ts_gemv_enabled = enabled != 0;
+    return previous;
+}
+
+/* Whether AVX2's matrix-vector kernel takes a format's products below the tiles, on path isa. */
+static int gemv_for(int isa, int64_t type) {
+#ifdef TS_QGEMM_X86
+    return isa == TS_QG_AVX2 && ts_gemv_enabled && gemv_has_format(type);
+#else
+    (void)isa;
+    (void)type;
+    return 0;
+#endif
+}
+
 /* type: the weight's format, or -1 for "any format" (the threshold of the common formats). */
 static int tile_min_rows(int isa, int64_t type) {
     if (ts_tile_min_rows_override > 0) return ts_tile_min_rows_override;
     if (isa >= TS_QG_AMX) return TS_AMX_MIN_ROWS;
+    if (gemv_for(isa, type)) return type == TS_Q8_0 ? TS_AVX2_GEMV_MAX_ROWS_Q8_0 + 1 : TS_AVX2_GEMV_MAX_ROWS + 1;
     return type == TS_Q8_0 ? TS_AVX2_TILE_MIN_ROWS_Q8_0 : TS_AVX2_TILE_MIN_ROWS;
 }
 
@@ -517,7 +545,7 @@ int ts_qgemm_active_isa(void) {
 }
 
 /* Which kernel a product of m rows over a weight in format ``type`` takes now: 0 the row kernels, 1 AVX2's
- * tiles, 2 the AMX tiles. */
+ * tiles, 2 the AMX tiles, 3 AVX2's matrix-vector kernel. */
 int ts_qgemm_kernel_for(int64_t m, int64_t type) {
     const int isa = ts_qgemm_active_isa();
 #ifdef TS_QGEMM_HAVE_AMX
@@ -526,14 +554,16 @@ int ts_qgemm_kernel_for(int64_t m, int64_t type) {
 #ifdef TS_QGEMM_X86
     if (isa == TS_QG_AVX2 && m >= tile_min_rows(isa, type)) return 1;
 #endif
-    return 0;
+    return gemv_for(isa, type) ? 3 : 0;
 }
 
-/* A layer's kernel: its segments' strictest threshold decides. */
+/* A layer's tiles (1 AVX2's, 2 AMX) or 0 for neither: its segments' strictest threshold decides. Below it,
+ * each segment takes the matrix-vector kernel or the row kernels by its own format (rows_matmul). */
 static int kernel_for_weight(const ts_qmat *w, int64_t m) {
-    int kernel = 3;
+    int kernel = 2;
     for (int64_t s = 0; s < w->num_segs; s++) {
-        const int k = ts_qgemm_kernel_for(m, w->seg[s].type);
+        int k = ts_qgemm_kernel_for(m, w->seg[s].type);
+        k = k == 3 ? 0 : k;
         kernel = k < kernel ? k : kernel;
     }
     return kernel;
@@ -542,9 +572,10 @@ static int kernel_for_weight(const ts_qmat *w, int64_t m) {
 typedef void (*ts_row_kernel)(int, const uint8_t *, int64_t, const ts_act *, int64_t, int, float *);
 
 /* x quantized to 8 bits per block (SwiGLU applied first for act 1), then multiplied by the row kernel
- * ``kernel`` or, with ``tiles`` (AVX2 builds only), by the AVX2 tiles. */
+ * ``kernel`` or, with ``tiles`` (AVX2 builds only), by the AVX2 tiles; with ``gemv`` (AVX2 builds only),
+ * the segments in a format qgemm_gemv_avx2.h takes go 8 weight rows at a time through its kernel. */
 static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_t m, int act, float *out,
-                       int64_t out_stride, int num_threads, ts_row_kernel kernel, int tiles) {
+                       int64_t out_stride, int num_threads, ts_row_kernel kernel, int tiles, int gemv) {
     const int64_t k = w->k, kb = k / TS_QBLOCK;
     ts_act a = {malloc((size_t)(m * k)), malloc(sizeof(float) * (size_t)(m * kb)),
                 malloc(sizeof(float) * (size_t)(2 * m * kb)), k, kb};
@@ -582,8 +613,28 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
             int64_t col0 = 0;
             for (int64_t t = 0; t < s; t++) col0 += w->seg[t].n;
             const int64_t row_bytes = ts_qrow_bytes(seg->type, k);
+            int64_t groups = 0;
+#ifdef TS_QGEMM_X86
+            if (gemv && gemv_for(TS_QG_AVX2, seg->type)) groups = seg->n / TS_GEMV_GROUP;
+            const int64_t group_bytes = TS_GEMV_GROUP * row_bytes;
 #pragma omp for schedule(static) nowait
-            for (int64_t c = 0; c < seg->n; c++) {
+            for (int64_t g = 0; g < groups; g++) {
+                const uint8_t *rows = seg->data + g * group_bytes;
+                for (int64_t i0 = 0; i0 < m; i0 += TS_GEMV_ROWS) {
+                    const int n_rows = (int)(m - i0 < TS_GEMV_ROWS ? m - i0 : TS_GEMV_ROWS);
+                    float res[TS_GEMV_ROWS][TS_GEMV_GROUP];
+                    gemv_group_any((int)seg->type, n_rows, rows, row_bytes, kb, &a, i0, rows + TS_GEMV_AHEAD * group_bytes,
+                                   i0 == 0 ? group_bytes : 0, res);
+                    for (int i = 0; i < n_rows; i++)
+                        for (int c = 0; c < TS_GEMV_GROUP; c++) {
+                            const int64_t col = col0 + g * TS_GEMV_GROUP + c;
+                            out[(i0 + i) * out_stride + col] = res[i][c] + (w->bias != NULL ? w->bias[col] : 0.0f);
+                        }
+                }
+            }
+#endif
+#pragma omp for schedule(static) nowait
+            for (int64_t c = groups * TS_GEMV_GROUP; c < seg->n; c++) {
                 float res[TS_QGEMM_ROWS];
                 const float add = w->bias != NULL ? w->bias[col0 + c] : 0.0f;
                 prefetch_ahead(seg->data + c * row_bytes, row_bytes);
@@ -622,11 +673,12 @@ int ts_qmatmul_f32(const ts_qmat *w, const float *x, int64_t x_stride, int64_t m
 #endif
 #ifdef TS_QGEMM_X86
     if (isa >= TS_QG_AVX512)
-        return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_avx512, 0);
+        return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_avx512, 0, 0);
     if (isa >= TS_QG_AVX2)
-        return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_avx2, kernel == 1);
+        return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_avx2, kernel == 1,
+                           1);
 #endif
-    return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_scalar, 0);
+    return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_scalar, 0, 0);
 }
 
 /* out[i] = the dequantized row ids[i] of a [rows, k] weight in format ``type`` (embedding lookups on a

@@ -66,6 +66,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.ts_qgemm_kernel_for.argtypes = [i64, i64]
     lib.ts_qgemm_set_tile_min_rows.restype = cint
     lib.ts_qgemm_set_tile_min_rows.argtypes = [cint]
+    lib.ts_qgemm_set_gemv.restype = cint
+    lib.ts_qgemm_set_gemv.argtypes = [cint]
     forced = os.environ.get("TIDESERVE_QGEMM_ISA", "").strip().lower()
     if forced:
         if forced not in ISA_NAMES:
@@ -85,31 +87,51 @@ def qgemm_isa() -> str | None:
     return None if lib is None else ISA_NAMES[lib.ts_qgemm_active_isa()]
 
 
-KERNELS = ("rows", "avx2-tiles", "amx-tiles")
+KERNELS = ("rows", "avx2-tiles", "amx-tiles", "avx2-gemv")
 
 
 def kernel_for(rows: int, qtype: str = "q4_1") -> str | None:
     """Which kernel a product of ``rows`` input rows over a ``qtype`` weight takes now: "rows" (the row
-    kernels), "avx2-tiles" or "amx-tiles"; None without the native library."""
+    kernels), "avx2-gemv" (AVX2's matrix-vector kernel), "avx2-tiles" or "amx-tiles"; None without the
+    native library."""
     lib = _lib()
     return None if lib is None else KERNELS[lib.ts_qgemm_kernel_for(rows, QTYPES[qtype])]
 
 
+def _kernel_plan(qtype: str) -> str:
+    """"<kernel> to N rows, <kernel> from N + 1" for one format (up to 4096 rows)."""
+    spans: list[tuple[str, int]] = []  # (kernel, first row count)
+    for rows in range(1, 4097):
+        kernel = kernel_for(rows, qtype)
+        if not spans or spans[-1][0] != kernel:
+            spans.append((kernel, rows))
+    parts = [f"{kernel} to {spans[i + 1][1] - 1} rows" for i, (kernel, _) in enumerate(spans[:-1])]
+    last, first = spans[-1]
+    parts.append(f"{last} from {first} rows" if len(spans) > 1 else last)
+    return ", ".join(parts)
+
+
 def kernels_summary() -> str | None:
-    """The path and, where tiles take over from the row kernels, from how many rows (per format where they
-    differ): for the start-up log."""
+    """The path and which kernel takes which batch sizes, per group of formats where they differ: for the
+    start-up log, e.g. "avx2: q4_0, q4_1: avx2-gemv to 12 rows, avx2-tiles from 13 rows; ..."."""
     isa = qgemm_isa()
     if isa is None:
         return None
+    plans: dict[str, list[str]] = {}
+    for qtype in QTYPES:
+        plans.setdefault(_kernel_plan(qtype), []).append(qtype)
+    if len(plans) == 1:
+        return f"{isa}: {next(iter(plans))}"
+    return f"{isa}: " + "; ".join(f"{', '.join(qtypes)}: {plan}" for plan, qtypes in plans.items())
 
-    def start(qtype: str) -> int | None:
-        return next((rows for rows in range(1, 4097) if kernel_for(rows, qtype) != "rows"), None)
 
-    common, q8 = start("q4_1"), start("q8_0")
-    if common is None:
-        return isa
-    extra = f" (q8_0 from {q8})" if q8 != common else ""
-    return f"{isa}, {kernel_for(common)} from {common} rows{extra}"
+def set_gemv(enabled: bool) -> bool:
+    """Whether AVX2's matrix-vector kernel takes the products below the tiles' threshold over Q4_0, Q4_1 and
+    Q8_0 (the default) or the row kernels do. Returns the previous setting. For tests and benchmarks."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the native kernels are not available")
+    return bool(lib.ts_qgemm_set_gemv(int(enabled)))
 
 
 def cpu_isa() -> str | None:

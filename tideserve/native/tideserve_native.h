@@ -117,6 +117,7 @@ void ts_rope_store_bf16(uint16_t *qkv, int64_t qkv_stride, int64_t tokens, int64
 int ts_qgemm_isa(void);                      /* the best this CPU and build have */
 int ts_qgemm_set_isa(int cap);               /* cap the path (tests); returns the previous cap */
 int ts_qgemm_set_tile_min_rows(int rows);    /* rows from which tiles replace row kernels (0: per path); returns previous */
+int ts_qgemm_set_gemv(int enabled);          /* AVX2 matrix-vector kernel below the tiles on/off; returns previous */
 int ts_qgemm_active_isa(void);               /* the path taken now */
 int ts_qgemm_kernel_for(int64_t m, int64_t type); /* 0 row kernels, 1 AVX2 tiles, 2 AMX tiles: m rows, a format */
 /* out[m, n] = act(x)[m, k] @ w^T (+ bias); act 1: x is [m, 2k] (gate | up) and silu(gate) * up is used.
