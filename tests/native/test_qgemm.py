@@ -19,7 +19,7 @@ from tideserve.native import quant
 pytestmark = pytest.mark.skipif(not quant.available(), reason="no C compiler to build the kernels")
 
 FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]
-GEMV_FORMATS = ["q4_0", "q4_1", "q8_0"]  # the formats AVX2's matrix-vector kernel takes
+GEMV_FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"]  # the formats AVX2's matrix-vector kernel takes
 ROW_PATHS = ["avx2", "avx512"]
 
 
@@ -127,7 +127,7 @@ def avx2_gemv(request):
     request.addfinalizer(lambda: quant.set_gemv(gemv))
     with quant.forced_isa("avx2"):
         assert all(quant.kernel_for(rows, qtype) == "avx2-gemv" for qtype in GEMV_FORMATS for rows in (1, 70))
-        assert quant.kernel_for(1, "q6_k") == "rows"
+        assert quant.kernel_for(1, "q5_k") == "rows"
         yield
 
 
@@ -148,12 +148,13 @@ def test_avx2_gemv_equals_the_scalar_path(qtype, rows, avx2_gemv):
 
 
 def test_avx2_gemv_next_to_row_kernels_in_one_layer(avx2_gemv):
-    """A fused layer of Q4_1 | Q8_0 | Q6_K shards (45, 19 and 24 rows: every shard ends in a partial group,
-    and Q6_K has no matrix-vector kernel) writes each shard's columns, with SwiGLU on the way in."""
+    """A fused layer of Q5_0 | Q8_0 | Q6_K | Q5_K shards (45, 19, 24 and 16 rows: every shard but the last
+    ends in a partial group, and Q5_K has no matrix-vector kernel) writes each shard's columns, with SwiGLU
+    on the way in."""
     gen = torch.Generator().manual_seed(6)
-    shards = [quantized_pair(torch.randn(n, 256, generator=gen), qtype) for qtype, n in
-              (("q4_1", 45), ("q8_0", 19), ("q6_k", 24))]
-    w = QuantWeight([(qtype, data) for qtype, (data, _) in zip(("q4_1", "q8_0", "q6_k"), shards)], 256)
+    kinds = (("q5_0", 45), ("q8_0", 19), ("q6_k", 24), ("q5_k", 16))
+    shards = [quantized_pair(torch.randn(n, 256, generator=gen), qtype) for qtype, n in kinds]
+    w = QuantWeight([(qtype, data) for (qtype, _), (data, _) in zip(kinds, shards)], 256)
     gate_up = torch.randn(3, 600, generator=gen)[:, :512]  # rows 600 apart
     got = w(gate_up, swiglu=True)
     with quant.forced_isa("scalar"):
@@ -190,19 +191,21 @@ def test_avx2_extreme_codes_do_not_overflow(kernel, qtype, sign, request):
 
 
 def test_batch_sizes_pick_the_measured_kernel():
-    """Below the tiles' threshold the row kernels, from it the tiles (on AVX2 and AMX CPUs). On AVX2,
-    Q4_0, Q4_1 and Q8_0 take the matrix-vector kernel below the tiles, which start at 4 rows (20 over
-    Q8_0); with it off, the tiles start at 4 rows (12 over Q8_0). The override moves the threshold and 0
-    restores it."""
+    """Below the tiles' threshold the row kernels, from it the tiles (on AVX2 and AMX CPUs). On AVX2, every
+    format but Q5_K takes the matrix-vector kernel below the tiles, which start at 4 rows (12 over Q4_K,
+    16 over Q6_K, 20 over Q8_0); with it off, the tiles start at 4 rows (12 over Q8_0). The override moves
+    the threshold and 0 restores it."""
     isa = quant.qgemm_isa()
     tiles = {"avx2": "avx2-tiles", "amx": "amx-tiles"}.get(isa)
     small = "avx2-gemv" if isa == "avx2" else "rows"
     assert quant.kernel_for(1) == small and quant.kernel_for(3) == small
-    assert quant.kernel_for(3, "q6_k") == "rows"
+    assert quant.kernel_for(3, "q5_k") == "rows"
     assert quant.kernel_for(64) == (tiles or "rows")
     assert quant.kernel_for(64, "q8_0") == (tiles or "rows")
     if isa == "avx2":
-        assert quant.kernel_for(4) == quant.kernel_for(4, "q6_k") == "avx2-tiles"
+        assert quant.kernel_for(4) == quant.kernel_for(4, "q5_k") == "avx2-tiles"
+        assert quant.kernel_for(11, "q4_k") == "avx2-gemv" and quant.kernel_for(12, "q4_k") == "avx2-tiles"
+        assert quant.kernel_for(15, "q6_k") == "avx2-gemv" and quant.kernel_for(16, "q6_k") == "avx2-tiles"
         assert quant.kernel_for(19, "q8_0") == "avx2-gemv" and quant.kernel_for(20, "q8_0") == "avx2-tiles"
         previous = quant.set_gemv(False)
         try:
@@ -217,9 +220,10 @@ def test_batch_sizes_pick_the_measured_kernel():
     finally:
         quant.set_tile_min_rows(previous)
     assert quant.kernel_for(64) == (tiles or "rows")
-    want = {"avx2": "avx2: q4_0, q4_1: avx2-gemv to 3 rows, avx2-tiles from 4 rows; q5_0, q5_1, q4_k, q5_k, "
-                    "q6_k: rows to 3 rows, avx2-tiles from 4 rows; q8_0: avx2-gemv to 19 rows, avx2-tiles from "
-                    "20 rows",
+    want = {"avx2": "avx2: q4_0, q4_1, q5_0, q5_1: avx2-gemv to 3 rows, avx2-tiles from 4 rows; q8_0: avx2-gemv "
+                    "to 19 rows, avx2-tiles from 20 rows; q4_k: avx2-gemv to 11 rows, avx2-tiles from 12 rows; "
+                    "q5_k: rows to 3 rows, avx2-tiles from 4 rows; q6_k: avx2-gemv to 15 rows, avx2-tiles from 16 "
+                    "rows",
             "amx": "amx: rows to 15 rows, amx-tiles from 16 rows"}
     assert quant.kernels_summary() == want.get(isa, f"{isa}: rows")
 

@@ -53,11 +53,18 @@
 /* A Q8_0 panel costs more to decode (codes and signs); below this many rows the row kernels read an LM
  * head faster. */
 #define TS_AVX2_TILE_MIN_ROWS_Q8_0 12
-/* Over the formats AVX2's matrix-vector kernel takes, it beats the tiles up to this many rows (measured:
- * docs/benchmarks.md). It decodes a block once per TS_GEMV_ROWS rows of x and the tiles once per call, at
- * about the same cost for Q4_0 and Q4_1; a Q8_0 panel also stores every code's sign. */
-#define TS_AVX2_GEMV_MAX_ROWS 3
-#define TS_AVX2_GEMV_MAX_ROWS_Q8_0 19
+/* Over the formats AVX2's matrix-vector kernel takes, up to how many rows it beats the tiles (measured:
+ * docs/benchmarks.md). It decodes a block once per TS_GEMV_ROWS rows of x and the tiles once per call: the
+ * legacy formats' panels decode as cheaply, a Q8_0 panel also stores every code's sign, and the tiles
+ * decode K-quant panels row by row. */
+static int gemv_max_rows(int64_t type) {
+    switch (type) {
+    case TS_Q8_0: return 19;
+    case TS_Q4_K: return 11;
+    case TS_Q6_K: return 15;
+    default: return 3;
+    }
+}
 static int ts_tile_min_rows_override = 0; /* 0: each path's own threshold */
 static int ts_gemv_enabled = 1;           /* AVX2's matrix-vector kernel below the tiles (tests turn it off) */
 /* How far ahead of the row being multiplied the weight stream is prefetched, in bytes. A row kernel does
@@ -534,7 +541,7 @@ static int gemv_for(int isa, int64_t type) {
 static int tile_min_rows(int isa, int64_t type) {
     if (ts_tile_min_rows_override > 0) return ts_tile_min_rows_override;
     if (isa >= TS_QG_AMX) return TS_AMX_MIN_ROWS;
-    if (gemv_for(isa, type)) return type == TS_Q8_0 ? TS_AVX2_GEMV_MAX_ROWS_Q8_0 + 1 : TS_AVX2_GEMV_MAX_ROWS + 1;
+    if (gemv_for(isa, type)) return gemv_max_rows(type) + 1;
     return type == TS_Q8_0 ? TS_AVX2_TILE_MIN_ROWS_Q8_0 : TS_AVX2_TILE_MIN_ROWS;
 }
 

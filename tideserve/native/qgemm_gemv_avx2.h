@@ -1,6 +1,6 @@
-/* Matrix-vector products (1 to TS_GEMV_ROWS rows of x: single-stream decode) over Q4_0, Q4_1 and Q8_0
- * weights in AVX2 instructions (qgemm.c includes this under its AVX2 target, after qgemm_tiles_avx2.h,
- * whose 8 x 8 transpose it uses).
+/* Matrix-vector products (1 to TS_GEMV_ROWS rows of x: single-stream decode) over the legacy 32-value
+ * formats (Q4_0, Q4_1, Q5_0, Q5_1) and Q8_0 in AVX2 instructions. qgemm.c includes this under its AVX2
+ * target, after qgemm_tiles_avx2.h, whose 8-row gathers and 8 x 8 transpose it uses.
  *
  * Why: at one row of x a decode step is bound by how fast the weights stream in, and the row kernels
  * spend about 27 instructions per 32-value block (two scalar fp16 conversions, a vector of scales built
@@ -20,12 +20,12 @@
 #define TS_GEMV_ROWS 3 /* up to here the row kernels' other work is per row anyway (the tiles start at 4) */
 #endif
 #define TS_GEMV_GROUP 8 /* weight rows read together: one vector lane each */
-#ifndef TS_GEMV_AHEAD
-#define TS_GEMV_AHEAD 1 /* groups ahead of the one multiplied that are prefetched */
-#endif
+#define TS_GEMV_AHEAD 1 /* groups ahead of the one multiplied that are prefetched (1-3: within noise) */
 
 /* Whether a weight format has a matrix-vector kernel here. */
-static inline int gemv_has_format(int64_t type) { return type == TS_Q4_0 || type == TS_Q4_1 || type == TS_Q8_0; }
+static inline int gemv_has_format(int64_t type) {
+    return rows8_nibble_format((int)type) || type == TS_Q8_0 || type == TS_Q4_K || type == TS_Q6_K;
+}
 
 /* res[r][c] = dot(x row r0 + r, weight row c of the 8 at ``rows``) for r < R. The next group's bytes
  * (the next_bytes at ``next``) are prefetched a few cache lines per block, so that the loads stay spread
@@ -36,7 +36,7 @@ static inline __attribute__((always_inline)) void gemv_group(const int type, con
                                                              float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
     const int64_t lines = (next_bytes + 63) / 64;
     const int64_t block_bytes = ts_qunit_bytes(type);
-    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[TS_GEMV_ROWS], acc_offset[TS_GEMV_ROWS];
     for (int r = 0; r < R; r++) acc[r] = acc_offset[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
@@ -60,36 +60,178 @@ static inline __attribute__((always_inline)) void gemv_group(const int type, con
                 }
             }
         } else {
-            __m256i q[4]; /* q[j] lane c: qs bytes 4j .. 4j + 3 of row c = codes 4j.. (low nibbles), 16 + 4j.. (high) */
-            rows8_words4(block + (type == TS_Q4_1 ? 4 : 2), row_bytes, q);
-            __m256i sums[TS_GEMV_ROWS];
-            for (int j = 0; j < 4; j++) {
-                const __m256i lo = _mm256_and_si256(q[j], low4);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q[j], 4), low4);
+            __m256i lo[4], hi[4]; /* lane c: 4 codes of row c, values 4j.. and 16 + 4j.. */
+            rows8_nibble_codes(type, block, row_bytes, lo, hi);
+            /* Each step adds two vpmaddubsw results (at most 2 x largest code x 127 each) in int16, for 4 steps
+             * over Q4 (8 x 2 x 15 x 127 = 30,480) and 2 over Q5 (4 x 2 x 31 x 127 = 31,496) before widening. */
+            const int chain = type == TS_Q5_0 || type == TS_Q5_1 ? 2 : 4;
+            for (int j0 = 0; j0 < 4; j0 += chain) {
+                __m256i sums[TS_GEMV_ROWS];
+                for (int j = j0; j < j0 + chain; j++) {
+                    for (int r = 0; r < R; r++) {
+                        const int8_t *x = a->q + (r0 + r) * a->k + b * TS_QBLOCK;
+                        int32_t x_lo, x_hi;
+                        memcpy(&x_lo, x + 4 * j, 4);
+                        memcpy(&x_hi, x + 16 + 4 * j, 4);
+                        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], _mm256_set1_epi32(x_lo)),
+                                                           _mm256_maddubs_epi16(hi[j], _mm256_set1_epi32(x_hi)));
+                        sums[r] = j == j0 ? p : _mm256_add_epi16(sums[r], p);
+                    }
+                }
                 for (int r = 0; r < R; r++) {
-                    const int8_t *x = a->q + (r0 + r) * a->k + b * TS_QBLOCK;
-                    int32_t x_lo, x_hi;
-                    memcpy(&x_lo, x + 4 * j, 4);
-                    memcpy(&x_hi, x + 16 + 4 * j, 4);
-                    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x_lo)),
-                                                       _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x_hi)));
-                    sums[r] = j == 0 ? p : _mm256_add_epi16(sums[r], p); /* 8 x 2 x 15 x 127 = 30,480 */
+                    const __m256i wide = _mm256_madd_epi16(sums[r], ones);
+                    dots[r] = j0 == 0 ? wide : _mm256_add_epi32(dots[r], wide);
                 }
             }
-            for (int r = 0; r < R; r++) dots[r] = _mm256_madd_epi16(sums[r], ones);
         }
         for (int r = 0; r < R; r++) {
             const int64_t at = (r0 + r) * a->kb + b;
             const __m256 xd = _mm256_set1_ps(a->d[at]);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dots[r]), xd), d, acc[r]);
-            if (type != TS_Q8_0) { /* the offset (Q4_1: m; Q4_0: -8d) times the sum of the block's x */
+            if (type != TS_Q8_0) { /* the offset times the sum of the block's x */
                 const float *xs = a->s + 2 * at;
-                const __m256 offset = type == TS_Q4_1 ? m : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-                acc_offset[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xs[0] + xs[1]), acc_offset[r]);
+                acc_offset[r] = _mm256_fmadd_ps(rows8_offsets(type, d, m), _mm256_set1_ps(xs[0] + xs[1]),
+                                                acc_offset[r]);
             }
         }
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(res[r], _mm256_add_ps(acc[r], acc_offset[r]));
+}
+
+/* gemv_group over Q4_K. Per unit of 256 values, the 8 rows' d and dmin and 6-bit scales and mins are
+ * gathered as stored and unpacked with the scalar decoder's word masks, lane by lane; the codes of
+ * sub-blocks 2p and 2p + 1 are the low and high nibbles of the same 32 bytes per row, so one 8 x 8
+ * transpose serves both. */
+static inline __attribute__((always_inline)) void gemv_group_q4k(const int R, const uint8_t *rows, int64_t row_bytes,
+                                                                 int64_t kb, const ts_act *a, int64_t r0,
+                                                                 const uint8_t *next, int64_t next_bytes,
+                                                                 float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
+    const int64_t pairs = kb / 2, lines = (next_bytes + 63) / 64;
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f), low6 = _mm256_set1_epi8(0x3f);
+    const __m256i low2 = _mm256_set1_epi8(0x03), byte = _mm256_set1_epi32(0xff);
+    __m256 acc[TS_GEMV_ROWS], acc_offset[TS_GEMV_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = acc_offset[r] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < kb / 8; u++) {
+        const uint8_t *unit = rows + u * 144;
+        __m256 d, dmin;
+        rows8_halves(unit, row_bytes, &d, &dmin);
+        dmin = _mm256_sub_ps(_mm256_setzero_ps(), dmin);
+        __m256i w[4];
+        rows8_words4(unit + 4, row_bytes, w); /* the 12 scale bytes as words w[0..2] */
+        const __m256i high_bits0 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w[0], 6), low2), 4);
+        const __m256i high_bits1 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w[1], 6), low2), 4);
+        const __m256i sc[2] = {_mm256_and_si256(w[0], low6), _mm256_or_si256(_mm256_and_si256(w[2], low4), high_bits0)};
+        const __m256i mn[2] = {_mm256_and_si256(w[1], low6),
+                               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w[2], 4), low4), high_bits1)};
+        for (int p = 0; p < 4; p++) {
+            const int64_t pair = u * 4 + p;
+            for (int64_t l = pair * lines / pairs; l < (pair + 1) * lines / pairs; l++)
+                __builtin_prefetch(next + 64 * l, 0, 3);
+            __m256i t[8];
+            for (int c = 0; c < 8; c++) t[c] = _mm256_loadu_si256((const __m256i *)(unit + c * row_bytes + 16 + 32 * p));
+            tile_transpose8x8(t); /* t[g] lane c: bytes 4g .. 4g + 3 of row c's 32 */
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * p + h; /* the sub-block: scale byte j % 4 of sc[j / 4] */
+                const __m128i shift = _mm_cvtsi32_si128(8 * (j % 4));
+                const __m256 scale = _mm256_mul_ps(
+                    d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(sc[j / 4], shift), byte)));
+                const __m256 offset = _mm256_mul_ps(
+                    dmin, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mn[j / 4], shift), byte)));
+                __m256i codes[8];
+                for (int g = 0; g < 8; g++)
+                    codes[g] = _mm256_and_si256(h ? _mm256_srli_epi16(t[g], 4) : t[g], low4);
+                for (int r = 0; r < R; r++) {
+                    const int64_t at = (r0 + r) * a->kb + u * 8 + j;
+                    const int8_t *x = a->q + (r0 + r) * a->k + (u * 8 + j) * TS_QBLOCK;
+                    __m256i sums = _mm256_setzero_si256();
+                    for (int g = 0; g < 8; g++) { /* 8 x 2 x 15 x 127 = 30,480: one int16 chain */
+                        int32_t four;
+                        memcpy(&four, x + 4 * g, 4);
+                        sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(codes[g], _mm256_set1_epi32(four)));
+                    }
+                    const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, ones));
+                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dots, _mm256_set1_ps(a->d[at])), scale, acc[r]);
+                    const float *xs = a->s + 2 * at;
+                    acc_offset[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xs[0] + xs[1]), acc_offset[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(res[r], _mm256_add_ps(acc[r], acc_offset[r]));
+}
+
+/* gemv_group over Q6_K. Per half of a 256-value unit, the 8 rows' 32-byte runs of low nibbles (two) and of
+ * high bits (one) are each transposed once and serve its four sub-blocks; every 16 values have their own
+ * int8 scale, and the offset -32 s is folded into the float step. */
+static inline __attribute__((always_inline)) void gemv_group_q6k(const int R, const uint8_t *rows, int64_t row_bytes,
+                                                                 int64_t kb, const ts_act *a, int64_t r0,
+                                                                 const uint8_t *next, int64_t next_bytes,
+                                                                 float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
+    const int64_t halves = kb / 4, lines = (next_bytes + 63) / 64;
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
+    __m256 acc[TS_GEMV_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < kb / 8; u++) {
+        const uint8_t *unit = rows + u * 210;
+        __m256i tail[4], scales[4];
+        rows8_words4(unit + 194, row_bytes, tail); /* tail[3]: bytes 206-209, d in the upper half */
+        const __m256i d16 = _mm256_packus_epi32(_mm256_srli_epi32(tail[3], 16), _mm256_setzero_si256());
+        const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(d16, 0x08)));
+        rows8_words4(unit + 192, row_bytes, scales); /* scales[i] lane c: row c's int8 scales 4i .. 4i + 3 */
+        for (int n = 0; n < 2; n++) {
+            const int64_t half = u * 2 + n;
+            for (int64_t l = half * lines / halves; l < (half + 1) * lines / halves; l++)
+                __builtin_prefetch(next + 64 * l, 0, 3);
+            __m256i ql[2][8], qh[8];
+            for (int c = 0; c < 8; c++) {
+                const uint8_t *row = unit + c * row_bytes;
+                ql[0][c] = _mm256_loadu_si256((const __m256i *)(row + 64 * n));
+                ql[1][c] = _mm256_loadu_si256((const __m256i *)(row + 64 * n + 32));
+                qh[c] = _mm256_loadu_si256((const __m256i *)(row + 128 + 32 * n));
+            }
+            tile_transpose8x8(ql[0]);
+            tile_transpose8x8(ql[1]);
+            tile_transpose8x8(qh);
+            for (int t = 0; t < 4; t++) { /* sub-block j = 4n + t: ql run t % 2, nibble t / 2, qh bits 2t */
+                const int j = 4 * n + t;
+                __m256i codes[8];
+                for (int g = 0; g < 8; g++) {
+                    const __m256i low = _mm256_and_si256(
+                        _mm256_srl_epi16(ql[t % 2][g], _mm_cvtsi32_si128(4 * (t / 2))), low4);
+                    const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh[g], _mm_cvtsi32_si128(2 * t)), low2);
+                    codes[g] = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+                }
+                __m256 scale[2]; /* values 0-15 and 16-31: int8 scales 2j and 2j + 1 */
+                for (int i = 0; i < 2; i++) {
+                    const int pos = (2 * j + i) % 4;
+                    const __m256i v = _mm256_srai_epi32(
+                        _mm256_sll_epi32(scales[(2 * j + i) / 4], _mm_cvtsi32_si128(24 - 8 * pos)), 24);
+                    scale[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(v));
+                }
+                for (int r = 0; r < R; r++) {
+                    const int64_t at = (r0 + r) * a->kb + u * 8 + j;
+                    const int8_t *x = a->q + (r0 + r) * a->k + (u * 8 + j) * TS_QBLOCK;
+                    const __m256 xd = _mm256_set1_ps(a->d[at]);
+                    const float *xs = a->s + 2 * at;
+                    for (int i = 0; i < 2; i++) {
+                        __m256i dot = _mm256_setzero_si256();
+                        for (int g = 4 * i; g < 4 * i + 4; g += 2) { /* 2 x 2 x 63 x 127 = 32,004 in int16 */
+                            int32_t x0, x1;
+                            memcpy(&x0, x + 4 * g, 4);
+                            memcpy(&x1, x + 4 * g + 4, 4);
+                            const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(codes[g], _mm256_set1_epi32(x0)),
+                                                                  _mm256_maddubs_epi16(codes[g + 1], _mm256_set1_epi32(x1)));
+                            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pair, ones));
+                        }
+                        /* s * (xd * dot - 32 * sum of x's 16 values): the code's offset of -32 */
+                        const __m256 term = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), xd, _mm256_set1_ps(-32.0f * xs[i]));
+                        acc[r] = _mm256_fmadd_ps(term, scale[i], acc[r]);
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(res[r], acc[r]);
 }
 
 /* gemv_group for a format and row count known at run time, each combination its own loop. */
@@ -107,7 +249,23 @@ static void gemv_group_any(int type, int rows_of_x, const uint8_t *rows, int64_t
     switch (type) {
         TS_GEMV_CASE(TS_Q4_0)
         TS_GEMV_CASE(TS_Q4_1)
+        TS_GEMV_CASE(TS_Q5_0)
+        TS_GEMV_CASE(TS_Q5_1)
         TS_GEMV_CASE(TS_Q8_0)
+    case TS_Q4_K:
+        switch (rows_of_x) {
+        case 1: gemv_group_q4k(1, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;
+        case 2: gemv_group_q4k(2, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;
+        default: gemv_group_q4k(3, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;
+        }
+        break;
+    case TS_Q6_K:
+        switch (rows_of_x) {
+        case 1: gemv_group_q6k(1, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;
+        case 2: gemv_group_q6k(2, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;
+        default: gemv_group_q6k(3, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;
+        }
+        break;
     default: break; /* gemv_has_format was asked first */
     }
 #undef TS_GEMV_CASE

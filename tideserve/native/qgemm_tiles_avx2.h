@@ -87,23 +87,72 @@ static inline __attribute__((always_inline)) void rows8_halves(const uint8_t *p,
     *second = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
 
-/* Q4_0, Q4_1 and Q8_0 rows [n0, n0 + 16), all present: 8 rows' blocks are gathered and transposed as
- * stored, before the nibbles are split (rows8_words4), which costs a third of decoding each row's block on
- * its own and transposing the codes. */
+/* The legacy 32-value formats with packed nibbles (Q4_0, Q4_1, Q5_0, Q5_1). */
+static inline int rows8_nibble_format(int type) {
+    return type == TS_Q4_0 || type == TS_Q4_1 || type == TS_Q5_0 || type == TS_Q5_1;
+}
+
+/* The codes of block ``block`` of 8 rows (``stride`` bytes apart) in a nibble format: lo[j] lane c holds
+ * values 4j .. 4j + 3 of row c, hi[j] values 16 + 4j .. 16 + 4j + 3 (steps j and 4 + j of the tiles' order).
+ * Q5's fifth bits (bit v of the 32-bit qh is value v's) are gathered the same way, then spread to bytes by
+ * a broadcast of their byte and a per-byte bit test. */
+static inline __attribute__((always_inline)) void rows8_nibble_codes(const int type, const uint8_t *block,
+                                                                     int64_t stride, __m256i lo[4], __m256i hi[4]) {
+    const int five = type == TS_Q5_0 || type == TS_Q5_1;
+    const int scales = type == TS_Q4_0 || type == TS_Q5_0 ? 2 : 4; /* d, or d and m */
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256i q[4];
+    rows8_words4(block + scales + (five ? 4 : 0), stride, q);
+    __m256i qh = _mm256_setzero_si256();
+    if (five) {
+        __m256i h[4];
+        rows8_words4(block + scales, stride, h); /* only h[0], each row's qh, is used */
+        qh = h[0];
+    }
+    for (int j = 0; j < 4; j++) {
+        lo[j] = _mm256_and_si256(q[j], low4);
+        hi[j] = _mm256_and_si256(_mm256_srli_epi16(q[j], 4), low4);
+        if (five) {
+            for (int half = 0; half < 2; half++) { /* values 4j + i (qh byte j / 2), 16 + 4j + i (byte 2 + j / 2) */
+                const char at = (char)(2 * half + j / 2);
+                const __m256i spread = _mm256_setr_epi8(at, at, at, at, 4 + at, 4 + at, 4 + at, 4 + at, 8 + at, 8 + at,
+                                                        8 + at, 8 + at, 12 + at, 12 + at, 12 + at, 12 + at, at, at, at,
+                                                        at, 4 + at, 4 + at, 4 + at, 4 + at, 8 + at, 8 + at, 8 + at,
+                                                        8 + at, 12 + at, 12 + at, 12 + at, 12 + at);
+                const __m256i bit = _mm256_set1_epi32(j % 2 ? (int)0x80402010u : 0x08040201);
+                const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, spread), bit), bit);
+                const __m256i fifth = _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+                if (half == 0) lo[j] = _mm256_or_si256(lo[j], fifth);
+                else hi[j] = _mm256_or_si256(hi[j], fifth);
+            }
+        }
+    }
+}
+
+/* Each row's offset o (value = s * code + o) from its scale d and Q4_1 / Q5_1's m. */
+static inline __attribute__((always_inline)) __m256 rows8_offsets(const int type, __m256 d, __m256 m) {
+    switch (type) {
+    case TS_Q4_0: return _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+    case TS_Q5_0: return _mm256_mul_ps(d, _mm256_set1_ps(-16.0f));
+    case TS_Q4_1: case TS_Q5_1: return m;
+    default: return _mm256_setzero_ps();
+    }
+}
+
+/* Rows [n0, n0 + 16), all present, of a nibble format or Q8_0: 8 rows' blocks are gathered and transposed
+ * as stored, before the nibbles are split (rows8_nibble_codes), which costs a third of decoding each row's
+ * block on its own and transposing the codes. */
 static inline __attribute__((always_inline)) void tile_decode_panel_gathered(const int type, const uint8_t *rows,
                                                                              int64_t row_bytes, int64_t kb,
                                                                              ts_tile_panel *p) {
     const int64_t block_bytes = ts_qunit_bytes(type);
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
     for (int64_t b = 0; b < kb; b++) {
         for (int h = 0; h < 2; h++) {
             const uint8_t *block = rows + 8 * h * row_bytes + b * block_bytes;
             __m256 d, m;
             rows8_halves(block, row_bytes, &d, &m);
             _mm256_storeu_ps(p->scale + b * TS_TILE_COLS + 8 * h, d);
-            const __m256 offset = type == TS_Q4_1 ? m : type == TS_Q4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f))
-                                                                        : _mm256_setzero_ps();
-            _mm256_storeu_ps(p->offset + b * TS_TILE_COLS + 8 * h, offset);
+            _mm256_storeu_ps(p->offset + b * TS_TILE_COLS + 8 * h, rows8_offsets(type, d, m));
             if (type == TS_Q8_0) {
                 __m256i w[8];
                 for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_si256((const __m256i *)(block + c * row_bytes + 2));
@@ -114,12 +163,11 @@ static inline __attribute__((always_inline)) void tile_decode_panel_gathered(con
                     _mm256_storeu_si256((__m256i *)(p->codes + at), _mm256_abs_epi8(w[g]));
                 }
             } else {
-                __m256i q[4]; /* q[j] lane c: qs bytes 4j .. 4j + 3 of row c: values 4j.. (low), 16 + 4j.. (high) */
-                rows8_words4(block + (type == TS_Q4_1 ? 4 : 2), row_bytes, q);
+                __m256i lo[4], hi[4];
+                rows8_nibble_codes(type, block, row_bytes, lo, hi);
                 for (int j = 0; j < 4; j++) {
-                    _mm256_storeu_si256((__m256i *)(p->codes + ((b * 8 + j) * 2 + h) * 32), _mm256_and_si256(q[j], low4));
-                    _mm256_storeu_si256((__m256i *)(p->codes + ((b * 8 + 4 + j) * 2 + h) * 32),
-                                        _mm256_and_si256(_mm256_srli_epi16(q[j], 4), low4));
+                    _mm256_storeu_si256((__m256i *)(p->codes + ((b * 8 + j) * 2 + h) * 32), lo[j]);
+                    _mm256_storeu_si256((__m256i *)(p->codes + ((b * 8 + 4 + j) * 2 + h) * 32), hi[j]);
                 }
             }
         }
@@ -131,7 +179,7 @@ static inline __attribute__((always_inline)) void tile_decode_panel(const int ty
                                                                     int64_t k, ts_tile_panel *p) {
     const int64_t kb = k / TS_QBLOCK, row_bytes = ts_qrow_bytes(type, k);
     const int64_t valid = seg->n - n0 < TS_TILE_COLS ? seg->n - n0 : TS_TILE_COLS;
-    if (valid == TS_TILE_COLS && (type == TS_Q4_0 || type == TS_Q4_1 || type == TS_Q8_0)) {
+    if (valid == TS_TILE_COLS && (rows8_nibble_format(type) || type == TS_Q8_0)) {
         tile_decode_panel_gathered(type, seg->data + n0 * row_bytes, row_bytes, kb, p);
         return;
     }

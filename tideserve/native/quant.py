@@ -126,8 +126,8 @@ def kernels_summary() -> str | None:
 
 
 def set_gemv(enabled: bool) -> bool:
-    """Whether AVX2's matrix-vector kernel takes the products below the tiles' threshold over Q4_0, Q4_1 and
-    Q8_0 (the default) or the row kernels do. Returns the previous setting. For tests and benchmarks."""
+    """Whether AVX2's matrix-vector kernel takes the products below the tiles' threshold over Q4_0, Q4_1,
+    Q5_0, Q5_1 and Q8_0 (the default) or the row kernels do. Returns the previous setting. For tests and benchmarks."""
     lib = _lib()
     if lib is None:
         raise RuntimeError("the native kernels are not available")
