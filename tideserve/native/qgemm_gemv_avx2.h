@@ -1,5 +1,5 @@
-/* Matrix-vector products (1 to TS_GEMV_ROWS rows of x: single-stream decode) over the legacy 32-value
- * formats (Q4_0, Q4_1, Q5_0, Q5_1) and Q8_0 in AVX2 instructions. qgemm.c includes this under its AVX2
+/* Matrix-vector products (1 to TS_GEMV_ROWS rows of x: single-stream decode) over Q4_0, Q4_1, Q5_0,
+ * Q5_1, Q8_0, Q4_K and Q6_K (every format but Q5_K) in AVX2 instructions. qgemm.c includes this under its AVX2
  * target, after qgemm_tiles_avx2.h, whose 8-row gathers and 8 x 8 transpose it uses.
  *
  * Why: at one row of x a decode step is bound by how fast the weights stream in, and the row kernels
