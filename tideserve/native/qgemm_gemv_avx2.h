@@ -102,10 +102,11 @@ static inline __attribute__((always_inline)) void gemv_group(const int type, con
  * gathered as stored and unpacked with the scalar decoder's word masks, lane by lane; the codes of
  * sub-blocks 2p and 2p + 1 are the low and high nibbles of the same 32 bytes per row, so one 8 x 8
  * transpose serves both. */
-static inline __attribute__((always_inline)) void gemv_group_q4k(const int R, const uint8_t *rows, int64_t row_bytes,
-                                                                 int64_t kb, const ts_act *a, int64_t r0,
-                                                                 const uint8_t *next, int64_t next_bytes,
+static inline __attribute__((always_inline)) void gemv_group_q4k(const int type, const int R, const uint8_t *rows,
+                                                                 int64_t row_bytes, int64_t kb, const ts_act *a,
+                                                                 int64_t r0, const uint8_t *next, int64_t next_bytes,
                                                                  float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
+    (void)type; /* Q4_K: the argument keeps gemv_group's signature */
     const int64_t pairs = kb / 2, lines = (next_bytes + 63) / 64;
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f), low6 = _mm256_set1_epi8(0x3f);
     const __m256i low2 = _mm256_set1_epi8(0x03), byte = _mm256_set1_epi32(0xff);
@@ -128,7 +129,8 @@ static inline __attribute__((always_inline)) void gemv_group_q4k(const int R, co
             for (int64_t l = pair * lines / pairs; l < (pair + 1) * lines / pairs; l++)
                 __builtin_prefetch(next + 64 * l, 0, 3);
             __m256i t[8];
-            for (int c = 0; c < 8; c++) t[c] = _mm256_loadu_si256((const __m256i *)(unit + c * row_bytes + 16 + 32 * p));
+            for (int c = 0; c < 8; c++)
+                t[c] = _mm256_loadu_si256((const __m256i *)(unit + c * row_bytes + 16 + 32 * p));
             tile_transpose8x8(t); /* t[g] lane c: bytes 4g .. 4g + 3 of row c's 32 */
             for (int h = 0; h < 2; h++) {
                 const int j = 2 * p + h; /* the sub-block: scale byte j % 4 of sc[j / 4] */
@@ -163,10 +165,11 @@ static inline __attribute__((always_inline)) void gemv_group_q4k(const int R, co
 /* gemv_group over Q6_K. Per half of a 256-value unit, the 8 rows' 32-byte runs of low nibbles (two) and of
  * high bits (one) are each transposed once and serve its four sub-blocks; every 16 values have their own
  * int8 scale, and the offset -32 s is folded into the float step. */
-static inline __attribute__((always_inline)) void gemv_group_q6k(const int R, const uint8_t *rows, int64_t row_bytes,
-                                                                 int64_t kb, const ts_act *a, int64_t r0,
-                                                                 const uint8_t *next, int64_t next_bytes,
+static inline __attribute__((always_inline)) void gemv_group_q6k(const int type, const int R, const uint8_t *rows,
+                                                                 int64_t row_bytes, int64_t kb, const ts_act *a,
+                                                                 int64_t r0, const uint8_t *next, int64_t next_bytes,
                                                                  float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
+    (void)type; /* Q6_K */
     const int64_t halves = kb / 4, lines = (next_bytes + 63) / 64;
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
     __m256 acc[TS_GEMV_ROWS];
@@ -219,12 +222,14 @@ static inline __attribute__((always_inline)) void gemv_group_q6k(const int R, co
                             int32_t x0, x1;
                             memcpy(&x0, x + 4 * g, 4);
                             memcpy(&x1, x + 4 * g + 4, 4);
-                            const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(codes[g], _mm256_set1_epi32(x0)),
-                                                                  _mm256_maddubs_epi16(codes[g + 1], _mm256_set1_epi32(x1)));
+                            const __m256i pair =
+                                _mm256_add_epi16(_mm256_maddubs_epi16(codes[g], _mm256_set1_epi32(x0)),
+                                                 _mm256_maddubs_epi16(codes[g + 1], _mm256_set1_epi32(x1)));
                             dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pair, ones));
                         }
                         /* s * (xd * dot - 32 * sum of x's 16 values): the code's offset of -32 */
-                        const __m256 term = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), xd, _mm256_set1_ps(-32.0f * xs[i]));
+                        const __m256 term =
+                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), xd, _mm256_set1_ps(-32.0f * xs[i]));
                         acc[r] = _mm256_fmadd_ps(term, scale[i], acc[r]);
                     }
                 }
@@ -238,34 +243,22 @@ static inline __attribute__((always_inline)) void gemv_group_q6k(const int R, co
 static void gemv_group_any(int type, int rows_of_x, const uint8_t *rows, int64_t row_bytes, int64_t kb,
                            const ts_act *a, int64_t r0, const uint8_t *next, int64_t next_bytes,
                            float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
-#define TS_GEMV_CASE(T)                                                         \
-    case T:                                                                     \
-        switch (rows_of_x) {                                                    \
-        case 1: gemv_group(T, 1, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;       \
-        case 2: gemv_group(T, 2, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;       \
-        default: gemv_group(T, 3, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;      \
-        }                                                                       \
+#define TS_GEMV_CASE(T, KERNEL)                                                                \
+    case T:                                                                                    \
+        switch (rows_of_x) {                                                                   \
+        case 1: KERNEL(T, 1, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;       \
+        case 2: KERNEL(T, 2, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;       \
+        default: KERNEL(T, 3, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;      \
+        }                                                                                      \
         break;
     switch (type) {
-        TS_GEMV_CASE(TS_Q4_0)
-        TS_GEMV_CASE(TS_Q4_1)
-        TS_GEMV_CASE(TS_Q5_0)
-        TS_GEMV_CASE(TS_Q5_1)
-        TS_GEMV_CASE(TS_Q8_0)
-    case TS_Q4_K:
-        switch (rows_of_x) {
-        case 1: gemv_group_q4k(1, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;
-        case 2: gemv_group_q4k(2, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;
-        default: gemv_group_q4k(3, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;
-        }
-        break;
-    case TS_Q6_K:
-        switch (rows_of_x) {
-        case 1: gemv_group_q6k(1, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;
-        case 2: gemv_group_q6k(2, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;
-        default: gemv_group_q6k(3, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;
-        }
-        break;
+        TS_GEMV_CASE(TS_Q4_0, gemv_group)
+        TS_GEMV_CASE(TS_Q4_1, gemv_group)
+        TS_GEMV_CASE(TS_Q5_0, gemv_group)
+        TS_GEMV_CASE(TS_Q5_1, gemv_group)
+        TS_GEMV_CASE(TS_Q8_0, gemv_group)
+        TS_GEMV_CASE(TS_Q4_K, gemv_group_q4k)
+        TS_GEMV_CASE(TS_Q6_K, gemv_group_q6k)
     default: break; /* gemv_has_format was asked first */
     }
 #undef TS_GEMV_CASE
