@@ -89,6 +89,19 @@ def test_simd_row_paths_equal_the_scalar_path(path, qtype, rows, row_kernels):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
 
 
+def assert_matches_the_scalar_path(qtype: str, rows: int, seed: int) -> None:
+    """A [rows, 512] x [512, 100] product with a bias on the kernel in effect against the scalar path."""
+    data, _ = weight(qtype, n=100, seed=seed)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(seed + 1)) * 3
+    bias = torch.randn(100)  # kept alive here: the QMat holds its pointer
+    mat = quant.make_qmat([(qtype, data)], 512, bias)
+    got = quant.qmatmul(x, mat)
+    with quant.forced_isa("scalar"):
+        want = quant.qmatmul(x, mat)
+    # Same integer dot products; only the float summation order differs.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
+
+
 @pytest.fixture
 def avx2_tiles(request):
     """AVX2's tiles for every product, whatever the batch size (on an AVX2-capable CPU)."""
@@ -105,15 +118,7 @@ def avx2_tiles(request):
 def test_avx2_tiles_equal_the_scalar_path(qtype, rows, avx2_tiles):
     """Panels of 16 weight rows (100 rows: the last panel is partly empty), micro tiles of 4 rows of x
     (the 1, 2 and 3-row remainders), every format's int16 chain and Q6_K's per-half scales."""
-    data, _ = weight(qtype, n=100, seed=2)
-    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(3)) * 3
-    bias = torch.randn(100)
-    mat = quant.make_qmat([(qtype, data)], 512, bias)
-    got = quant.qmatmul(x, mat)
-    with quant.forced_isa("scalar"):
-        want = quant.qmatmul(x, mat)
-    # Same integer dot products; only the float summation order differs.
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
+    assert_matches_the_scalar_path(qtype, rows, seed=2)
 
 
 @pytest.fixture
@@ -136,15 +141,7 @@ def avx2_gemv(request):
 def test_avx2_gemv_equals_the_scalar_path(qtype, rows, avx2_gemv):
     """Groups of 8 weight rows (100 rows: 12 groups, and 4 left to the row kernels), 1-3 rows of x per
     pass (7: passes of 3, 3 and 1), with a bias."""
-    data, _ = weight(qtype, n=100, seed=4)
-    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(5)) * 3
-    bias = torch.randn(100)
-    mat = quant.make_qmat([(qtype, data)], 512, bias)
-    got = quant.qmatmul(x, mat)
-    with quant.forced_isa("scalar"):
-        want = quant.qmatmul(x, mat)
-    # Same integer dot products; only the float summation order differs.
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
+    assert_matches_the_scalar_path(qtype, rows, seed=4)
 
 
 def test_avx2_gemv_next_to_row_kernels_in_one_layer(avx2_gemv):
