@@ -333,7 +333,9 @@ def recovery_s(samples: list[dict[str, Any]], burst: Burst, window_s: float) -> 
 
 async def drive(servers: list[ServerProcess], bursts: list[list[SampleRequest]], warmup: list[SampleRequest],
                 cg: Cgroup, args: argparse.Namespace, elastic: bool) -> dict[str, Any]:
-    """Warm both servers, then the staggered bursts A, B, A, B, ``gap`` seconds apart; counters, timeline."""
+    """Warm both servers, then the staggered bursts A, B, A, B, ``gap`` seconds apart (elastic: and each once
+    the previous burster's pool is back near its floor, so a burst never starts inside the last one's
+    give-back, whose timing varies with the machine); counters, timeline."""
     urls = [s.base_url for s in servers]
     model = discover_model(urls[0])
     await warm(urls, model, warmup, args)
@@ -351,9 +353,9 @@ async def drive(servers: list[ServerProcess], bursts: list[list[SampleRequest]],
         burst.end_s = time.perf_counter() - t0
         done.append(burst)
         await asyncio.sleep(args.gap if k + 1 < len(bursts) else 0)
-    if elastic:
-        window = args.shrink_delay + 15
-        await wait_for(lambda: recovery_s(samples, done[-1], window) is not None, window)
+        if elastic:  # the next burst starts once this burster has given its memory back: turns, not overlap
+            window = args.shrink_delay + 15
+            await wait_for(lambda: recovery_s(samples, done[-1], window) is not None, window)
     stop.set()
     await task
     counters = cg.counters()

@@ -194,7 +194,10 @@ def test_idle_engine_thread_shrinks_the_pool_without_steps(shared_model):
         while inner.kv_manager.num_blocks > floor:
             assert time.monotonic() < deadline, f"still {inner.kv_manager.num_blocks} blocks (floor {floor})"
             time.sleep(0.05)
+        # The snapshot follows too: the engine thread takes it right after the shrink, so wait for it as well.
+        while engine.stats().kv_cache_pool_blocks != floor:
+            assert time.monotonic() < deadline, f"the snapshot still says {engine.stats().kv_cache_pool_blocks} blocks"
+            time.sleep(0.01)
         assert steps[0] == 0
-        assert engine.stats().kv_cache_pool_blocks == floor  # the snapshot follows too
     finally:
         engine.shutdown(5)
