@@ -115,14 +115,14 @@ def test_embedded_q4_1_file_is_served_on_its_own_bytes(smollm2_gguf_path):
     tensors = {t.name: t for t in reader.tensors}
     down = model.model.layers[3].mlp.down_proj.qweight
     assert down.qtypes == ["q4_1"]
-    assert torch.equal(down.segments[0][1], read_blocks(str(smollm2_gguf_path), tensors["blk.3.ffn_down.weight"]))
-    qkv = model.model.layers[3].self_attn.qkv_proj.qweight.segments[0][1]
+    assert torch.equal(down.file_segments()[0][1], read_blocks(str(smollm2_gguf_path), tensors["blk.3.ffn_down.weight"]))
+    qkv = model.model.layers[3].self_attn.qkv_proj.qweight.file_segments()[0][1]
     q_rows = unpermute_qk(read_blocks(str(smollm2_gguf_path), tensors["blk.3.attn_q.weight"]),
                           model.arch.num_attention_heads)
     assert torch.equal(qkv[: q_rows.shape[0]], q_rows)
     table = model.model.embed_tokens.qweight
     assert table.qtypes == ["q8_0"] and model.lm_head_q is table
-    assert torch.equal(table.segments[0][1], read_blocks(str(smollm2_gguf_path), tensors["token_embd.weight"]))
+    assert torch.equal(table.file_segments()[0][1], read_blocks(str(smollm2_gguf_path), tensors["token_embd.weight"]))
     assert all(m.weight is None for m in model.modules() if isinstance(m, Linear))
     assert model_weight_bytes(model) < 1.02 * smollm2_gguf_path.stat().st_size
 

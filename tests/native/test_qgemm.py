@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(not quant.available(), reason="no C compiler to 
 FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]
 GEMV_FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"]  # the formats AVX2's matrix-vector kernel takes
 ROW_PATHS = ["avx2", "avx512"]
+X8_FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]  # the formats with an interleaved layout
 
 
 def need(path: str) -> None:
@@ -89,15 +90,16 @@ def test_simd_row_paths_equal_the_scalar_path(path, qtype, rows, row_kernels):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
 
 
-def assert_matches_the_scalar_path(qtype: str, rows: int, seed: int) -> None:
-    """A [rows, 512] x [512, 100] product with a bias on the kernel in effect against the scalar path."""
+def assert_matches_the_scalar_path(qtype: str, rows: int, seed: int, layout: str = "rows") -> None:
+    """A [rows, 512] x [512, 100] product with a bias on the kernel in effect against the scalar path over
+    the file's rows (the weight itself in ``layout``)."""
     data, _ = weight(qtype, n=100, seed=seed)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(seed + 1)) * 3
     bias = torch.randn(100)  # kept alive here: the QMat holds its pointer
-    mat = quant.make_qmat([(qtype, data)], 512, bias)
-    got = quant.qmatmul(x, mat)
+    stored = data if layout == "rows" else quant.relayout(qtype, data, 512, layout)
+    got = quant.qmatmul(x, quant.make_qmat([(qtype, stored)], 512, bias, [layout]))
     with quant.forced_isa("scalar"):
-        want = quant.qmatmul(x, mat)
+        want = quant.qmatmul(x, quant.make_qmat([(qtype, data)], 512, bias))
     # Same integer dot products; only the float summation order differs.
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
 
@@ -113,12 +115,13 @@ def avx2_tiles(request):
         yield
 
 
-@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize(("qtype", "layout"), [*((q, "rows") for q in FORMATS), *((q, "x8") for q in X8_FORMATS)])
 @pytest.mark.parametrize("rows", [1, 3, 6, 16, 37, 70])
-def test_avx2_tiles_equal_the_scalar_path(qtype, rows, avx2_tiles):
-    """Panels of 16 weight rows (100 rows: the last panel is partly empty), micro tiles of 4 rows of x
-    (the 1, 2 and 3-row remainders), every format's int16 chain and Q6_K's per-half scales."""
-    assert_matches_the_scalar_path(qtype, rows, seed=2)
+def test_avx2_tiles_equal_the_scalar_path(qtype, layout, rows, avx2_tiles):
+    """Panels of 16 weight rows (100 rows: the last panel is partly empty, half of it an interleaved group
+    in the x8 layout), micro tiles of 4 rows of x (the 1, 2 and 3-row remainders), every format's int16
+    chain and Q6_K's per-half scales."""
+    assert_matches_the_scalar_path(qtype, rows, seed=2, layout=layout)
 
 
 @pytest.fixture
@@ -136,12 +139,13 @@ def avx2_gemv(request):
         yield
 
 
-@pytest.mark.parametrize("qtype", GEMV_FORMATS)
+@pytest.mark.parametrize(("qtype", "layout"), [*((q, "rows") for q in GEMV_FORMATS),
+                                               *((q, "x8") for q in X8_FORMATS)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
-def test_avx2_gemv_equals_the_scalar_path(qtype, rows, avx2_gemv):
+def test_avx2_gemv_equals_the_scalar_path(qtype, layout, rows, avx2_gemv):
     """Groups of 8 weight rows (100 rows: 12 groups, and 4 left to the row kernels), 1-3 rows of x per
-    pass (7: passes of 3, 3 and 1), with a bias."""
-    assert_matches_the_scalar_path(qtype, rows, seed=4)
+    pass (7: passes of 3, 3 and 1), with a bias, over the file's rows and the interleaved layout."""
+    assert_matches_the_scalar_path(qtype, rows, seed=4, layout=layout)
 
 
 def test_avx2_gemv_next_to_row_kernels_in_one_layer(avx2_gemv):
@@ -162,10 +166,12 @@ def test_avx2_gemv_next_to_row_kernels_in_one_layer(avx2_gemv):
     assert (got - exact).norm() < 0.01 * exact.norm()
 
 
-@pytest.mark.parametrize(("kernel", "qtype"), [*(("avx2_tiles", q) for q in FORMATS),
-                                               *(("avx2_gemv", q) for q in GEMV_FORMATS)])
+@pytest.mark.parametrize(("kernel", "qtype", "layout"), [*(("avx2_tiles", q, "rows") for q in FORMATS),
+                                                         *(("avx2_gemv", q, "rows") for q in GEMV_FORMATS),
+                                                         *((k, q, "x8") for k in ("avx2_tiles", "avx2_gemv")
+                                                           for q in X8_FORMATS)])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_avx2_extreme_codes_do_not_overflow(kernel, qtype, sign, request):
+def test_avx2_extreme_codes_do_not_overflow(kernel, qtype, layout, sign, request):
     """The int16 sums of vpmaddubsw are added for as many steps as the format's largest code allows: a
     weight at its largest codes (one low value per block, the rest high) against x at +-127 everywhere
     comes close to that bound on every format, and Q8_0's -128 reads as |w| = 128."""
@@ -178,13 +184,81 @@ def test_avx2_extreme_codes_do_not_overflow(kernel, qtype, sign, request):
         blocks[:, :, 3] = 0x80
         data = blocks.reshape(data.shape).view(data.dtype)
     x = torch.full((20, 256), sign)
-    mat = quant.make_qmat([(qtype, data)], 256, None)
-    got = quant.qmatmul(x, mat)
+    stored = data if layout == "rows" else quant.relayout(qtype, data, 256, layout)
+    got = quant.qmatmul(x, quant.make_qmat([(qtype, stored)], 256, None, [layout]))
     with quant.forced_isa("scalar"):
-        want = quant.qmatmul(x, mat)
+        want = quant.qmatmul(x, quant.make_qmat([(qtype, data)], 256, None))
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-4)
     if qtype != "q8_0":
         torch.testing.assert_close(got, x @ values.T, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("qtype", X8_FORMATS)
+@pytest.mark.parametrize("n", [3, 8, 13, 40])
+def test_the_interleaved_layout_round_trips(qtype, n):
+    """x8 reorders each whole group of 8 rows (Q5's fifth bits too) and leaves the rest: back to the file's
+    rows it is the same bytes."""
+    data, _ = weight(qtype, n=n, k=256, seed=n)
+    x8 = quant.relayout(qtype, data, 256, "x8")
+    assert torch.equal(quant.relayout(qtype, x8, 256, "rows"), data)
+    grouped = n // 8 * 8
+    assert torch.equal(x8[grouped:], data[grouped:])
+    assert grouped == 0 or not torch.equal(x8[:grouped], data[:grouped])
+    if qtype not in ("q5_0", "q5_1"):  # the same bytes moved (Q5's fifth bits also move within their word)
+        assert torch.equal(x8[:grouped].flatten().sort().values, data[:grouped].flatten().sort().values)
+    with pytest.raises(ValueError, match="q4_k has no interleaved layout"):
+        quant.relayout("q4_k", weight("q4_k", n=8, k=256)[0], 256, "x8")
+
+
+@pytest.mark.parametrize("path", ["scalar", "avx2-rows", "avx2-gemv", "avx2-tiles", "avx512", "amx"])
+@pytest.mark.parametrize("qtype", X8_FORMATS)
+def test_every_path_reads_the_interleaved_layout_as_the_file_rows(path, qtype, request):
+    """On every path the x8 layout gives bit for bit what the file's rows give (the paths that do not read it
+    directly copy its rows back), for 1 to 20 rows of x and 29 weight rows (3 groups and a tail)."""
+    isa = {"avx2-rows": "avx2", "avx2-gemv": "avx2", "avx2-tiles": "avx2"}.get(path, path)
+    need(isa)
+    previous = quant.set_tile_min_rows({"avx2-tiles": 1, "amx": 1}.get(path, 1 << 30))
+    request.addfinalizer(lambda: quant.set_tile_min_rows(previous))
+    gemv = quant.set_gemv(path == "avx2-gemv")
+    request.addfinalizer(lambda: quant.set_gemv(gemv))
+    data, _ = weight(qtype, n=29, k=256, seed=3)
+    x8 = quant.relayout(qtype, data, 256, "x8")
+    bias = torch.randn(29)
+    file_rows = quant.make_qmat([(qtype, data)], 256, bias)
+    interleaved = quant.make_qmat([(qtype, x8)], 256, bias, ["x8"])
+    with quant.forced_isa(isa):
+        for rows in (1, 2, 5, 8, 20):
+            x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)) * 2
+            assert torch.equal(quant.qmatmul(x, interleaved), quant.qmatmul(x, file_rows)), rows
+        ids = torch.tensor([0, 7, 8, 23, 24, 28, 5])
+        assert torch.equal(quant.dequant_rows(qtype, x8, 256, ids, "x8"), quant.dequant_rows(qtype, data, 256, ids))
+
+
+def test_a_quantized_weight_keeps_the_layout_this_cpu_reads_fastest():
+    """On AVX2 (without AVX-512 VNNI or AMX) the legacy formats and Q8_0 are interleaved at load and the
+    K-quants stay as stored; either way file_segments, deepcopy, embed and dequantize see the file's rows."""
+    import copy
+
+    gen = torch.Generator().manual_seed(11)
+    kinds = (("q5_0", 45), ("q8_0", 19), ("q4_k", 16))
+    shards = [quantized_pair(torch.randn(n, 256, generator=gen), qtype) for qtype, n in kinds]
+    with quant.forced_isa("avx2" if quant.cpu_isa() != "scalar" else "scalar") as isa:
+        w = QuantWeight([(qtype, data) for (qtype, _), (data, _) in zip(kinds, shards)], 256)
+        x = torch.randn(3, 256, generator=gen)
+        got = w(x)
+    want = ["x8", "x8", "rows"] if isa == "avx2" else ["rows"] * 3
+    assert w.layouts == want
+    for (qtype, data), (_, (blocks, _)) in zip(w.file_segments(), zip(kinds, shards)):
+        assert torch.equal(data, blocks)
+    values = torch.cat([v for _, v in shards])
+    torch.testing.assert_close(w.dequantize(), values, rtol=0, atol=0)
+    twin = copy.deepcopy(w)
+    assert twin.layouts == w.layouts
+    with quant.forced_isa(isa):
+        assert torch.equal(twin(x), got)
+    table = QuantWeight([("q8_0", shards[1][0])], 256)
+    ids = torch.tensor([[0, 18], [9, 7]])
+    torch.testing.assert_close(table.embed(ids), shards[1][1][ids], rtol=0, atol=0)
 
 
 def test_batch_sizes_pick_the_measured_kernel():

@@ -147,7 +147,9 @@ def _declare_qgemm_exports(lib: ctypes.CDLL) -> None:
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     signatures: dict[str, tuple[type | None, list[type]]] = {
         "ts_qmatmul_f32": (cint, [ptr, ptr, i64, i64, cint, ptr, i64, cint]),
-        "ts_qdequant_rows_f32": (cint, [i64, ptr, i64, ptr, i64, ptr, cint]),
+        "ts_qdequant_rows_f32": (cint, [i64, ptr, i64, i64, i64, ptr, i64, ptr, cint]),
+        "ts_qgemm_x8_preferred": (cint, [i64]),
+        "ts_qgemm_relayout": (cint, [i64, ptr, ptr, i64, i64, cint]),
         "ts_qgemm_isa": (cint, []),
         "ts_qgemm_set_isa": (cint, [cint]),
         "ts_qgemm_set_tile_min_rows": (cint, [cint]),

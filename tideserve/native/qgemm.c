@@ -22,6 +22,10 @@
  * A scalar path computes the same arithmetic as the row kernels in plain C: the reference in tests and
  * the path on CPUs with neither. ts_qgemm_set_isa caps the choice so tests can run every path.
  *
+ * On the AVX2 path the legacy formats and Q8_0 are interleaved by 8 rows at load (qgemm_formats.h:
+ * TS_LAYOUT_X8), the order in which the matrix-vector kernel and the tiles read them; every other path copies
+ * such rows back to the file's layout first.
+ *
  * A layer may hold several segments of different formats (a fused q|k|v whose v rows are Q8_0 while q
  * and k are Q5_0, as llama.cpp's Q4_K_M mixes them); each writes its own range of output columns.
  */
@@ -579,19 +583,29 @@ static int kernel_for_weight(const ts_qmat *w, int64_t m) {
 typedef void (*ts_row_kernel)(int, const uint8_t *, int64_t, const ts_act *, int64_t, int, float *);
 
 /* x quantized to 8 bits per block (SwiGLU applied first for act 1), then multiplied by the row kernel
- * ``kernel`` or, with ``tiles`` (AVX2 builds only), by the AVX2 tiles; with ``gemv`` (AVX2 builds only),
- * the segments in a format qgemm_gemv_avx2.h takes go 8 weight rows at a time through its kernel. */
+ * ``kernel`` or, with ``tiles`` (AVX2 builds only), by the AVX2 tiles; on the AVX2 path, the segments in a
+ * format qgemm_gemv_avx2.h takes go 8 weight rows at a time through its kernel. The row kernels read an
+ * interleaved group's rows through a per-thread copy in the file's layout (only tests and capped paths
+ * take them over such a segment). */
 static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_t m, int act, float *out,
-                       int64_t out_stride, int num_threads, ts_row_kernel kernel, int tiles, int gemv) {
+                       int64_t out_stride, int num_threads, ts_row_kernel kernel, int tiles) {
     const int64_t k = w->k, kb = k / TS_QBLOCK;
     ts_act a = {malloc((size_t)(m * k)), malloc(sizeof(float) * (size_t)(m * kb)),
                 malloc(sizeof(float) * (size_t)(2 * m * kb)), k, kb};
     float *activated = act ? malloc(sizeof(float) * (size_t)(m * k)) : NULL;
-    if (a.q == NULL || a.d == NULL || a.s == NULL || (act && activated == NULL)) {
+    /* per thread, one row in the file's layout: the row kernels' copy of an interleaved group's row */
+    int64_t scratch_bytes = 0;
+    for (int64_t s = 0; !tiles && s < w->num_segs; s++) {
+        const int64_t bytes = ts_qrow_bytes(w->seg[s].type, k);
+        if (w->seg[s].layout == TS_LAYOUT_X8 && bytes > scratch_bytes) scratch_bytes = bytes;
+    }
+    uint8_t *scratch_rows = scratch_bytes ? malloc((size_t)(scratch_bytes * (num_threads > 1 ? num_threads : 1))) : NULL;
+    if (a.q == NULL || a.d == NULL || a.s == NULL || (act && activated == NULL) || (scratch_bytes && scratch_rows == NULL)) {
         free(a.q);
         free(a.d);
         free(a.s);
         free(activated);
+        free(scratch_rows);
         return -1;
     }
     int64_t bytes = 0;
@@ -615,6 +629,7 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
             failed = 1;
         }
 #endif
+        uint8_t *scratch = scratch_rows + omp_get_thread_num() * scratch_bytes;
         for (int64_t s = 0; !tiles && s < w->num_segs; s++) {
             const ts_qseg *seg = w->seg + s;
             int64_t col0 = 0;
@@ -622,16 +637,17 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
             const int64_t row_bytes = ts_qrow_bytes(seg->type, k);
             int64_t groups = 0;
 #ifdef TS_QGEMM_X86
-            if (gemv && gemv_for(TS_QG_AVX2, seg->type)) groups = seg->n / TS_GEMV_GROUP;
+            if (kernel == dot_row_group_avx2 && gemv_for(TS_QG_AVX2, seg->type)) groups = seg->n / TS_GEMV_GROUP;
             const int64_t group_bytes = TS_GEMV_GROUP * row_bytes;
+            const int x8 = seg->layout == TS_LAYOUT_X8;
 #pragma omp for schedule(static) nowait
             for (int64_t g = 0; g < groups; g++) {
                 const uint8_t *rows = seg->data + g * group_bytes;
                 for (int64_t i0 = 0; i0 < m; i0 += TS_GEMV_ROWS) {
                     const int n_rows = (int)(m - i0 < TS_GEMV_ROWS ? m - i0 : TS_GEMV_ROWS);
                     float res[TS_GEMV_ROWS][TS_GEMV_GROUP];
-                    gemv_group_any((int)seg->type, n_rows, rows, row_bytes, kb, &a, i0, rows + TS_GEMV_AHEAD * group_bytes,
-                                   i0 == 0 ? group_bytes : 0, res);
+                    gemv_group_any((int)seg->type, x8, n_rows, rows, row_bytes, kb, &a, i0,
+                                   rows + TS_GEMV_AHEAD * group_bytes, i0 == 0 ? group_bytes : 0, res);
                     for (int i = 0; i < n_rows; i++)
                         for (int c = 0; c < TS_GEMV_GROUP; c++) {
                             const int64_t col = col0 + g * TS_GEMV_GROUP + c;
@@ -645,9 +661,10 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
                 float res[TS_QGEMM_ROWS];
                 const float add = w->bias != NULL ? w->bias[col0 + c] : 0.0f;
                 prefetch_ahead(seg->data + c * row_bytes, row_bytes);
+                const uint8_t *weight_row = ts_x8_row(seg, c, row_bytes, scratch);
                 for (int64_t i0 = 0; i0 < m; i0 += TS_QGEMM_ROWS) {
                     const int rows = (int)(m - i0 < TS_QGEMM_ROWS ? m - i0 : TS_QGEMM_ROWS);
-                    kernel((int)seg->type, seg->data + c * row_bytes, kb, &a, i0, rows, res);
+                    kernel((int)seg->type, weight_row, kb, &a, i0, rows, res);
                     for (int i = 0; i < rows; i++) out[(i0 + i) * out_stride + col0 + c] = res[i] + add;
                 }
             }
@@ -657,6 +674,7 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
     free(a.d);
     free(a.s);
     free(activated);
+    free(scratch_rows);
     return failed ? -1 : 0;
 }
 
@@ -676,27 +694,37 @@ int ts_qmatmul_f32(const ts_qmat *w, const float *x, int64_t x_stride, int64_t m
     if (n != w->n) return -1;
     const int isa = ts_qgemm_active_isa(), kernel = kernel_for_weight(w, m);
 #ifdef TS_QGEMM_HAVE_AMX
-    if (kernel == 2) return amx_matmul(w, x, x_stride, m, act, out, out_stride, num_threads);
+    int interleaved = 0; /* the AMX panels read rows as stored (weights are interleaved for AVX2 only) */
+    for (int64_t s = 0; s < w->num_segs; s++) interleaved |= w->seg[s].layout == TS_LAYOUT_X8;
+    if (kernel == 2 && !interleaved) return amx_matmul(w, x, x_stride, m, act, out, out_stride, num_threads);
 #endif
 #ifdef TS_QGEMM_X86
     if (isa >= TS_QG_AVX512)
-        return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_avx512, 0, 0);
+        return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_avx512, 0);
     if (isa >= TS_QG_AVX2)
-        return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_avx2, kernel == 1,
-                           1);
+        return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_avx2, kernel == 1);
 #endif
-    return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_scalar, 0, 0);
+    return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_scalar, 0);
 }
 
-/* out[i] = the dequantized row ids[i] of a [rows, k] weight in format ``type`` (embedding lookups on a
- * quantized table). Returns 0, or -1 for a format or k the kernels do not take. */
-int ts_qdequant_rows_f32(int64_t type, const uint8_t *data, int64_t k, const int64_t *ids, int64_t count, float *out,
-                         int num_threads) {
+/* out[i] = the dequantized row ids[i] of a [rows, k] weight in format ``type`` and ``layout`` (embedding
+ * lookups on a quantized table, rows the table's). Returns 0, or -1 for a format, k or layout the kernels do
+ * not take. */
+int ts_qdequant_rows_f32(int64_t type, const uint8_t *data, int64_t rows, int64_t layout, int64_t k,
+                         const int64_t *ids, int64_t count, float *out, int num_threads) {
     if (!ts_qtype_known(type) || k % ts_qunit(type) != 0) return -1;
+    if (layout != TS_LAYOUT_ROWS && !(layout == TS_LAYOUT_X8 && ts_x8_supported(type))) return -1;
     const int64_t row_bytes = ts_qrow_bytes(type, k), kb = k / TS_QBLOCK;
-#pragma omp parallel for num_threads(num_threads) if (count * k >= 65536 && num_threads > 1)
+    const ts_qseg seg = {type, data, rows, layout};
+    const int threads = num_threads > 1 ? num_threads : 1;
+    uint8_t *scratch_rows = layout == TS_LAYOUT_X8 ? malloc((size_t)(row_bytes * threads)) : NULL;
+    if (layout == TS_LAYOUT_X8 && scratch_rows == NULL) return -1;
+#pragma omp parallel num_threads(threads) if (count * k >= 65536 && threads > 1)
+    {
+    uint8_t *scratch = scratch_rows == NULL ? NULL : scratch_rows + omp_get_thread_num() * row_bytes;
+#pragma omp for
     for (int64_t i = 0; i < count; i++) {
-        const uint8_t *row = data + ids[i] * row_bytes;
+        const uint8_t *row = ts_x8_row(&seg, ids[i], row_bytes, scratch);
         for (int64_t b = 0; b < kb; b++) {
             uint8_t codes[32];
             float s[2], o[2];
@@ -708,5 +736,36 @@ int ts_qdequant_rows_f32(int64_t type, const uint8_t *data, int64_t k, const int
             }
         }
     }
+    }
+    free(scratch_rows);
+    return 0;
+}
+
+/* Whether weights in format ``type`` should be interleaved (TS_LAYOUT_X8) on the path taken now: AVX2's
+ * matrix-vector kernel and tiles read that layout directly; the other paths would only copy it back. */
+int ts_qgemm_x8_preferred(int64_t type) {
+#ifdef TS_QGEMM_X86
+    return ts_qgemm_active_isa() == TS_QG_AVX2 && ts_x8_supported(type);
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
+/* dst = the n rows of k values at src in format ``type``, interleaved (to_x8 1) or back in the file's
+ * layout (to_x8 0). src and dst are n x row_bytes and must not overlap. Returns 0, or -1 for a format the
+ * interleaved layout does not have. */
+int ts_qgemm_relayout(int64_t type, const uint8_t *src, uint8_t *dst, int64_t n, int64_t k, int to_x8) {
+    if (!ts_x8_supported(type) || k % ts_qunit(type) != 0) return -1;
+    const int64_t row_bytes = ts_qrow_bytes(type, k), unit_bytes = ts_qunit_bytes(type), blocks = row_bytes / unit_bytes;
+    const int64_t grouped = n / 8 * 8;
+    for (int64_t g = 0; g < grouped; g += 8) {
+        uint8_t *group = to_x8 ? dst + g * row_bytes : (uint8_t *)src + g * row_bytes; /* src only read */
+        for (int64_t c = 0; c < 8; c++) {
+            uint8_t *row = to_x8 ? (uint8_t *)src + (g + c) * row_bytes : dst + (g + c) * row_bytes;
+            for (int64_t b = 0; b < blocks; b++) ts_x8_block_copy(type, group, c, b, row + b * unit_bytes, to_x8);
+        }
+    }
+    memcpy(dst + grouped * row_bytes, src + grouped * row_bytes, (size_t)((n - grouped) * row_bytes));
     return 0;
 }

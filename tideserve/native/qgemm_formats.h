@@ -28,12 +28,16 @@ enum { TS_Q4_0 = 2, TS_Q4_1 = 3, TS_Q5_0 = 6, TS_Q5_1 = 7, TS_Q8_0 = 8, TS_Q4_K 
 
 #define TS_QBLOCK 32
 
-/* One segment of a layer's weight: n rows of k values in one format, stored as in a GGUF file. */
+/* One segment of a layer's weight: n rows of k values in one format, stored as in a GGUF file
+ * (TS_LAYOUT_ROWS) or with each whole group of 8 rows interleaved (TS_LAYOUT_X8, below). */
 typedef struct {
     int64_t type;
     const uint8_t *data;
     int64_t n;
+    int64_t layout;
 } ts_qseg;
+
+enum { TS_LAYOUT_ROWS = 0, TS_LAYOUT_X8 = 1 };
 
 #define TS_QMAT_SEGS 4
 typedef struct {
@@ -98,6 +102,87 @@ static inline uint16_t ts_load_u16(const uint8_t *p) {
     uint16_t v;
     memcpy(&v, p, sizeof v);
     return v;
+}
+
+/* The interleaved layout (TS_LAYOUT_X8) of the legacy formats and Q8_0.
+ *
+ * Why: AVX2's matrix-vector kernel and tiles read 8 weight rows at once, one vector lane per row, and
+ * gathering those lanes from 8 rows as stored costs about a third of their instructions (loads, inserts,
+ * unpacks) and spreads the reads over 8 streams. Interleaved once at load, the same vectors are single
+ * loads from one stream. Each whole group of 8 rows keeps its bytes (8 x row_bytes) and only reorders
+ * them: block b of the group is 8 x unit_bytes at b * 8 * unit_bytes, and within it each field of the
+ * block (at offset o in the file's block) starts at 8 * o and holds the 8 rows' copies of it, row c's
+ * 4-byte word i at 8 * o + 32 * i + 4 * c (an fp16 field: row c's at 8 * o + 2 * c). Q5's 32 fifth bits
+ * are reordered too (ts_x8_qh), so that a shift and a mask put them next to each group of 4 codes. Rows past
+ * the last whole group stay as in the file. Every other reader goes through ts_x8_row. */
+static inline int ts_x8_fields(int64_t type, int offsets[4], int sizes[4]) {
+    switch (type) {
+    case TS_Q4_0: offsets[0] = 0; sizes[0] = 2; offsets[1] = 2; sizes[1] = 16; return 2;
+    case TS_Q4_1: offsets[0] = 0; sizes[0] = 2; offsets[1] = 2; sizes[1] = 2; offsets[2] = 4; sizes[2] = 16; return 3;
+    case TS_Q5_0: offsets[0] = 0; sizes[0] = 2; offsets[1] = 2; sizes[1] = 4; offsets[2] = 6; sizes[2] = 16; return 3;
+    case TS_Q5_1:
+        offsets[0] = 0; sizes[0] = 2; offsets[1] = 2; sizes[1] = 2; offsets[2] = 4; sizes[2] = 4;
+        offsets[3] = 8; sizes[3] = 16;
+        return 4;
+    case TS_Q8_0: offsets[0] = 0; sizes[0] = 2; offsets[1] = 2; sizes[1] = 32; return 2;
+    default: return 0;
+    }
+}
+
+static inline int ts_x8_supported(int64_t type) {
+    return type == TS_Q4_0 || type == TS_Q4_1 || type == TS_Q5_0 || type == TS_Q5_1 || type == TS_Q8_0;
+}
+
+/* Q5's fifth bits in the interleaved layout: bit v of the file's qh is value v's; here bit 2j of byte i is
+ * value 4j + i's and bit 2j + 1 value 16 + 4j + i's, so (word << (4 - 2j)) & 0x10 per byte gives the fifth
+ * bits of codes 4j .. 4j + 3 in place (and 3 - 2j those of 16 + 4j ..). to_x8 0 undoes it. */
+static inline uint32_t ts_x8_qh(uint32_t bits, int to_x8) {
+    uint32_t out = 0;
+    for (int i = 0; i < 4; i++) {
+        for (int j = 0; j < 4; j++) {
+            for (int high = 0; high < 2; high++) {
+                const int file_bit = 16 * high + 4 * j + i, x8_bit = 8 * i + 2 * j + high;
+                const int from = to_x8 ? file_bit : x8_bit, to = to_x8 ? x8_bit : file_bit;
+                out |= ((bits >> from) & 1u) << to;
+            }
+        }
+    }
+    return out;
+}
+
+/* Copies block b of row c of an interleaved group (at ``group``) to ``block`` in the file's layout
+ * (inverse = 0), or the other way (inverse = 1: from the file's block into the group). */
+static inline void ts_x8_block_copy(int64_t type, uint8_t *group, int64_t c, int64_t b, uint8_t *block, int inverse) {
+    int offsets[4], sizes[4];
+    const int fields = ts_x8_fields(type, offsets, sizes);
+    uint8_t *base = group + b * 8 * ts_qunit_bytes(type);
+    for (int f = 0; f < fields; f++) {
+        const int granule = sizes[f] == 2 ? 2 : 4;
+        for (int i = 0; i < sizes[f] / granule; i++) {
+            uint8_t *x8 = base + 8 * offsets[f] + 8 * granule * i + granule * c;
+            uint8_t *file = block + offsets[f] + granule * i;
+            if ((type == TS_Q5_0 || type == TS_Q5_1) && sizes[f] == 4) { /* qh */
+                uint32_t bits;
+                memcpy(&bits, inverse ? file : x8, 4);
+                bits = ts_x8_qh(bits, inverse);
+                memcpy(inverse ? x8 : file, &bits, 4);
+            } else if (inverse) {
+                memcpy(x8, file, (size_t)granule);
+            } else {
+                memcpy(file, x8, (size_t)granule);
+            }
+        }
+    }
+}
+
+/* Row ``row`` of a segment in the file's layout: a pointer into the segment, or, for a row of an
+ * interleaved group, ``scratch`` (row_bytes) filled with it. */
+static inline const uint8_t *ts_x8_row(const ts_qseg *seg, int64_t row, int64_t row_bytes, uint8_t *scratch) {
+    if (seg->layout != TS_LAYOUT_X8 || row >= seg->n / 8 * 8) return seg->data + row * row_bytes;
+    const int64_t unit_bytes = ts_qunit_bytes(seg->type), blocks = row_bytes / unit_bytes;
+    uint8_t *group = (uint8_t *)(seg->data + row / 8 * 8 * row_bytes);
+    for (int64_t b = 0; b < blocks; b++) ts_x8_block_copy(seg->type, group, row % 8, b, scratch + b * unit_bytes, 0);
+    return scratch;
 }
 
 /* The K-quants' packed 6-bit scale and min of sub-block j (llama.cpp's get_scale_min_k4). */

@@ -27,28 +27,34 @@ static inline int gemv_has_format(int64_t type) {
     return rows8_nibble_format((int)type) || type == TS_Q8_0 || type == TS_Q4_K || type == TS_Q6_K;
 }
 
-/* res[r][c] = dot(x row r0 + r, weight row c of the 8 at ``rows``) for r < R. The next group's bytes
- * (the next_bytes at ``next``) are prefetched a few cache lines per block, so that the loads stay spread
- * over the group rather than queued at its start. */
-static inline __attribute__((always_inline)) void gemv_group(const int type, const int R, const uint8_t *rows,
-                                                             int64_t row_bytes, int64_t kb, const ts_act *a,
-                                                             int64_t r0, const uint8_t *next, int64_t next_bytes,
-                                                             float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
+/* res[r][c] = dot(x row r0 + r, weight row c of the 8 at ``rows``) for r < R; with x8 the 8 rows are one
+ * interleaved group (TS_LAYOUT_X8), read with plain loads. The next group's bytes (the next_bytes at
+ * ``next``) are prefetched a few cache lines per block, so that the loads stay spread over the group rather
+ * than queued at its start. */
+static inline __attribute__((always_inline)) void gemv_group(const int type, const int x8, const int R,
+                                                             const uint8_t *rows, int64_t row_bytes, int64_t kb,
+                                                             const ts_act *a, int64_t r0, const uint8_t *next,
+                                                             int64_t next_bytes, float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
     const int64_t lines = (next_bytes + 63) / 64;
     const int64_t block_bytes = ts_qunit_bytes(type);
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[TS_GEMV_ROWS], acc_offset[TS_GEMV_ROWS];
     for (int r = 0; r < R; r++) acc[r] = acc_offset[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
-        const uint8_t *block = rows + b * block_bytes;
+        const uint8_t *block = rows + b * block_bytes * (x8 ? 8 : 1);
         for (int64_t l = b * lines / kb; l < (b + 1) * lines / kb; l++) __builtin_prefetch(next + 64 * l, 0, 3);
         __m256 d, m;
-        rows8_halves(block, row_bytes, &d, &m);
+        if (x8) rows8_halves_x8(block, &d, &m);
+        else rows8_halves(block, row_bytes, &d, &m);
         __m256i dots[TS_GEMV_ROWS];
         if (type == TS_Q8_0) {
-            __m256i w[8];
-            for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_si256((const __m256i *)(block + c * row_bytes + 2));
-            tile_transpose8x8(w); /* w[g] lane c: codes 4g .. 4g + 3 of row c */
+            __m256i w[8]; /* w[g] lane c: codes 4g .. 4g + 3 of row c */
+            if (x8) {
+                for (int g = 0; g < 8; g++) w[g] = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * g));
+            } else {
+                for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_si256((const __m256i *)(block + c * row_bytes + 2));
+                tile_transpose8x8(w);
+            }
             for (int g = 0; g < 8; g++) {
                 const __m256i w_abs = _mm256_abs_epi8(w[g]); /* -128 -> 0x80, read as the unsigned 128 */
                 for (int r = 0; r < R; r++) {
@@ -61,7 +67,7 @@ static inline __attribute__((always_inline)) void gemv_group(const int type, con
             }
         } else {
             __m256i lo[4], hi[4]; /* lane c: 4 codes of row c, values 4j.. and 16 + 4j.. */
-            rows8_nibble_codes(type, block, row_bytes, lo, hi);
+            rows8_nibble_codes(type, x8, block, row_bytes, lo, hi);
             /* Each step adds two vpmaddubsw results (at most 2 x largest code x 127 each) in int16, for 4 steps
              * over Q4 (8 x 2 x 15 x 127 = 30,480) and 2 over Q5 (4 x 2 x 31 x 127 = 31,496) before widening. */
             const int chain = type == TS_Q5_0 || type == TS_Q5_1 ? 2 : 4;
@@ -239,27 +245,32 @@ static inline __attribute__((always_inline)) void gemv_group_q6k(const int type,
     for (int r = 0; r < R; r++) _mm256_storeu_ps(res[r], acc[r]);
 }
 
-/* gemv_group for a format and row count known at run time, each combination its own loop. */
-static void gemv_group_any(int type, int rows_of_x, const uint8_t *rows, int64_t row_bytes, int64_t kb,
+/* gemv_group for a format, layout and row count known at run time, each combination its own loop (x8 only
+ * for the formats ts_x8_supported takes). */
+static void gemv_group_any(int type, int x8, int rows_of_x, const uint8_t *rows, int64_t row_bytes, int64_t kb,
                            const ts_act *a, int64_t r0, const uint8_t *next, int64_t next_bytes,
                            float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
-#define TS_GEMV_CASE(T, KERNEL)                                                                \
-    case T:                                                                                    \
-        switch (rows_of_x) {                                                                   \
-        case 1: KERNEL(T, 1, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;       \
-        case 2: KERNEL(T, 2, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;       \
-        default: KERNEL(T, 3, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;      \
-        }                                                                                      \
+#define TS_GEMV_ROWS_OF_X(KERNEL, ...)                                                          \
+    switch (rows_of_x) {                                                                       \
+    case 1: KERNEL(__VA_ARGS__, 1, rows, row_bytes, kb, a, r0, next, next_bytes, res); break; \
+    case 2: KERNEL(__VA_ARGS__, 2, rows, row_bytes, kb, a, r0, next, next_bytes, res); break; \
+    default: KERNEL(__VA_ARGS__, 3, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;\
+    }
+#define TS_GEMV_LEGACY(T)                                           \
+    case T:                                                         \
+        if (x8) { TS_GEMV_ROWS_OF_X(gemv_group, T, 1) }             \
+        else { TS_GEMV_ROWS_OF_X(gemv_group, T, 0) }                \
         break;
     switch (type) {
-        TS_GEMV_CASE(TS_Q4_0, gemv_group)
-        TS_GEMV_CASE(TS_Q4_1, gemv_group)
-        TS_GEMV_CASE(TS_Q5_0, gemv_group)
-        TS_GEMV_CASE(TS_Q5_1, gemv_group)
-        TS_GEMV_CASE(TS_Q8_0, gemv_group)
-        TS_GEMV_CASE(TS_Q4_K, gemv_group_q4k)
-        TS_GEMV_CASE(TS_Q6_K, gemv_group_q6k)
+        TS_GEMV_LEGACY(TS_Q4_0)
+        TS_GEMV_LEGACY(TS_Q4_1)
+        TS_GEMV_LEGACY(TS_Q5_0)
+        TS_GEMV_LEGACY(TS_Q5_1)
+        TS_GEMV_LEGACY(TS_Q8_0)
+    case TS_Q4_K: TS_GEMV_ROWS_OF_X(gemv_group_q4k, TS_Q4_K) break;
+    case TS_Q6_K: TS_GEMV_ROWS_OF_X(gemv_group_q6k, TS_Q6_K) break;
     default: break; /* gemv_has_format was asked first */
     }
-#undef TS_GEMV_CASE
+#undef TS_GEMV_LEGACY
+#undef TS_GEMV_ROWS_OF_X
 }

@@ -26,6 +26,7 @@ typedef struct {
     int8_t *signs;   /* Q8_0: the signed codes in the same order (vpmaddubsw multiplies u8 by s8) */
     float *scale;    /* [kb][halves][16]: per block (per 16-value half for Q6_K: tile_halves), per column */
     float *offset;   /* [kb][halves][16] */
+    uint8_t *copies; /* [16][row_bytes] where a layer has interleaved rows: them in the file's layout */
 } ts_tile_panel;
 
 /* Steps of 4 values whose vpmaddubsw results (each at most 2 x largest code x 127) add up in int16. */
@@ -87,22 +88,49 @@ static inline __attribute__((always_inline)) void rows8_halves(const uint8_t *p,
     *second = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
 
+/* rows8_halves over an interleaved block (TS_LAYOUT_X8): the 8 rows' fp16 fields lie side by side. */
+static inline __attribute__((always_inline)) void rows8_halves_x8(const uint8_t *p, __m256 *first, __m256 *second) {
+    *first = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    *second = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
+}
+
+/* v shifted left by ``bits`` (right by -bits) in 32-bit lanes; bits is a constant after inlining. */
+static inline __attribute__((always_inline)) __m256i rows8_shift(__m256i v, int bits) {
+    if (bits > 0) return _mm256_slli_epi32(v, bits);
+    if (bits < 0) return _mm256_srli_epi32(v, -bits);
+    return v;
+}
+
 /* The legacy 32-value formats with packed nibbles (Q4_0, Q4_1, Q5_0, Q5_1). */
 static inline int rows8_nibble_format(int type) {
     return type == TS_Q4_0 || type == TS_Q4_1 || type == TS_Q5_0 || type == TS_Q5_1;
 }
 
-/* The codes of block ``block`` of 8 rows (``stride`` bytes apart) in a nibble format: lo[j] lane c holds
- * values 4j .. 4j + 3 of row c, hi[j] values 16 + 4j .. 16 + 4j + 3 (steps j and 4 + j of the tiles' order).
- * Q5's fifth bits (bit v of the 32-bit qh is value v's) are gathered the same way, then spread to bytes by
- * a broadcast of their byte and a per-byte bit test. */
-static inline __attribute__((always_inline)) void rows8_nibble_codes(const int type, const uint8_t *block,
+/* The codes of block ``block`` of 8 rows (``stride`` bytes apart, or one interleaved block with x8) in a
+ * nibble format: lo[j] lane c holds values 4j .. 4j + 3 of row c, hi[j] values 16 + 4j .. 16 + 4j + 3 (steps
+ * j and 4 + j of the tiles' order). Q5's fifth bits (bit v of the 32-bit qh is value v's) are gathered the
+ * same way, then spread to bytes by a broadcast of their byte and a per-byte bit test. */
+static inline __attribute__((always_inline)) void rows8_nibble_codes(const int type, const int x8, const uint8_t *block,
                                                                      int64_t stride, __m256i lo[4], __m256i hi[4]) {
     const int five = type == TS_Q5_0 || type == TS_Q5_1;
     const int scales = type == TS_Q4_0 || type == TS_Q5_0 ? 2 : 4; /* d, or d and m */
+    const int codes_at = scales + (five ? 4 : 0);
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     __m256i q[4];
-    rows8_words4(block + scales + (five ? 4 : 0), stride, q);
+    if (x8) {
+        for (int j = 0; j < 4; j++) q[j] = _mm256_loadu_si256((const __m256i *)(block + 8 * codes_at + 32 * j));
+    } else {
+        rows8_words4(block + codes_at, stride, q);
+    }
+    if (five && x8) { /* the fifth bits as ts_x8_qh orders them: a shift and a mask per 4 codes */
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(block + 8 * scales)), bit4 = _mm256_set1_epi8(0x10);
+        for (int j = 0; j < 4; j++) {
+            lo[j] = _mm256_or_si256(_mm256_and_si256(q[j], low4), _mm256_and_si256(rows8_shift(qh, 4 - 2 * j), bit4));
+            hi[j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q[j], 4), low4),
+                                    _mm256_and_si256(rows8_shift(qh, 3 - 2 * j), bit4));
+        }
+        return;
+    }
     __m256i qh = _mm256_setzero_si256();
     if (five) {
         __m256i h[4];
@@ -141,22 +169,27 @@ static inline __attribute__((always_inline)) __m256 rows8_offsets(const int type
 
 /* Rows [n0, n0 + 16), all present, of a nibble format or Q8_0: 8 rows' blocks are gathered and transposed
  * as stored, before the nibbles are split (rows8_nibble_codes), which costs a third of decoding each row's
- * block on its own and transposing the codes. */
-static inline __attribute__((always_inline)) void tile_decode_panel_gathered(const int type, const uint8_t *rows,
-                                                                             int64_t row_bytes, int64_t kb,
-                                                                             ts_tile_panel *p) {
+ * block on its own and transposing the codes; interleaved rows (x8) are read in that order already. */
+static inline __attribute__((always_inline)) void tile_decode_panel_gathered(const int type, const int x8,
+                                                                             const uint8_t *rows, int64_t row_bytes,
+                                                                             int64_t kb, ts_tile_panel *p) {
     const int64_t block_bytes = ts_qunit_bytes(type);
     for (int64_t b = 0; b < kb; b++) {
         for (int h = 0; h < 2; h++) {
-            const uint8_t *block = rows + 8 * h * row_bytes + b * block_bytes;
+            const uint8_t *block = rows + 8 * h * row_bytes + b * block_bytes * (x8 ? 8 : 1);
             __m256 d, m;
-            rows8_halves(block, row_bytes, &d, &m);
+            if (x8) rows8_halves_x8(block, &d, &m);
+            else rows8_halves(block, row_bytes, &d, &m);
             _mm256_storeu_ps(p->scale + b * TS_TILE_COLS + 8 * h, d);
             _mm256_storeu_ps(p->offset + b * TS_TILE_COLS + 8 * h, rows8_offsets(type, d, m));
             if (type == TS_Q8_0) {
                 __m256i w[8];
-                for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_si256((const __m256i *)(block + c * row_bytes + 2));
-                tile_transpose8x8(w);
+                if (x8) {
+                    for (int g = 0; g < 8; g++) w[g] = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * g));
+                } else {
+                    for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_si256((const __m256i *)(block + c * row_bytes + 2));
+                    tile_transpose8x8(w);
+                }
                 for (int g = 0; g < 8; g++) {
                     const int64_t at = ((b * 8 + g) * 2 + h) * 32;
                     _mm256_storeu_si256((__m256i *)(p->signs + at), w[g]);
@@ -164,7 +197,7 @@ static inline __attribute__((always_inline)) void tile_decode_panel_gathered(con
                 }
             } else {
                 __m256i lo[4], hi[4];
-                rows8_nibble_codes(type, block, row_bytes, lo, hi);
+                rows8_nibble_codes(type, x8, block, row_bytes, lo, hi);
                 for (int j = 0; j < 4; j++) {
                     _mm256_storeu_si256((__m256i *)(p->codes + ((b * 8 + j) * 2 + h) * 32), lo[j]);
                     _mm256_storeu_si256((__m256i *)(p->codes + ((b * 8 + 4 + j) * 2 + h) * 32), hi[j]);
@@ -180,9 +213,14 @@ static inline __attribute__((always_inline)) void tile_decode_panel(const int ty
     const int64_t kb = k / TS_QBLOCK, row_bytes = ts_qrow_bytes(type, k);
     const int64_t valid = seg->n - n0 < TS_TILE_COLS ? seg->n - n0 : TS_TILE_COLS;
     if (valid == TS_TILE_COLS && (rows8_nibble_format(type) || type == TS_Q8_0)) {
-        tile_decode_panel_gathered(type, seg->data + n0 * row_bytes, row_bytes, kb, p);
+        tile_decode_panel_gathered(type, seg->layout == TS_LAYOUT_X8, seg->data + n0 * row_bytes, row_bytes, kb, p);
         return;
     }
+    /* Each row as stored; an interleaved group's rows are copied back to the file's layout first (a panel
+     * that is not whole, so at most 8 such rows and only at a segment's end). */
+    const uint8_t *row_at[TS_TILE_COLS];
+    for (int64_t c = 0; c < valid; c++)
+        row_at[c] = ts_x8_row(seg, n0 + c, row_bytes, p->copies != NULL ? p->copies + c * row_bytes : NULL);
     const int halves = tile_halves(type);
     float unit_s[TS_TILE_COLS][16], unit_o[TS_TILE_COLS][16];
     for (int64_t b = 0; b < kb; b++) {
@@ -191,7 +229,7 @@ static inline __attribute__((always_inline)) void tile_decode_panel(const int ty
             for (int c = 0; c < 8; c++) {
                 const int col = 8 * h + c;
                 float s[2] = {0.0f, 0.0f}, o[2] = {0.0f, 0.0f};
-                v[c] = col < valid ? decode_avx2(type, seg->data + (n0 + col) * row_bytes, b, s, o, unit_s[col], unit_o[col])
+                v[c] = col < valid ? decode_avx2(type, row_at[col], b, s, o, unit_s[col], unit_o[col])
                                    : _mm256_setzero_si256();
                 for (int half = 0; half < halves; half++) {
                     p->scale[(b * halves + half) * TS_TILE_COLS + col] = s[half];
@@ -317,7 +355,14 @@ static int tiles_matmul_share(const ts_qmat *w, const ts_act *a, int64_t m, floa
     p.signs = malloc((size_t)(kb * 512));
     p.scale = malloc(sizeof(float) * (size_t)(kb * 2 * TS_TILE_COLS));
     p.offset = malloc(sizeof(float) * (size_t)(kb * 2 * TS_TILE_COLS));
-    const int ok = p.codes != NULL && p.signs != NULL && p.scale != NULL && p.offset != NULL;
+    int64_t copy_bytes = 0;
+    for (int64_t s = 0; s < w->num_segs; s++) {
+        const int64_t bytes = ts_qrow_bytes(w->seg[s].type, k);
+        if (w->seg[s].layout == TS_LAYOUT_X8 && bytes > copy_bytes) copy_bytes = bytes;
+    }
+    p.copies = copy_bytes ? malloc((size_t)(TS_TILE_COLS * copy_bytes)) : NULL;
+    const int ok = p.codes != NULL && p.signs != NULL && p.scale != NULL && p.offset != NULL &&
+                   (copy_bytes == 0 || p.copies != NULL);
     for (int64_t i = lo; ok && i < hi; i++) {
         int64_t first, col0;
         const ts_qseg *seg = ts_panel_segment(w, i, TS_TILE_COLS, &first, &col0);
@@ -349,5 +394,6 @@ static int tiles_matmul_share(const ts_qmat *w, const ts_act *a, int64_t m, floa
     free(p.signs);
     free(p.scale);
     free(p.offset);
+    free(p.copies);
     return ok ? 0 : -1;
 }

@@ -28,8 +28,14 @@ ISA_NAMES = ("scalar", "avx2", "avx512", "amx")
 MAX_SEGMENTS = 4
 
 
+# How a segment's rows lie in memory (qgemm_formats.h): as in the GGUF file, or each whole group of 8 rows
+# interleaved for AVX2's matrix-vector kernel and tiles, which then read 8 rows' blocks with plain loads.
+LAYOUTS = {"rows": 0, "x8": 1}
+
+
 class QSeg(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int64), ("data", ctypes.c_void_p), ("n", ctypes.c_int64)]
+    _fields_ = [("type", ctypes.c_int64), ("data", ctypes.c_void_p), ("n", ctypes.c_int64),
+                ("layout", ctypes.c_int64)]
 
 
 class QMat(ctypes.Structure):
@@ -55,7 +61,11 @@ def _lib() -> ctypes.CDLL | None:
     lib.ts_qmatmul_f32.restype = cint
     lib.ts_qmatmul_f32.argtypes = [ctypes.POINTER(QMat), ptr, i64, i64, cint, ptr, i64, cint]
     lib.ts_qdequant_rows_f32.restype = cint
-    lib.ts_qdequant_rows_f32.argtypes = [i64, ptr, i64, ptr, i64, ptr, cint]
+    lib.ts_qdequant_rows_f32.argtypes = [i64, ptr, i64, i64, i64, ptr, i64, ptr, cint]
+    lib.ts_qgemm_x8_preferred.restype = cint
+    lib.ts_qgemm_x8_preferred.argtypes = [i64]
+    lib.ts_qgemm_relayout.restype = cint
+    lib.ts_qgemm_relayout.argtypes = [i64, ptr, ptr, i64, i64, cint]
     lib.ts_qgemm_isa.restype = cint
     lib.ts_qgemm_isa.argtypes = []
     lib.ts_qgemm_set_isa.restype = cint
@@ -126,8 +136,9 @@ def kernels_summary() -> str | None:
 
 
 def set_gemv(enabled: bool) -> bool:
-    """Whether AVX2's matrix-vector kernel takes the products below the tiles' threshold over Q4_0, Q4_1,
-    Q5_0, Q5_1 and Q8_0 (the default) or the row kernels do. Returns the previous setting. For tests and benchmarks."""
+    """Whether AVX2's matrix-vector kernel takes the products below the tiles' threshold over the formats
+    it has (the default) or the row kernels do. Returns the previous setting. For tests and benchmarks: the
+    row kernels read an interleaved ("x8") weight through a copy of each row, many times slower."""
     lib = _lib()
     if lib is None:
         raise RuntimeError("the native kernels are not available")
@@ -164,14 +175,40 @@ def set_tile_min_rows(rows: int) -> int:
     return lib.ts_qgemm_set_tile_min_rows(rows)
 
 
-def make_qmat(segments: list[tuple[str, torch.Tensor]], in_features: int, bias: torch.Tensor | None) -> QMat:
+def preferred_layout(qtype: str) -> str:
+    """The layout the kernels read fastest on the path taken now: "x8" for the formats AVX2's
+    matrix-vector kernel and tiles take (an AVX2 CPU without AVX-512 VNNI or AMX), else "rows"."""
+    lib = _lib()
+    return "x8" if lib is not None and lib.ts_qgemm_x8_preferred(QTYPES[qtype]) else "rows"
+
+
+def relayout(qtype: str, data: torch.Tensor, in_features: int, to: str) -> torch.Tensor:
+    """A copy of the uint8 [rows, row_bytes] blocks ``data`` in layout ``to`` ("x8" from the file's rows,
+    "rows" back from "x8"). Rows past the last whole group of 8 are the same in both."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the native kernels are not available")
+    if to not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {to!r}")
+    data = data.contiguous()
+    out = torch.empty_like(data)
+    if lib.ts_qgemm_relayout(QTYPES[qtype], data.data_ptr(), out.data_ptr(), data.shape[0], in_features,
+                             int(to == "x8")):
+        raise ValueError(f"{qtype} has no interleaved layout")
+    return out
+
+
+def make_qmat(segments: list[tuple[str, torch.Tensor]], in_features: int, bias: torch.Tensor | None,
+              layouts: list[str] | None = None) -> QMat:
     """The kernel's description of a weight whose rows are ``segments`` ((qtype, uint8 [rows, row_bytes])
-    in output order). The tensors must outlive the returned struct."""
+    in output order), each in its layout (default: the file's rows). The tensors must outlive the returned
+    struct."""
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise ValueError(f"a quantized weight has 1 to {MAX_SEGMENTS} segments, got {len(segments)}")
+    layouts = layouts or ["rows"] * len(segments)
     mat = QMat()
-    for i, (qtype, data) in enumerate(segments):
-        mat.seg[i] = QSeg(QTYPES[qtype], data.data_ptr(), data.shape[0])
+    for i, ((qtype, data), layout) in enumerate(zip(segments, layouts, strict=True)):
+        mat.seg[i] = QSeg(QTYPES[qtype], data.data_ptr(), data.shape[0], LAYOUTS[layout])
     mat.num_segs = len(segments)
     mat.bias = None if bias is None else bias.data_ptr()
     mat.n = sum(d.shape[0] for _, d in segments)
@@ -193,9 +230,10 @@ def qmatmul(x: torch.Tensor, mat: QMat, swiglu: bool = False) -> torch.Tensor | 
     return None if failed else out
 
 
-def dequant_rows(qtype: str, data: torch.Tensor, in_features: int, ids: torch.Tensor) -> torch.Tensor | None:
-    """Rows ``ids`` of a [rows, K] weight in ``qtype``, as float32 [len(ids), K] (embedding lookups); None
-    when the native library is not there."""
+def dequant_rows(qtype: str, data: torch.Tensor, in_features: int, ids: torch.Tensor,
+                 layout: str = "rows") -> torch.Tensor | None:
+    """Rows ``ids`` of a [rows, K] weight in ``qtype`` and ``layout``, as float32 [len(ids), K] (embedding
+    lookups); None when the native library is not there."""
     lib = _lib()
     if lib is None:
         return None
@@ -205,6 +243,6 @@ def dequant_rows(qtype: str, data: torch.Tensor, in_features: int, ids: torch.Te
     out = torch.empty(ids.numel(), in_features)
     if ids.numel() == 0:
         return out
-    failed = lib.ts_qdequant_rows_f32(QTYPES[qtype], data.data_ptr(), in_features, ids.data_ptr(), ids.numel(),
-                                      out.data_ptr(), torch.get_num_threads())
+    failed = lib.ts_qdequant_rows_f32(QTYPES[qtype], data.data_ptr(), data.shape[0], LAYOUTS[layout], in_features,
+                                      ids.data_ptr(), ids.numel(), out.data_ptr(), torch.get_num_threads())
     return None if failed else out

@@ -124,9 +124,12 @@ int ts_qgemm_kernel_for(int64_t m, int64_t type); /* 0 row kernels, 1 AVX2 tiles
  * Returns 0, or -1 for a shape or format it cannot take. */
 int ts_qmatmul_f32(const ts_qmat *w, const float *x, int64_t x_stride, int64_t m, int act, float *out,
                    int64_t out_stride, int num_threads);
-/* Rows ``ids`` of a weight in one format, dequantized to float32 out [count, k]. */
-int ts_qdequant_rows_f32(int64_t type, const uint8_t *data, int64_t k, const int64_t *ids, int64_t count, float *out,
-                         int num_threads);
+/* Rows ``ids`` of a [rows, k] weight in one format and layout, dequantized to float32 out [count, k]. */
+int ts_qdequant_rows_f32(int64_t type, const uint8_t *data, int64_t rows, int64_t layout, int64_t k,
+                         const int64_t *ids, int64_t count, float *out, int num_threads);
+int ts_qgemm_x8_preferred(int64_t type); /* whether the path taken now reads format ``type`` interleaved */
+/* dst = src's n rows interleaved (to_x8 1) or back as in the file (0); -1 for a format without the layout */
+int ts_qgemm_relayout(int64_t type, const uint8_t *src, uint8_t *dst, int64_t n, int64_t k, int to_x8);
 
 /* ---------------------------------------------------------------- decode_forward.c: one-call decode step */
 

@@ -181,12 +181,17 @@ class QuantWeight:
     batch is (the two roundings differ by about 1%, as far apart as any two dtypes). Without the native
     library the weight is dequantized and multiplied in float: slow, but the same numbers up to the input
     rounding.
+
+    Each segment's bytes are kept in the layout the kernels read fastest on this CPU (``layouts``:
+    quant.preferred_layout), reordered once here: on AVX2 the legacy formats and Q8_0 are interleaved by
+    groups of 8 rows. The bytes are the file's either way, so ``file_segments`` gives them back as stored.
     """
 
     takes_swiglu = True  # __call__ can apply silu(gate) * up to its input on the way in
 
     def __init__(self, segments: list[tuple[str, torch.Tensor]], in_features: int,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, layouts: list[str] | None = None) -> None:
+        """``segments`` as stored in the file, or, with ``layouts``, already in those layouts (copies)."""
         merged: list[tuple[str, torch.Tensor]] = []
         for qtype, data in segments:
             if qtype not in quant.QTYPES:
@@ -194,16 +199,22 @@ class QuantWeight:
             if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != quant.row_bytes(qtype, in_features):
                 raise ValueError(f"{qtype} rows of {in_features} values are {quant.row_bytes(qtype, in_features)} "
                                  f"bytes, got a {data.dtype} tensor of shape {tuple(data.shape)}")
-            if merged and merged[-1][0] == qtype:
+            if merged and merged[-1][0] == qtype and layouts is None:
                 merged[-1] = (qtype, torch.cat([merged[-1][1], data]))
             else:
                 merged.append((qtype, data.contiguous()))
+        if layouts is None:
+            layouts = [quant.preferred_layout(q) if quant.available() and d.shape[0] >= 8 else "rows"
+                       for q, d in merged]
+            merged = [(q, quant.relayout(q, d, in_features, "x8") if layout == "x8" else d)
+                      for (q, d), layout in zip(merged, layouts)]
         self.segments = merged
+        self.layouts = list(layouts)
         self.in_features = in_features
         self.out_features = sum(d.shape[0] for _, d in merged)
         self.bias = bias.detach().float().contiguous() if bias is not None else None
         self.nbytes = sum(d.numel() for _, d in merged) + (self.bias.numel() * 4 if self.bias is not None else 0)
-        self.mat = quant.make_qmat(merged, in_features, self.bias)  # points into the tensors above
+        self.mat = quant.make_qmat(merged, in_features, self.bias, self.layouts)  # points into the tensors above
 
     def __deepcopy__(self, memo: dict) -> QuantWeight:
         """A copy owns copies of the blocks and a kernel struct pointing at them (ctypes pointers cannot be
@@ -211,7 +222,7 @@ class QuantWeight:
         import copy
 
         bias = copy.deepcopy(self.bias, memo)
-        return type(self)([(q, d.clone()) for q, d in self.segments], self.in_features, bias)
+        return type(self)([(q, d.clone()) for q, d in self.segments], self.in_features, bias, self.layouts)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, qtype: str = "q4_1") -> QuantWeight:
@@ -221,8 +232,13 @@ class QuantWeight:
     def qtypes(self) -> list[str]:
         return [q for q, _ in self.segments]
 
+    def file_segments(self) -> list[tuple[str, torch.Tensor]]:
+        """The segments' blocks as the file stores them (copies where this CPU's layout differs)."""
+        return [(q, d if layout == "rows" else quant.relayout(q, d, self.in_features, "rows"))
+                for (q, d), layout in zip(self.segments, self.layouts)]
+
     def dequantize(self) -> torch.Tensor:
-        return torch.cat([dequantize_blocks(d, q, self.in_features) for q, d in self.segments])
+        return torch.cat([dequantize_blocks(d, q, self.in_features) for q, d in self.file_segments()])
 
     def __call__(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
         """x [..., in] -> [..., out]; with ``swiglu``, x is [..., 2 * in] (gate | up) and the product is
@@ -244,7 +260,7 @@ class QuantWeight:
         flat = ids.reshape(-1)
         if len(self.segments) == 1:
             qtype, data = self.segments[0]
-            rows = quant.dequant_rows(qtype, data, self.in_features, flat)
+            rows = quant.dequant_rows(qtype, data, self.in_features, flat, self.layouts[0])
             if rows is not None:
                 return rows.reshape(*ids.shape, self.in_features)
         return F.embedding(ids, self.dequantize())
