@@ -2,9 +2,11 @@
 
 For each format and row count it times the row kernels, the matrix-vector kernel (AVX2) and the tiles
 (AVX2's or AMX), each forced in turn and interleaved, over enough distinct weight copies that they come
-from DRAM, as a decode step's do. Then it times a whole batch-1 step's products of the embedded model's
-shapes (30 layers of q|k|v, o, gate|up and down, plus the LM head, ~96 MB), with the matrix-vector
-kernel off and on. Figures are best of ``--repeats`` (this kind of machine is noisy: quote ranges).
+from DRAM, as a decode step's do; on AVX2 the matrix-vector kernel and the tiles run over the file's rows
+and over the interleaved layout (x8, what a loaded model keeps) where the format has one. Then it times a
+whole batch-1 step's products of the embedded model's shapes (30 layers of q|k|v, o, gate|up and down,
+plus the LM head, ~96 MB), with the matrix-vector kernel off and on. Figures are best of ``--repeats``
+(this kind of machine is noisy: quote ranges).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/qgemm_kernels.py --rows 1,2,3,4,8,12,16,20
 """
@@ -30,19 +32,24 @@ LAYERS = {"q4_0": (3072, 576), "q4_1": (3072, 576), "q5_0": (3072, 576), "q5_1":
 STEP_SHAPES = [("q4_1", 960, 576), ("q4_1", 576, 576), ("q4_1", 3072, 576), ("q4_1", 576, 1536)]
 
 
-def weights(qtype: str, n: int, k: int, min_bytes: int, gen: torch.Generator) -> list[quant.QMat]:
-    """Distinct copies of one quantized [n, k] weight, together at least min_bytes (so: from DRAM)."""
+def weights(qtype: str, n: int, k: int, min_bytes: int, gen: torch.Generator,
+            layout: str = "rows") -> list[tuple[quant.QMat, torch.Tensor]]:
+    """Distinct copies of one quantized [n, k] weight in ``layout``, together at least min_bytes (so: from
+    DRAM)."""
     mats, total, keep = [], 0, []
     while total < min_bytes or not mats:
         data, _ = quantized_pair(torch.randn(n, k, generator=gen) * 0.05, qtype)
+        if layout != "rows":
+            data = quant.relayout(qtype, data, k, layout)
         keep.append(data)
-        mats.append(quant.make_qmat([(qtype, data)], k, None))
+        mats.append(quant.make_qmat([(qtype, data)], k, None, [layout]))
         total += data.numel() * data.element_size()
     return list(zip(mats, keep))
 
 
 def force(kernel: str) -> None:
-    """Route every product through one kernel: "rows", "gemv" or "tiles"."""
+    """Route every product through one kernel: "rows", "gemv" or "tiles" (a " x8" suffix names the layout)."""
+    kernel = kernel.split()[0]
     quant.set_gemv(kernel == "gemv")
     quant.set_tile_min_rows(1 if kernel == "tiles" else 1 << 30)
 
@@ -76,31 +83,38 @@ def main() -> None:
             n, k = LAYERS[qtype]
             mats = weights(qtype, n, k, int(args.min_mb * 1e6), gen)
             nbytes = sum(data.numel() * data.element_size() for _, data in mats)
+            interleaved = quant.preferred_layout(qtype) == "x8"
+            mats_x8 = weights(qtype, n, k, int(args.min_mb * 1e6), gen, "x8") if interleaved else []
             for rows in row_counts:
                 x = torch.randn(rows, k, generator=gen)
                 timings: dict[str, float] = {}
                 for _ in range(args.repeats):
                     for kernel in kernels:
                         best_time(mats, x, kernel, timings)
+                        if interleaved and kernel != "rows":  # the row kernels would copy x8 rows back
+                            best_time(mats_x8, x, f"{kernel} x8", timings)
                 cells = "  ".join(f"{kr} {t * 1e3 / len(mats):7.3f} ms {nbytes / t / 1e9:5.1f} GB/s"
                                   for kr, t in timings.items())
                 quant.set_gemv(True)
                 quant.set_tile_min_rows(0)
                 print(f"{qtype} {n}x{k} M={rows:<3} (default: {quant.kernel_for(rows, qtype):10}) {cells}")
         # A whole batch-1 step's products, distinct weights per layer as in the model.
-        step = [m for qtype, n, k in STEP_SHAPES for _ in range(30) for m in weights(qtype, n, k, 0, gen)]
-        step += weights("q8_0", 49152, 576, 0, gen)
-        nbytes = sum(data.numel() * data.element_size() for _, data in step)
+        steps = {layout: [m for qtype, n, k in STEP_SHAPES for _ in range(30) for m in weights(qtype, n, k, 0, gen, layout)]
+                 + weights("q8_0", 49152, 576, 0, gen, layout)
+                 for layout in (["rows", "x8"] if "gemv" in kernels else ["rows"])}
+        nbytes = sum(data.numel() * data.element_size() for _, data in steps["rows"])
         xs = {k: torch.randn(1, k, generator=gen) for k in (576, 1536)}
-        best = {"rows": float("inf"), "gemv": float("inf")} if "gemv" in kernels else {"rows": float("inf")}
+        best = {"rows": float("inf"), "gemv": float("inf"), "gemv x8": float("inf")} if "gemv" in kernels \
+            else {"rows": float("inf")}
         for _ in range(args.repeats):
             for kernel in best:
                 force(kernel)
+                step = steps["x8" if kernel.endswith("x8") else "rows"]
                 t = time.perf_counter()
                 for mat, _ in step:
                     quant.qmatmul(xs[mat.k], mat)
                 best[kernel] = min(best[kernel], time.perf_counter() - t)
-        print(f"batch-1 step's {len(step)} products ({nbytes / 1e6:.0f} MB): " + "  ".join(
+        print(f"batch-1 step's {len(steps['rows'])} products ({nbytes / 1e6:.0f} MB): " + "  ".join(
             f"{kernel} {t * 1e3:.2f} ms {nbytes / t / 1e9:.1f} GB/s" for kernel, t in best.items()))
     finally:
         quant.set_gemv(True)

@@ -263,8 +263,8 @@ def test_a_quantized_weight_keeps_the_layout_this_cpu_reads_fastest():
 
 def test_batch_sizes_pick_the_measured_kernel():
     """Below the tiles' threshold the row kernels, from it the tiles (on AVX2 and AMX CPUs). On AVX2, every
-    format but Q5_K takes the matrix-vector kernel below the tiles, which start at 8 rows (4 over Q5_K, 12
-    over Q4_K, 16 over Q6_K, 20 over Q8_0); with it off, the tiles start at 4 rows (12 over Q8_0). The
+    format but Q5_K takes the matrix-vector kernel below the tiles, which start at 13 rows (4 over Q5_K, 12
+    over Q4_K, 16 over Q6_K, 24 over Q8_0); with it off, the tiles start at 4 rows (12 over Q8_0). The
     override moves the threshold and 0 restores it."""
     isa = quant.qgemm_isa()
     tiles = {"avx2": "avx2-tiles", "amx": "amx-tiles"}.get(isa)
@@ -274,11 +274,11 @@ def test_batch_sizes_pick_the_measured_kernel():
     assert quant.kernel_for(64) == (tiles or "rows")
     assert quant.kernel_for(64, "q8_0") == (tiles or "rows")
     if isa == "avx2":
-        assert quant.kernel_for(7) == "avx2-gemv" and quant.kernel_for(8) == "avx2-tiles"
+        assert quant.kernel_for(12) == "avx2-gemv" and quant.kernel_for(13) == "avx2-tiles"
         assert quant.kernel_for(4, "q5_k") == "avx2-tiles"
         assert quant.kernel_for(11, "q4_k") == "avx2-gemv" and quant.kernel_for(12, "q4_k") == "avx2-tiles"
         assert quant.kernel_for(15, "q6_k") == "avx2-gemv" and quant.kernel_for(16, "q6_k") == "avx2-tiles"
-        assert quant.kernel_for(19, "q8_0") == "avx2-gemv" and quant.kernel_for(20, "q8_0") == "avx2-tiles"
+        assert quant.kernel_for(23, "q8_0") == "avx2-gemv" and quant.kernel_for(24, "q8_0") == "avx2-tiles"
         previous = quant.set_gemv(False)
         try:
             assert quant.kernel_for(1) == "rows" and quant.kernel_for(4) == "avx2-tiles"
@@ -292,8 +292,8 @@ def test_batch_sizes_pick_the_measured_kernel():
     finally:
         quant.set_tile_min_rows(previous)
     assert quant.kernel_for(64) == (tiles or "rows")
-    want = {"avx2": "avx2: q4_0, q4_1, q5_0, q5_1: avx2-gemv to 7 rows, avx2-tiles from 8 rows; q8_0: avx2-gemv "
-                    "to 19 rows, avx2-tiles from 20 rows; q4_k: avx2-gemv to 11 rows, avx2-tiles from 12 rows; "
+    want = {"avx2": "avx2: q4_0, q4_1, q5_0, q5_1: avx2-gemv to 12 rows, avx2-tiles from 13 rows; q8_0: avx2-gemv "
+                    "to 23 rows, avx2-tiles from 24 rows; q4_k: avx2-gemv to 11 rows, avx2-tiles from 12 rows; "
                     "q5_k: rows to 3 rows, avx2-tiles from 4 rows; q6_k: avx2-gemv to 15 rows, avx2-tiles from 16 "
                     "rows",
             "amx": "amx: rows to 15 rows, amx-tiles from 16 rows"}

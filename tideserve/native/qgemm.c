@@ -58,15 +58,16 @@
  * head faster. */
 #define TS_AVX2_TILE_MIN_ROWS_Q8_0 12
 /* Over the formats AVX2's matrix-vector kernel takes, up to how many rows it beats the tiles with the
- * weights streaming from DRAM, as a decode step's do (measured: docs/benchmarks.md). It decodes a block
- * once per TS_GEMV_ROWS rows of x and the tiles once per call, but the tiles also write and reread their
- * panel; a Q8_0 panel stores every code's sign too, and the tiles decode K-quant panels row by row. */
+ * weights streaming from DRAM, as a decode step's do, in the layout a loaded model keeps (interleaved for
+ * the legacy formats and Q8_0; measured: docs/benchmarks.md). It decodes a block once per TS_GEMV_ROWS
+ * rows of x and the tiles once per call, but the tiles also write and reread their panel; a Q8_0 panel
+ * stores every code's sign too, and the tiles decode K-quant panels row by row. */
 static int gemv_max_rows(int64_t type) {
     switch (type) {
-    case TS_Q8_0: return 19;
+    case TS_Q8_0: return 23;
     case TS_Q4_K: return 11;
     case TS_Q6_K: return 15;
-    default: return 7;
+    default: return 12;
     }
 }
 static int ts_tile_min_rows_override = 0; /* 0: each path's own threshold */
