@@ -5,7 +5,9 @@ one GPU), in three modes with the same prompts and client: ``elastic`` (default 
 delay: the bursting server grows into what the idle one gave back), ``static`` (a half split,
 ``--kv-cache-memory X`` each, X = 0.97 R / 2) and ``static-swap`` (KV 2/3 X plus swap 1/3 X each).
 Memory, not compute, must bind, so the limit is measured: the working set of both servers started,
-warmed and idle (elastic, at their floors) + R + activation peak + safety margin (from the logs), where
+warmed and idle, less their KV pools (taken again in each mode once its servers are warm; a calibration
+pair of elastic servers gives the rest) + their idle floors + R + activation peak + safety margin (from
+the logs), where
 the KV room R holds one whole burst, N (P + O) tokens of KV plus slack, while R / 2 cannot hold all N
 prompts. Reported per mode: burst TTFT mean / p99, output tok/s, preemptions, swap-ins, OOM kills,
 failures, seconds until the bursting pool was back at its floor, peak pools and cgroup usage.
@@ -332,13 +334,25 @@ def recovery_s(samples: list[dict[str, Any]], burst: Burst, window_s: float) -> 
 
 
 async def drive(servers: list[ServerProcess], bursts: list[list[SampleRequest]], warmup: list[SampleRequest],
-                cg: Cgroup, args: argparse.Namespace, elastic: bool) -> dict[str, Any]:
+                cg: Cgroup, args: argparse.Namespace, elastic: bool,
+                limit_above_idle: int | None) -> dict[str, Any]:
     """Warm both servers, then the staggered bursts A, B, A, B, ``gap`` seconds apart (elastic: and each once
     the previous burster's pool is back near its floor, so a burst never starts inside the last one's
-    give-back, whose timing varies with the machine); counters, timeline."""
+    give-back, whose timing varies with the machine); counters, timeline.
+
+    With ``limit_above_idle`` the cgroup's limit is set once both servers are warm and idle: their working
+    set then less their KV pools, plus that many bytes. Taken from the calibration's servers instead, the
+    limit was off by what these two hold differently at idle (page cache turned active, allocator state),
+    tens of MB out of a room of about 100."""
     urls = [s.base_url for s in servers]
     model = discover_model(urls[0])
     await warm(urls, model, warmup, args)
+    async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
+        idle_pools = sum((m or {}).get("pool_bytes", 0.0) for m in [await scrape(client, u) for u in urls])
+    idle_working_set = cg.working_set()
+    limit = None if limit_above_idle is None else int(idle_working_set - idle_pools) + limit_above_idle
+    if limit is not None:
+        cg.set_limit(limit)
     t0, samples, stop = time.perf_counter(), [], asyncio.Event()
     task = asyncio.create_task(sample_loop(urls, cg, t0, samples, stop))
     if not await wait_for(lambda: bool(samples) and all(samples[-1]["servers"]), 30):
@@ -360,6 +374,7 @@ async def drive(servers: list[ServerProcess], bursts: list[list[SampleRequest]],
     await task
     counters = cg.counters()
     return {"bursts": done, "samples": samples, "before": before, "after": [latest(samples, i) for i in range(2)],
+            "idle_working_set_bytes": idle_working_set, "limit_bytes": limit,
             "oom_kills": counters["oom_kills"] - counters0["oom_kills"], "kernel_peak": counters["kernel_peak"],
             "limit_hits": counters["limit_hits"] - counters0["limit_hits"],
             "alive": [s.proc is not None and s.proc.poll() is None for s in servers],
@@ -400,6 +415,7 @@ def summarize(mode: str, run: dict[str, Any], window_s: float) -> dict[str, Any]
         "bursts": per_burst, "peak_pool_bytes": [max(pool(s, i) for s in samples) for i in range(2)],
         "peak_pool_sum_bytes": max(pool(s, 0) + pool(s, 1) for s in samples),
         "peak_cgroup_bytes": max([run["kernel_peak"]] + [s["cgroup_bytes"] for s in samples]), "logs": run["logs"],
+        "idle_working_set_bytes": run["idle_working_set_bytes"], "limit_bytes": run["limit_bytes"],
         "timeline": [[round(s["t"], 3), s["cgroup_bytes"], pool(s, 0), pool(s, 1)] for s in samples],
         "records": [{k: v for k, v in r.to_dict().items() if k not in ("generated_text", "itl_s")} for r in records],
     }
@@ -438,7 +454,7 @@ def format_report(result: dict[str, Any]) -> str:
             f"{m['output_tok_s_median_burst']:.1f} | {m['output_tok_s_overall']:.1f} | {m['preemptions']:.0f} | "
             f"{m['swap_ins']:.0f} | {m['oom_kills']} | {'both' if all(m['alive']) else m['alive']} | {m['failed']} | "
             f"{rec} | {m['peak_pool_bytes'][0] / MiB:.0f} / {m['peak_pool_bytes'][1] / MiB:.0f} | "
-            f"{m['peak_cgroup_bytes'] / MiB:.0f} / {s['limit_bytes'] / MiB:.0f} |")
+            f"{m['peak_cgroup_bytes'] / MiB:.0f} / {(m.get('limit_bytes') or s['limit_bytes']) / MiB:.0f} |")
     for name, r in result["ratios"].items():
         lines.append(f"\n{name}: p99 TTFT static/elastic {_num(r['ttft_p99'], 2)}x; output tok/s elastic/static "
                      f"{_num(r['throughput'], 2)}x overall, {_num(r['throughput_median_burst'], 2)}x median burst")
@@ -514,10 +530,14 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         if not sizing.memory_binds:
             logger.warning("R/2 holds every prompt of a burst: memory does not bind (raise N or P, lower O)")
         for mode in args.modes:
-            cg.set_limit(sizing.limit_bytes)
+            # --limit holds from the start; a computed one is set once this mode's servers are warm and idle
+            cg.set_limit(sizing.limit_bytes if sizing.limit_overridden else None)
+            non_kv_idle = cal.idle_usage_bytes - int(sum(cal.idle_pool_bytes))
+            above_idle = None if sizing.limit_overridden else sizing.limit_bytes - non_kv_idle
             try:
                 with start_servers(cg, args, mode_flags(mode, args, sizing), mode) as servers:
-                    run = asyncio.run(drive(servers, bursts, warmup, cg, args, elastic=mode == "elastic"))
+                    run = asyncio.run(drive(servers, bursts, warmup, cg, args, elastic=mode == "elastic",
+                                            limit_above_idle=above_idle))
                 result["modes"][mode] = summarize(mode, run, args.shrink_delay + 15)
             except RuntimeError as exc:  # a server that fails to start or dies: report it, go on
                 logger.error("mode %s failed: %s", mode, exc)

@@ -5,7 +5,11 @@ gives its memory back on its own once idle.
 
 Needs root and a writable memory cgroup; skipped with the reason otherwise. Every wait is bounded (server
 start-up, each request, the settle and recovery polls), so a broken server fails the test instead of
-hanging it. About 80 s on 2 cores.
+hanging it. About 140 s on 2 cores.
+
+The burst is 32 requests of ~160 + 16 tokens, so that R (~230 MB of float32 KV) is large against what a
+server keeps above its idle floor after its own burst (allocator and cache state, 0-50 MB measured): with
+12 requests (R ~110 MB) that alone sometimes left the second burster under R / 2.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ def cotenancy(smollm2_gguf_path) -> ModuleType:
 
 def test_elastic_servers_share_one_cgroup_limit(cotenancy: ModuleType) -> None:
     args = cotenancy.parse_args([
-        "--modes", "elastic", "--num-requests", "12", "--prompt-tokens", "160", "--output-tokens", "48",
+        "--modes", "elastic", "--num-requests", "32", "--prompt-tokens", "160", "--output-tokens", "16",
         "--bursts", "1", "--shrink-delay", str(SHRINK_DELAY_S),
         "--server-args", "--dtype float32 --max-model-len 512",
         "--ready-timeout", "120", "--request-timeout", "120"])
@@ -70,7 +74,7 @@ def test_elastic_servers_share_one_cgroup_limit(cotenancy: ModuleType) -> None:
     for burst in run["bursts"]:
         # A static half split would have given each server R/2; the elastic one held more than that, in
         # its pool and in live KV at once: the servers shared the limit rather than being capped at half.
-        assert burst["peak_pool_bytes"] > room / 2, (burst, room)
+        assert burst["peak_pool_bytes"] > room / 2, (burst, room, run["limit_bytes"], run["idle_working_set_bytes"])
         assert burst["peak_used_bytes"] > room / 2, (burst, room)
         assert burst["recovery_s"] is not None and burst["recovery_s"] <= SHRINK_DELAY_S + 5, (
             f"server {burst['server']}'s pool was not back near its floor {burst['floor_bytes']:.0f} B within "
@@ -79,4 +83,7 @@ def test_elastic_servers_share_one_cgroup_limit(cotenancy: ModuleType) -> None:
     # included): room R, the activation peak and the safety margin the limit was sized with.
     allowed = sizing["limit_bytes"] - calibration["idle_usage_bytes"] + sum(calibration["idle_pool_bytes"])
     assert run["peak_pool_sum_bytes"] <= allowed, (run["peak_pool_sum_bytes"], allowed)
-    assert run["peak_cgroup_bytes"] <= sizing["limit_bytes"]
+    # The limit is set once the run's servers are warm and idle: their working set less their pools, plus
+    # what the sizing puts above that.
+    assert run["limit_bytes"] > run["idle_working_set_bytes"]
+    assert run["peak_cgroup_bytes"] <= run["limit_bytes"]
