@@ -39,8 +39,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "rows.c", "qgemm.c", "rope_store.c",
-                                                          "decode_forward.c", "isa.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "paged_prefill.c", "rows.c", "qgemm.c",
+                                                          "rope_store.c", "decode_forward.c", "isa.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("paged_decode_kv.h", "tideserve_native.h", "ts_simd.h"))
 KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the float types the kernels compute in, by suffix
 # KV cache element types the kernels read and write, by their TS_DTYPE_* code (e4m3: --kv-cache-dtype fp8)
@@ -173,6 +173,8 @@ def _declare_isa_exports(lib: ctypes.CDLL) -> None:
         "ts_amx_probe": (cint, []),
         "ts_paged_decode": (cint, [ptr, i64, cint, ptr, ptr, cint, ptr, i64, ptr, ptr, i64, cint, i64, i64, i64, i64,
                                    i64, f32, cint]),
+        "ts_paged_prefill": (cint, [ptr, i64, cint, ptr, ptr, cint, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, cint,
+                                    i64, i64, i64, f32, cint]),
         "ts_rms_norm_bf16": (None, [ptr, ptr, ptr, i64, i64, f32, cint]),
         "ts_add_rms_norm_bf16": (None, [ptr, ptr, ptr, ptr, i64, i64, f32, cint]),
         "ts_rope_store_bf16": (None, [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, cint, cint]),
@@ -256,6 +258,41 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         CACHE_DTYPE_CODES[k_cache.dtype], block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
         out.data_ptr(), out.stride(0), _TS_DTYPES[out.dtype], n, num_heads, num_kv_heads, head_dim,
         k_cache.shape[1], scale, num_threads or torch.get_num_threads())
+    return failed == 0
+
+
+def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,
+                            block_size: int, query_start: torch.Tensor, query_lens: torch.Tensor,
+                            computed: torch.Tensor, scale: float, out: torch.Tensor,
+                            num_threads: int | None = None) -> bool:
+    """Causal attention of prefill spans: rows ``query_start[s] .. + query_lens[s]`` of q and out ([T, H, D])
+    are span s's queries, query i attending its keys 0 .. ``computed[s] + i``; the key at position p is
+    row ``tables[s, p // block_size] * block_size + p % block_size`` of k and v ([slots, KVH, D]: a cache
+    viewed as ``cache.view(-1, KVH, D)``, or the step's own k/v rows with block_size 1).
+
+    q, out: both float32 or both bfloat16 with unit stride in D and D in H (rows may be strided); k, v:
+    float32, bfloat16 or float8_e4m3fn, rows of [KVH, D] (may be strided); tables [S, W], query_start,
+    query_lens and computed [S], int64 and contiguous, every slot they name within k and v. Returns False,
+    computing nothing, when the inputs do not fit.
+    """
+    lib = load_library()
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[1]
+    ok = (lib is not None and q.dtype == out.dtype and q.dtype in _TS_DTYPES and k.dtype in CACHE_DTYPE_CODES
+          and v.dtype == k.dtype and q.device.type == k.device.type == v.device.type == out.device.type == "cpu"
+          and k.shape == v.shape and k.stride() == v.stride() and k.shape[2] == head_dim
+          and k.stride(2) == 1 and k.stride(1) == head_dim
+          and q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
+          and all(t.dtype == torch.int64 and t.is_contiguous() for t in (tables, query_start, query_lens, computed))
+          and num_heads % num_kv_heads == 0 and query_start.shape == query_lens.shape == computed.shape
+          and tables.shape[0] == query_start.shape[0])
+    if not ok:
+        return False
+    failed = lib.ts_paged_prefill(
+        q.data_ptr(), q.stride(0), _TS_DTYPES[q.dtype], k.data_ptr(), v.data_ptr(), CACHE_DTYPE_CODES[k.dtype],
+        k.stride(0), tables.data_ptr(), tables.shape[1], block_size, query_start.data_ptr(), query_lens.data_ptr(),
+        computed.data_ptr(), query_start.shape[0], out.data_ptr(), out.stride(0), _TS_DTYPES[out.dtype], num_heads,
+        num_kv_heads, head_dim, scale, num_threads or torch.get_num_threads())
     return failed == 0
 
 

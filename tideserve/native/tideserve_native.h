@@ -74,6 +74,19 @@ int ts_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *k_cac
                          int64_t out_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t block_size, float scale, int num_threads);
 
+/* ---------------------------------------------------------------- paged_prefill.c: prefill attention */
+
+/* Causal attention of prefill chunks ("spans"): query i < query_lens[s] of span s (row query_start[s] + i
+ * of q and out, [num_heads, head_dim] each) attends keys 0 .. computed[s] + i, the key at position p
+ * lying in slot tables[s * table_width + p / block_size] * block_size + p % block_size of k and v (slots
+ * kv_stride elements apart, [num_kv_heads, head_dim] each, kv_dtype). q, out: float32 or bfloat16. Returns 0, or 1
+ * when scratch memory could not be had or an argument is unknown (out is then undefined). */
+int ts_paged_prefill(const void *q, int64_t q_stride, int q_dtype, const void *k, const void *v, int kv_dtype,
+                     int64_t kv_stride, const int64_t *tables, int64_t table_width, int64_t block_size,
+                     const int64_t *query_start, const int64_t *query_lens, const int64_t *computed, int64_t num_spans,
+                     void *out, int64_t out_stride, int out_dtype, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, float scale, int num_threads);
+
 /* ---------------------------------------------------------------- rows.c: row-wise kernels */
 
 /* out = x / rms(x) * weight, rows of cols elements. */

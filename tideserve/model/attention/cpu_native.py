@@ -1,33 +1,51 @@
-"""The CPU backend: decode attention reads the paged cache in place (tideserve/native/paged_decode.c), and
-rotary is fused with the KV store (rope_store.c); prefill chunks run torch's SDPA (torch_sdpa.py).
+"""The CPU backend: decode attention reads the paged cache in place (tideserve/native/paged_decode.c),
+prefill chunks attend causally with a flash-style kernel of their own (paged_prefill.c), and rotary is
+fused with the KV store (rope_store.c).
 
 Why in place: on the CPU decode attention is bound by memory traffic, and torch must first gather each
-request's blocks into a contiguous copy. Both kernels are bound once, at construction, for the model's
-dtype, the cache's dtype and the heads; ``supported`` says whether they can be (the selector asks it),
-so a step makes no per-call checks and never falls back half-way.
+request's blocks into a contiguous copy; a chunk after a cached prefix needs the same gather for torch's
+SDPA, whose CPU kernel is also a few times slower than ours at prompt sizes (docs/benchmarks.md). The
+kernels are bound once, at construction, for the model's dtype, the cache's dtype and the heads;
+``supported`` says whether they can be (the selector asks it), so a step makes no per-call checks and
+never falls back half-way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tideserve import native
 from tideserve.model.attention.backend import AttentionBackend
-from tideserve.model.attention.metadata import AttentionMetadata, BatchLayout, PrefillSpan
-from tideserve.model.attention.torch_sdpa import attend_prefills, build_prefill_spans
+from tideserve.model.attention.metadata import AttentionMetadata, BatchLayout
 from tideserve.platform import platform_for
+
+
+@dataclass
+class PrefillCall:
+    """Prefill chunks whose keys lie in one place, attended by one kernel call: the paged cache (chunks
+    after a cached prefix, or every chunk when the cache holds the model's own dtype), or this step's own
+    k/v rows (fresh prompts over a cache of another dtype, so their keys keep the model's precision, as
+    torch's SDPA path gives them). All int64 [chunks] but ``tables``, [chunks, width]."""
+
+    from_cache: bool
+    tables: torch.Tensor  # cache: the chunks' block tables; own rows: row ids, read with block size 1
+    query_start: torch.Tensor
+    query_lens: torch.Tensor
+    computed: torch.Tensor  # tokens cached before each chunk (its first query's position)
 
 
 @dataclass
 class CpuNativeMetadata(AttentionMetadata):
     """Decodes as the kernel reads them: raw block tables (padding never read) and context lengths, int64;
-    prefills as SDPA spans. model/native_decode.py (a whole decode step in one call) reads the same."""
+    prefill chunks as the calls of the prefill kernel. model/native_decode.py (a whole decode step in one
+    call) reads the same."""
 
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
-    prefills: list[PrefillSpan] = field(default_factory=list)
+    prefills: list[PrefillCall] = field(default_factory=list)
 
 
 def unsupported_reason(device: torch.device | str, dtype: torch.dtype, kv_dtype: torch.dtype,
@@ -65,6 +83,7 @@ class CpuNativeBackend(AttentionBackend):
             raise ValueError(f"attention_backend='cpu-native' cannot run here: {reason}; use "
                              "attention_backend='auto' or 'torch'.")
         self.dtype, self.kv_dtype = dtype, kv_dtype
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self._paged_decode = native.bind_paged_decode(dtype, kv_dtype, num_heads, num_kv_heads)
         self.rope_store = native.bind_rope_store(dtype, kv_dtype, num_heads, num_kv_heads, head_dim)
 
@@ -83,7 +102,21 @@ class CpuNativeBackend(AttentionBackend):
         if n:
             meta.decode_block_tables = to_dev(layout.block_tables[:n])
             meta.decode_context_lens = to_dev(layout.context_lens[:n].copy())
-        meta.prefills = build_prefill_spans(layout, to_dev)
+        rows = np.arange(n, len(layout.query_lens))
+        if len(rows):
+            own_rows = layout.num_computed[rows] == 0
+            if self.kv_dtype == self.dtype:  # the cache holds exactly this step's k/v: read everything there
+                own_rows[:] = False
+            for from_cache, chosen in ((True, rows[~own_rows]), (False, rows[own_rows])):
+                if not len(chosen):
+                    continue
+                starts, lens = layout.query_start_loc[chosen], layout.query_lens[chosen]
+                if from_cache:
+                    tables = layout.block_tables[chosen]
+                else:
+                    tables = starts[:, None] + np.arange(int(lens.max()), dtype=np.int64)[None, :]
+                meta.prefills.append(PrefillCall(from_cache, to_dev(np.ascontiguousarray(tables)), to_dev(starts),
+                                                 to_dev(lens), to_dev(layout.num_computed[chosen])))
         return meta
 
     def attend(self, q, k, v, k_cache, v_cache, meta: CpuNativeMetadata, scale, out):
@@ -91,4 +124,13 @@ class CpuNativeBackend(AttentionBackend):
         if n:
             self._paged_decode(q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
                                out[:n])
-        attend_prefills(q, k, v, k_cache, v_cache, meta.prefills, scale, out)
+        for call in meta.prefills:
+            if call.from_cache:
+                keys = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+                values, block_size = v_cache.view(-1, self.num_kv_heads, self.head_dim), k_cache.shape[1]
+            else:
+                keys, values, block_size = k, v, 1
+            if not native.paged_prefill_attention(q, keys, values, call.tables, block_size, call.query_start,
+                                                  call.query_lens, call.computed, scale, out):
+                raise RuntimeError("native prefill attention failed: no scratch memory, or inputs outside its "
+                                   "contract (tideserve/native/__init__.py: paged_prefill_attention)")

@@ -3,7 +3,6 @@
 Decodes are taken in groups of similar context length (``group_by_blocks``), each group's blocks gathered
 whole (a few large copies, not one per token) and padded to its longest context with a mask; prefill
 chunks attend causally to their own keys, or, after a cached prefix, to the whole context's slots.
-The CPU native backend reuses the prefill half of this file.
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ class TorchMetadata(AttentionMetadata):
 
 
 def build_prefill_spans(layout: BatchLayout, to_device) -> list[PrefillSpan]:
-    """The SDPA prefill spans of a layout's rows after its decodes (shared with the CPU native backend)."""
+    """The SDPA prefill spans of a layout's rows after its decodes."""
     bs = layout.block_size
     spans = []
     for i in range(layout.num_decodes, len(layout.query_lens)):

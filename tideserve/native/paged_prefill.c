@@ -1,0 +1,417 @@
+/* Prefill attention on CPU: causal, grouped-query, read from the paged KV cache in place.
+ *
+ * Why a kernel of our own: torch's CPU flash attention runs a 305-token prompt's heads at 13-25 GFLOPS
+ * here, a third of a prefill's time on a 135M model (docs/benchmarks.md, tenth round), and with a cached
+ * prefix it needs the context gathered into a contiguous copy first. Here each work item is a handful
+ * of consecutive query tokens times the query heads of one KV head (so grouped-query heads share every
+ * key and value read), walking the keys a tile at a time with an online softmax (flash attention's
+ * recurrence), and reading each key and value where it lies: in the paged cache (any of its dtypes), or
+ * in the step's own fused qkv rows when the caller passes those with a block size of 1.
+ *
+ * Layouts (all contiguous in their last dimension):
+ *   q          [tokens, num_heads, head_dim], float32 or bfloat16, rows q_stride elements apart
+ *   k/v        slots of [num_kv_heads, head_dim], kv_stride elements apart (a contiguous cache
+ *              [num_blocks, block_size, num_kv_heads, head_dim] has kv_stride = num_kv_heads * head_dim),
+ *              float32, bfloat16 or float8 e4m3
+ *   tables     [num_spans, table_width] int64: span s's key at position p lies in slot
+ *              tables[s][p / block_size] * block_size + p % block_size
+ *   query_start, query_lens [num_spans] int64: span s's query tokens are rows query_start[s] ..
+ *              query_start[s] + query_lens[s] - 1
+ *   computed   [num_spans] int64: the position of span s's first query token (keys before it are the
+ *              cached prefix); query i of span s attends keys 0 .. computed[s] + i
+ *   out        [tokens, num_heads, head_dim], float32 or bfloat16, rows out_stride elements apart
+ *
+ * Arithmetic is float32 (inputs widen exactly; a bfloat16 output is rounded once). Paths: scalar
+ * reference and AVX2 + FMA (head_dim a multiple of 8), which AVX-512 CPUs run too: at prefill sizes the
+ * tile's arithmetic is FMA-bound and the AVX2 form already keeps both FMA pipes busy on the CPUs measured.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tideserve_native.h"
+#include "ts_simd.h"
+
+#define KEY_TILE 32      /* keys per tile: scores of one tile stay in L1 next to its widened K/V */
+#define ROWS_PER_ITEM 32 /* query rows (tokens x grouped heads) per work item */
+
+typedef struct {
+    const void *q;
+    int64_t q_stride;
+    int q_dtype;
+    const void *k, *v;
+    int kv_dtype;
+    int64_t kv_stride;
+    const int64_t *tables;
+    int64_t table_width, block_size;
+    const int64_t *query_start, *query_lens, *computed;
+    void *out;
+    int64_t out_stride;
+    int out_dtype;
+    int64_t num_heads, num_kv_heads, head_dim;
+    float scale;
+} prefill_args;
+
+/* One thread's working set for one work item. */
+typedef struct {
+    float *q;       /* [rows][head_dim], scaled queries */
+    float *o;       /* [rows][head_dim], unnormalised outputs */
+    float *s;       /* [rows][KEY_TILE], scores, then probabilities */
+    float *m, *l;   /* [rows], running max and sum */
+    int64_t *valid; /* [rows], keys of the current tile each row may see */
+    float *kw, *vw; /* [KEY_TILE][head_dim], widened keys and values (caches not in float32) */
+    const float *krow[KEY_TILE], *vrow[KEY_TILE];
+} scratch;
+
+static float load_elem(const void *p, int dtype, int64_t i) {
+    if (dtype == TS_DTYPE_F32) return ((const float *)p)[i];
+    if (dtype == TS_DTYPE_BF16) return ts_bf16_to_f32(((const uint16_t *)p)[i]);
+    return ts_fp8_to_f32(((const uint8_t *)p)[i]);
+}
+
+/* dst[0..n) = src[offset ..] widened to float32. */
+static void widen(int isa, const void *src, int dtype, int64_t offset, float *dst, int64_t n) {
+#ifdef TS_HAVE_AVX2
+    if (isa >= TS_ISA_AVX2 && n % 8 == 0 && dtype != TS_DTYPE_F32) {
+        for (int64_t d = 0; d < n; d += 8)
+            _mm256_storeu_ps(dst + d, dtype == TS_DTYPE_BF16 ? ts_load_bf16x8((const uint16_t *)src + offset + d)
+                                                             : ts_load_fp8x8((const uint8_t *)src + offset + d));
+        return;
+    }
+#endif
+    (void)isa;
+    for (int64_t d = 0; d < n; d++) dst[d] = load_elem(src, dtype, offset + d);
+}
+
+/* s[r][j] = q[r] . krow[j] for j < nk. */
+static void scores_scalar(const float *q, int64_t rows, int64_t dim, const float *const *krow, int64_t nk, float *s) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < nk; j++) {
+            float acc = 0.0f;
+            for (int64_t d = 0; d < dim; d++) acc += q[r * dim + d] * krow[j][d];
+            s[r * KEY_TILE + j] = acc;
+        }
+}
+
+/* probabilities of row r over its first n keys (n >= 1), folded into the running max / sum / output. */
+static void softmax_row_scalar(float *s, int64_t n, float *m, float *l, float *o, int64_t dim) {
+    float mx = s[0];
+    for (int64_t j = 1; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    const float m_new = mx > *m ? mx : *m;
+    const float alpha = *m == -INFINITY ? 0.0f : ts_exp(*m - m_new);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        s[j] = ts_exp(s[j] - m_new);
+        sum += s[j];
+    }
+    for (int64_t j = n; j < KEY_TILE; j++) s[j] = 0.0f;
+    if (alpha != 1.0f)
+        for (int64_t d = 0; d < dim; d++) o[d] *= alpha;
+    *l = *l * alpha + sum;
+    *m = m_new;
+}
+
+/* o[r] += sum_j s[r][j] * vrow[j] over each row's valid keys. */
+static void pv_scalar(const float *s, const int64_t *valid, int64_t rows, int64_t dim, const float *const *vrow,
+                      float *o) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < valid[r]; j++) {
+            const float p = s[r * KEY_TILE + j];
+            for (int64_t d = 0; d < dim; d++) o[r * dim + d] += p * vrow[j][d];
+        }
+}
+
+#ifdef TS_HAVE_AVX2
+/* The four sums of a, b, c, d's lanes. */
+TS_ALWAYS_INLINE __m128 sum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* As scores_scalar, two rows by four keys at a time; nk a multiple of 4 (padding keys point at real rows). */
+static void scores_avx2(const float *q, int64_t rows, int64_t dim, const float *const *krow, int64_t nk, float *s) {
+    int64_t r = 0;
+    for (; r + 2 <= rows; r += 2) {
+        const float *q0 = q + r * dim, *q1 = q0 + dim;
+        for (int64_t j = 0; j < nk; j += 4) {
+            const float *k0 = krow[j], *k1 = krow[j + 1], *k2 = krow[j + 2], *k3 = krow[j + 3];
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            for (int64_t d = 0; d < dim; d += 8) {
+                const __m256 x0 = _mm256_loadu_ps(q0 + d), x1 = _mm256_loadu_ps(q1 + d);
+                const __m256 y0 = _mm256_loadu_ps(k0 + d), y1 = _mm256_loadu_ps(k1 + d);
+                const __m256 y2 = _mm256_loadu_ps(k2 + d), y3 = _mm256_loadu_ps(k3 + d);
+                a0 = _mm256_fmadd_ps(x0, y0, a0);
+                a1 = _mm256_fmadd_ps(x0, y1, a1);
+                a2 = _mm256_fmadd_ps(x0, y2, a2);
+                a3 = _mm256_fmadd_ps(x0, y3, a3);
+                b0 = _mm256_fmadd_ps(x1, y0, b0);
+                b1 = _mm256_fmadd_ps(x1, y1, b1);
+                b2 = _mm256_fmadd_ps(x1, y2, b2);
+                b3 = _mm256_fmadd_ps(x1, y3, b3);
+            }
+            _mm_storeu_ps(s + r * KEY_TILE + j, sum4_256(a0, a1, a2, a3));
+            _mm_storeu_ps(s + (r + 1) * KEY_TILE + j, sum4_256(b0, b1, b2, b3));
+        }
+    }
+    for (; r < rows; r++) {
+        const float *q0 = q + r * dim;
+        for (int64_t j = 0; j < nk; j += 4) {
+            const float *k0 = krow[j], *k1 = krow[j + 1], *k2 = krow[j + 2], *k3 = krow[j + 3];
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t d = 0; d < dim; d += 8) {
+                const __m256 x0 = _mm256_loadu_ps(q0 + d);
+                a0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k0 + d), a0);
+                a1 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k1 + d), a1);
+                a2 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k2 + d), a2);
+                a3 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k3 + d), a3);
+            }
+            _mm_storeu_ps(s + r * KEY_TILE + j, sum4_256(a0, a1, a2, a3));
+        }
+    }
+}
+
+/* As softmax_row_scalar in vectors of 8; keys n .. KEY_TILE get probability 0. */
+static void softmax_row_avx2(float *s, int64_t n, float *m, float *l, float *o, int64_t dim) {
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 count = _mm256_set1_ps((float)n);
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < KEY_TILE; j += 8) {
+        const __m256 keep = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)j)), count, _CMP_LT_OQ);
+        vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s + j), keep));
+    }
+    const float mx = ts_hmax256(vmax);
+    const float m_new = mx > *m ? mx : *m;
+    const float alpha = *m == -INFINITY ? 0.0f : ts_exp(*m - m_new);
+    const __m256 bm = _mm256_set1_ps(m_new);
+    __m256 vsum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < KEY_TILE; j += 8) {
+        const __m256 keep = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)j)), count, _CMP_LT_OQ);
+        const __m256 e = _mm256_and_ps(ts_exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), bm)), keep);
+        _mm256_storeu_ps(s + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    if (alpha != 1.0f) {
+        const __m256 va = _mm256_set1_ps(alpha);
+        for (int64_t d = 0; d < dim; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), va));
+    }
+    *l = *l * alpha + ts_hsum256(vsum);
+    *m = m_new;
+}
+
+/* As pv_scalar, two rows by 32 (then 8) output columns at a time. Probabilities past a row's valid
+ * keys are 0, so a pair runs to the longer of its two rows. */
+static void pv_avx2(const float *s, const int64_t *valid, int64_t rows, int64_t dim, const float *const *vrow,
+                    float *o) {
+    int64_t r = 0;
+    for (; r + 2 <= rows; r += 2) {
+        const int64_t nj = valid[r] > valid[r + 1] ? valid[r] : valid[r + 1];
+        const float *p0 = s + r * KEY_TILE, *p1 = p0 + KEY_TILE;
+        float *o0 = o + r * dim, *o1 = o0 + dim;
+        int64_t d = 0;
+        for (; d + 32 <= dim; d += 32) {
+            __m256 a0 = _mm256_loadu_ps(o0 + d), a1 = _mm256_loadu_ps(o0 + d + 8);
+            __m256 a2 = _mm256_loadu_ps(o0 + d + 16), a3 = _mm256_loadu_ps(o0 + d + 24);
+            __m256 b0 = _mm256_loadu_ps(o1 + d), b1 = _mm256_loadu_ps(o1 + d + 8);
+            __m256 b2 = _mm256_loadu_ps(o1 + d + 16), b3 = _mm256_loadu_ps(o1 + d + 24);
+            for (int64_t j = 0; j < nj; j++) {
+                const float *vj = vrow[j] + d;
+                const __m256 y0 = _mm256_loadu_ps(vj), y1 = _mm256_loadu_ps(vj + 8);
+                const __m256 y2 = _mm256_loadu_ps(vj + 16), y3 = _mm256_loadu_ps(vj + 24);
+                const __m256 x0 = _mm256_broadcast_ss(p0 + j), x1 = _mm256_broadcast_ss(p1 + j);
+                a0 = _mm256_fmadd_ps(x0, y0, a0);
+                a1 = _mm256_fmadd_ps(x0, y1, a1);
+                a2 = _mm256_fmadd_ps(x0, y2, a2);
+                a3 = _mm256_fmadd_ps(x0, y3, a3);
+                b0 = _mm256_fmadd_ps(x1, y0, b0);
+                b1 = _mm256_fmadd_ps(x1, y1, b1);
+                b2 = _mm256_fmadd_ps(x1, y2, b2);
+                b3 = _mm256_fmadd_ps(x1, y3, b3);
+            }
+            _mm256_storeu_ps(o0 + d, a0);
+            _mm256_storeu_ps(o0 + d + 8, a1);
+            _mm256_storeu_ps(o0 + d + 16, a2);
+            _mm256_storeu_ps(o0 + d + 24, a3);
+            _mm256_storeu_ps(o1 + d, b0);
+            _mm256_storeu_ps(o1 + d + 8, b1);
+            _mm256_storeu_ps(o1 + d + 16, b2);
+            _mm256_storeu_ps(o1 + d + 24, b3);
+        }
+        for (; d < dim; d += 8) {
+            __m256 a0 = _mm256_loadu_ps(o0 + d), b0 = _mm256_loadu_ps(o1 + d);
+            for (int64_t j = 0; j < nj; j++) {
+                const __m256 y0 = _mm256_loadu_ps(vrow[j] + d);
+                a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + j), y0, a0);
+                b0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p1 + j), y0, b0);
+            }
+            _mm256_storeu_ps(o0 + d, a0);
+            _mm256_storeu_ps(o1 + d, b0);
+        }
+    }
+    for (; r < rows; r++) {
+        const float *p0 = s + r * KEY_TILE;
+        float *o0 = o + r * dim;
+        for (int64_t d = 0; d < dim; d += 8) {
+            __m256 a0 = _mm256_loadu_ps(o0 + d);
+            for (int64_t j = 0; j < valid[r]; j++)
+                a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + j), _mm256_loadu_ps(vrow[j] + d), a0);
+            _mm256_storeu_ps(o0 + d, a0);
+        }
+    }
+}
+#endif /* TS_HAVE_AVX2 */
+
+/* Query tokens first .. first + count of span `span`, heads of KV head `g`: rows (token, grouped head). */
+static void run_item(const prefill_args *a, int isa, scratch *w, int64_t span, int64_t g, int64_t first,
+                     int64_t count) {
+    const int64_t dim = a->head_dim, group = a->num_heads / a->num_kv_heads, rows = count * group;
+    const int64_t row0 = a->query_start[span] + first, pos0 = a->computed[span] + first;
+    const int f32_kv = a->kv_dtype == TS_DTYPE_F32;
+    for (int64_t t = 0; t < count; t++)
+        for (int64_t h = 0; h < group; h++) {
+            float *dst = w->q + (t * group + h) * dim;
+            widen(isa, a->q, a->q_dtype, (row0 + t) * a->q_stride + (g * group + h) * dim, dst, dim);
+            for (int64_t d = 0; d < dim; d++) dst[d] *= a->scale;
+        }
+    for (int64_t r = 0; r < rows; r++) {
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.0f;
+    }
+    memset(w->o, 0, (size_t)(rows * dim) * sizeof(float));
+    const int64_t *table = a->tables + span * a->table_width;
+    const int64_t last = pos0 + count - 1; /* the last key the item's last token sees */
+    for (int64_t kb = 0; kb <= last; kb += KEY_TILE) {
+        const int64_t nk = last - kb + 1 < KEY_TILE ? last - kb + 1 : KEY_TILE;
+        for (int64_t j = 0; j < nk; j++) {
+            const int64_t p = kb + j;
+            const int64_t slot = table[p / a->block_size] * a->block_size + p % a->block_size;
+            const int64_t at = slot * a->kv_stride + g * dim;
+            if (f32_kv) {
+                w->krow[j] = (const float *)a->k + at;
+                w->vrow[j] = (const float *)a->v + at;
+            } else {
+                widen(isa, a->k, a->kv_dtype, at, w->kw + j * dim, dim);
+                widen(isa, a->v, a->kv_dtype, at, w->vw + j * dim, dim);
+                w->krow[j] = w->kw + j * dim;
+                w->vrow[j] = w->vw + j * dim;
+            }
+        }
+        const int64_t nk4 = (nk + 3) & ~(int64_t)3;
+        for (int64_t j = nk; j < nk4; j++) {
+            w->krow[j] = w->krow[0];
+            w->vrow[j] = w->vrow[0];
+        }
+#ifdef TS_HAVE_AVX2
+        const int vec = isa >= TS_ISA_AVX2 && dim % 8 == 0;
+        if (vec)
+            scores_avx2(w->q, rows, dim, w->krow, nk4, w->s);
+        else
+#endif
+            scores_scalar(w->q, rows, dim, w->krow, nk4, w->s);
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t seen = pos0 + r / group - kb + 1; /* keys of this tile at or before the row's token */
+            const int64_t n = seen < 0 ? 0 : (seen < nk ? seen : nk);
+            w->valid[r] = n;
+            float *sr = w->s + r * KEY_TILE;
+            if (n == 0) {
+                memset(sr, 0, KEY_TILE * sizeof(float));
+                continue;
+            }
+#ifdef TS_HAVE_AVX2
+            if (vec)
+                softmax_row_avx2(sr, n, w->m + r, w->l + r, w->o + r * dim, dim);
+            else
+#endif
+                softmax_row_scalar(sr, n, w->m + r, w->l + r, w->o + r * dim, dim);
+        }
+#ifdef TS_HAVE_AVX2
+        if (vec)
+            pv_avx2(w->s, w->valid, rows, dim, w->vrow, w->o);
+        else
+#endif
+            pv_scalar(w->s, w->valid, rows, dim, w->vrow, w->o);
+    }
+    for (int64_t t = 0; t < count; t++)
+        for (int64_t h = 0; h < group; h++) {
+            const int64_t r = t * group + h;
+            const float inv = 1.0f / w->l[r];
+            const int64_t at = (row0 + t) * a->out_stride + (g * group + h) * dim;
+            const float *src = w->o + r * dim;
+            if (a->out_dtype == TS_DTYPE_F32) {
+                float *dst = (float *)a->out + at;
+                for (int64_t d = 0; d < dim; d++) dst[d] = src[d] * inv;
+            } else {
+                uint16_t *dst = (uint16_t *)a->out + at;
+                for (int64_t d = 0; d < dim; d++) dst[d] = ts_f32_to_bf16(src[d] * inv);
+            }
+        }
+}
+
+static int known_dtype(int code, int allow_fp8) {
+    return code == TS_DTYPE_F32 || code == TS_DTYPE_BF16 || (allow_fp8 && code == TS_DTYPE_FP8);
+}
+
+int ts_paged_prefill(const void *q, int64_t q_stride, int q_dtype, const void *k, const void *v, int kv_dtype,
+                     int64_t kv_stride, const int64_t *tables, int64_t table_width, int64_t block_size,
+                     const int64_t *query_start, const int64_t *query_lens, const int64_t *computed, int64_t num_spans,
+                     void *out, int64_t out_stride, int out_dtype, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, float scale, int num_threads) {
+    if (!known_dtype(q_dtype, 0) || !known_dtype(out_dtype, 0) || !known_dtype(kv_dtype, 1) || num_kv_heads <= 0 ||
+        num_heads % num_kv_heads || head_dim <= 0 || block_size <= 0)
+        return 1;
+    if (num_spans <= 0) return 0;
+    const prefill_args a = {q, q_stride, q_dtype, k, v, kv_dtype, kv_stride, tables, table_width, block_size,
+                            query_start, query_lens, computed, out, out_stride, out_dtype, num_heads,
+                            num_kv_heads, head_dim, scale};
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t tokens_per_item = group >= ROWS_PER_ITEM ? 1 : ROWS_PER_ITEM / group;
+    /* Work items: (span, KV head, token tile), counted per span so a flat index finds its span. */
+    int64_t *items_before = malloc((size_t)(num_spans + 1) * sizeof(int64_t));
+    if (!items_before) return 1;
+    items_before[0] = 0;
+    for (int64_t s = 0; s < num_spans; s++) {
+        const int64_t len = query_lens[s];
+        items_before[s + 1] = items_before[s] + num_kv_heads * ((len + tokens_per_item - 1) / tokens_per_item);
+    }
+    const int64_t total = items_before[num_spans];
+    const int isa = ts_isa_level();
+    const int64_t rows = tokens_per_item * group;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        scratch w;
+        float *buf = malloc((size_t)(2 * rows * head_dim + rows * KEY_TILE + 2 * rows + 2 * KEY_TILE * head_dim) *
+                            sizeof(float));
+        int64_t *valid = malloc((size_t)rows * sizeof(int64_t));
+        if (!buf || !valid) {
+            failed = 1;
+        } else {
+            w.q = buf;
+            w.o = w.q + rows * head_dim;
+            w.s = w.o + rows * head_dim;
+            w.m = w.s + rows * KEY_TILE;
+            w.l = w.m + rows;
+            w.kw = w.l + rows;
+            w.vw = w.kw + KEY_TILE * head_dim;
+            w.valid = valid;
+        }
+        /* The last token tiles of a span see the most keys: hand them out first. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < total; i++) {
+            if (failed) continue;
+            int64_t s = 0;
+            while (items_before[s + 1] <= i) s++;
+            const int64_t len = query_lens[s];
+            const int64_t tiles = (len + tokens_per_item - 1) / tokens_per_item;
+            const int64_t local = i - items_before[s];
+            const int64_t tile = tiles - 1 - local / num_kv_heads, g = local % num_kv_heads;
+            const int64_t first = tile * tokens_per_item;
+            const int64_t count = len - first < tokens_per_item ? len - first : tokens_per_item;
+            run_item(&a, isa, &w, s, g, first, count);
+        }
+        free(buf);
+        free(valid);
+    }
+    free(items_before);
+    return failed;
+}
