@@ -95,7 +95,46 @@ typedef struct {
     int64_t k, kb;
 } ts_act;
 
+#ifdef TS_HAVE_AVX2
+TS_ALWAYS_INLINE int hsum_epi32_256(__m256i v) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    return _mm_cvtsi128_si32(t);
+}
+
+/* quantize_row_q8 in vectors, bit for bit: the same products, rounded to nearest even by cvtps as
+ * lrintf rounds them (a scalar lrintf per value was 1-1.5% of a prefill). */
+static void quantize_row_q8_avx2(const float *x, int64_t k, int8_t *q, float *scale, float *sums) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < k / TS_QBLOCK; b++) {
+        const float *xb = x + b * TS_QBLOCK;
+        const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
+        const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
+        const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(x0, magnitude), _mm256_and_ps(x1, magnitude)),
+                                       _mm256_max_ps(_mm256_and_ps(x2, magnitude), _mm256_and_ps(x3, magnitude)));
+        const float d = ts_hmax256(m) / 127.0f;
+        const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+        const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, inv));
+        const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(x2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(x3, inv));
+        /* packs interleave 128-bit lanes: bytes come out as i0[0:4] i1[0:4] i2[0:4] i3[0:4] | i0[4:8] ... */
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+        _mm256_storeu_si256((__m256i *)(q + b * TS_QBLOCK), _mm256_permutevar8x32_epi32(bytes, order));
+        scale[b] = d;
+        sums[2 * b] = d * (float)hsum_epi32_256(_mm256_add_epi32(i0, i1));
+        sums[2 * b + 1] = d * (float)hsum_epi32_256(_mm256_add_epi32(i2, i3));
+    }
+}
+#endif
+
 static void quantize_row_q8(const float *x, int64_t k, int8_t *q, float *scale, float *sums) {
+#ifdef TS_HAVE_AVX2
+    if (ts_isa_level() >= TS_ISA_AVX2) {
+        quantize_row_q8_avx2(x, k, q, scale, sums);
+        return;
+    }
+#endif
     for (int64_t b = 0; b < k / TS_QBLOCK; b++) {
         const float *xb = x + b * TS_QBLOCK;
         float amax = 0.0f;
