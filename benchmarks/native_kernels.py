@@ -1,6 +1,7 @@
 """Each native kernel on each instruction-set path this machine has, against the torch operators it replaces.
 
-Shapes are the default model's (SmolLM2-135M: 9 query heads, 3 KV heads of 64, hidden 576, 30 layers). Decode
+Shapes are the default model's (SmolLM2-135M: 9 query heads, 3 KV heads of 64, hidden 576, 30 layers). Prefill
+attention is one fresh prompt of ``--prompt-len`` tokens, causal, through each backend's own builder. Decode
 attention reads a separate KV cache per layer, 30 layers' worth, in turn, as a decode step does, so the cache
 is as cold as in a step. The paths are run in interleaved rounds (every path once per round); the figure is
 the median over rounds, with the spread (min-max), since the machine may be shared. Attention also gets an
@@ -78,6 +79,33 @@ def attention_case(batch: int, context: int, dtype: torch.dtype,
     return ours, theirs, kv_bytes
 
 
+def prefill_case(tokens: int, dtype: torch.dtype) -> tuple[Callable[[], None], Callable[[], None], None]:
+    """(cpu-native backend, torch backend) attending one fresh prompt, LAYERS times, through their own
+    builders and with the K/V already stored, as a prefill step runs them."""
+    from tideserve.model.attention import CpuNativeBackend
+
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(tokens, HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    q, k, v = qkv[:, :HEADS], qkv[:, HEADS:HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS:]
+    blocks = -(-tokens // BLOCK)
+    k_cache = torch.zeros(blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
+    k_cache.view(-1, KV_HEADS, HEAD_DIM)[:tokens] = k
+    v_cache = torch.zeros_like(k_cache)
+    v_cache.view(-1, KV_HEADS, HEAD_DIM)[:tokens] = v
+    layout = BatchLayout.single_prefill(tokens, BLOCK)
+    scale = HEAD_DIM ** -0.5
+    backends = [CpuNativeBackend("cpu", dtype, dtype, HEADS, KV_HEADS, HEAD_DIM), TorchSDPABackend()]
+    metas = [b.build_metadata(layout) for b in backends]
+
+    def run(i: int) -> Callable[[], None]:
+        def call() -> None:
+            for _ in range(LAYERS):
+                backends[i].forward(q, k, v, k_cache, v_cache, metas[i], scale, kv_stored=True)
+        return call
+
+    return run(0), run(1), None
+
+
 def rms_case(rows: int, dtype: torch.dtype) -> tuple[Callable[[], None], Callable[[], None]]:
     x = torch.randn(rows, HIDDEN).to(dtype)
     residual = torch.randn(rows, HIDDEN).to(dtype)
@@ -129,6 +157,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--context", type=int, default=256, help="keys per request for decode attention")
+    ap.add_argument("--prompt-len", type=int, default=305, help="tokens of the prompt for prefill attention")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if native.load_library() is None:
@@ -137,6 +166,8 @@ def main() -> None:
     cases: dict[str, tuple[Callable[[], None], Callable[[], None], int | None]] = {}
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
+        cases[f"prefill attention {name}, one prompt of {args.prompt_len} tokens, {LAYERS} layers"] = prefill_case(
+            args.prompt_len, dtype)
         for batch in (1, 64):
             ours, theirs, nbytes = attention_case(batch, args.context, dtype)
             cases[f"decode attention {name}, batch {batch} x {args.context} keys, {LAYERS} layers"] = (ours, theirs,
