@@ -129,6 +129,15 @@ TS_ALWAYS_INLINE __m128 sum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+/* acc[0..4) += x0 * y[0..4), acc[4..8) += x1 * y[0..4): two rows against four vectors, the shape both
+ * products of a tile take (rows x keys for the scores, rows x columns for the values). */
+TS_ALWAYS_INLINE void fma_2x4(__m256 x0, __m256 x1, const __m256 y[4], __m256 acc[8]) {
+    for (int i = 0; i < 4; i++) {
+        acc[i] = _mm256_fmadd_ps(x0, y[i], acc[i]);
+        acc[4 + i] = _mm256_fmadd_ps(x1, y[i], acc[4 + i]);
+    }
+}
+
 /* As scores_scalar, two rows by four keys at a time; nk a multiple of 4 (padding keys point at real rows). */
 static void scores_avx2(const float *q, int64_t rows, int64_t dim, const float *const *krow, int64_t nk, float *s) {
     int64_t r = 0;
@@ -136,22 +145,15 @@ static void scores_avx2(const float *q, int64_t rows, int64_t dim, const float *
         const float *q0 = q + r * dim, *q1 = q0 + dim;
         for (int64_t j = 0; j < nk; j += 4) {
             const float *k0 = krow[j], *k1 = krow[j + 1], *k2 = krow[j + 2], *k3 = krow[j + 3];
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            __m256 acc[8];
+            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
             for (int64_t d = 0; d < dim; d += 8) {
-                const __m256 x0 = _mm256_loadu_ps(q0 + d), x1 = _mm256_loadu_ps(q1 + d);
-                const __m256 y0 = _mm256_loadu_ps(k0 + d), y1 = _mm256_loadu_ps(k1 + d);
-                const __m256 y2 = _mm256_loadu_ps(k2 + d), y3 = _mm256_loadu_ps(k3 + d);
-                a0 = _mm256_fmadd_ps(x0, y0, a0);
-                a1 = _mm256_fmadd_ps(x0, y1, a1);
-                a2 = _mm256_fmadd_ps(x0, y2, a2);
-                a3 = _mm256_fmadd_ps(x0, y3, a3);
-                b0 = _mm256_fmadd_ps(x1, y0, b0);
-                b1 = _mm256_fmadd_ps(x1, y1, b1);
-                b2 = _mm256_fmadd_ps(x1, y2, b2);
-                b3 = _mm256_fmadd_ps(x1, y3, b3);
+                const __m256 y[4] = {_mm256_loadu_ps(k0 + d), _mm256_loadu_ps(k1 + d), _mm256_loadu_ps(k2 + d),
+                                     _mm256_loadu_ps(k3 + d)};
+                fma_2x4(_mm256_loadu_ps(q0 + d), _mm256_loadu_ps(q1 + d), y, acc);
             }
-            _mm_storeu_ps(s + r * KEY_TILE + j, sum4_256(a0, a1, a2, a3));
-            _mm_storeu_ps(s + (r + 1) * KEY_TILE + j, sum4_256(b0, b1, b2, b3));
+            _mm_storeu_ps(s + r * KEY_TILE + j, sum4_256(acc[0], acc[1], acc[2], acc[3]));
+            _mm_storeu_ps(s + (r + 1) * KEY_TILE + j, sum4_256(acc[4], acc[5], acc[6], acc[7]));
         }
     }
     for (; r < rows; r++) {
@@ -210,32 +212,21 @@ static void pv_avx2(const float *s, const int64_t *valid, int64_t rows, int64_t 
         float *o0 = o + r * dim, *o1 = o0 + dim;
         int64_t d = 0;
         for (; d + 32 <= dim; d += 32) {
-            __m256 a0 = _mm256_loadu_ps(o0 + d), a1 = _mm256_loadu_ps(o0 + d + 8);
-            __m256 a2 = _mm256_loadu_ps(o0 + d + 16), a3 = _mm256_loadu_ps(o0 + d + 24);
-            __m256 b0 = _mm256_loadu_ps(o1 + d), b1 = _mm256_loadu_ps(o1 + d + 8);
-            __m256 b2 = _mm256_loadu_ps(o1 + d + 16), b3 = _mm256_loadu_ps(o1 + d + 24);
+            __m256 acc[8];
+            for (int i = 0; i < 4; i++) {
+                acc[i] = _mm256_loadu_ps(o0 + d + 8 * i);
+                acc[4 + i] = _mm256_loadu_ps(o1 + d + 8 * i);
+            }
             for (int64_t j = 0; j < nj; j++) {
                 const float *vj = vrow[j] + d;
-                const __m256 y0 = _mm256_loadu_ps(vj), y1 = _mm256_loadu_ps(vj + 8);
-                const __m256 y2 = _mm256_loadu_ps(vj + 16), y3 = _mm256_loadu_ps(vj + 24);
-                const __m256 x0 = _mm256_broadcast_ss(p0 + j), x1 = _mm256_broadcast_ss(p1 + j);
-                a0 = _mm256_fmadd_ps(x0, y0, a0);
-                a1 = _mm256_fmadd_ps(x0, y1, a1);
-                a2 = _mm256_fmadd_ps(x0, y2, a2);
-                a3 = _mm256_fmadd_ps(x0, y3, a3);
-                b0 = _mm256_fmadd_ps(x1, y0, b0);
-                b1 = _mm256_fmadd_ps(x1, y1, b1);
-                b2 = _mm256_fmadd_ps(x1, y2, b2);
-                b3 = _mm256_fmadd_ps(x1, y3, b3);
+                const __m256 y[4] = {_mm256_loadu_ps(vj), _mm256_loadu_ps(vj + 8), _mm256_loadu_ps(vj + 16),
+                                     _mm256_loadu_ps(vj + 24)};
+                fma_2x4(_mm256_broadcast_ss(p0 + j), _mm256_broadcast_ss(p1 + j), y, acc);
             }
-            _mm256_storeu_ps(o0 + d, a0);
-            _mm256_storeu_ps(o0 + d + 8, a1);
-            _mm256_storeu_ps(o0 + d + 16, a2);
-            _mm256_storeu_ps(o0 + d + 24, a3);
-            _mm256_storeu_ps(o1 + d, b0);
-            _mm256_storeu_ps(o1 + d + 8, b1);
-            _mm256_storeu_ps(o1 + d + 16, b2);
-            _mm256_storeu_ps(o1 + d + 24, b3);
+            for (int i = 0; i < 4; i++) {
+                _mm256_storeu_ps(o0 + d + 8 * i, acc[i]);
+                _mm256_storeu_ps(o1 + d + 8 * i, acc[4 + i]);
+            }
         }
         for (; d < dim; d += 8) {
             __m256 a0 = _mm256_loadu_ps(o0 + d), b0 = _mm256_loadu_ps(o1 + d);
