@@ -140,10 +140,15 @@ def mixed_layout(spans: list[tuple[int, int]], tables: torch.Tensor, block_size:
 @pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                                              (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float8_e4m3fn)],
                          ids=["f32-kv-f32", "f32-kv-bf16", "bf16-kv-bf16", "f32-kv-fp8"])
-def test_the_cpu_backend_attends_prefills_as_the_torch_backend_does(dtype, kv_dtype):
+def test_the_cpu_backend_attends_prefills_as_the_torch_backend_does(dtype, kv_dtype, monkeypatch):
     """Through each backend's own builder and forward (the K/V stored first): fresh prompts and chunks after
     a cached prefix. Over a cache of another dtype fresh prompts keep their own keys' precision, as torch's
-    SDPA path does, so the two agree to float32 rounding there too."""
+    SDPA path does, so the two agree to float32 rounding there too. The kernel itself ran: one call over
+    the cache, and one over the step's own rows where the cache's dtype differs; torch's SDPA never."""
+    calls: list[int] = []
+    kernel = native.paged_prefill_attention
+    monkeypatch.setattr(native, "paged_prefill_attention",
+                        lambda q, k, *args, **kw: calls.append(k.shape[0]) or kernel(q, k, *args, **kw))
     spans = [(0, 40), (24, 9), (0, 3), (5, 60)]
     heads, kv_heads, dim, bs = 9, 3, 64, 16
     _, k_cache, v_cache, tables, *_ = make_case(spans, heads, kv_heads, dim, bs, seed=5, kv_dtype=kv_dtype)
@@ -158,6 +163,8 @@ def test_the_cpu_backend_attends_prefills_as_the_torch_backend_does(dtype, kv_dt
         results.append(backend.forward(q, k, v, kc, vc, backend.build_metadata(layout), dim ** -0.5))
     ours, theirs = results
     assert ours.dtype == theirs.dtype == dtype
+    # slots the kernel was given: the whole cache, then (another dtype) this step's own rows
+    assert calls == ([k_cache.shape[0] * bs] if kv_dtype == dtype else [k_cache.shape[0] * bs, tokens])
     if dtype == torch.float32:
         torch.testing.assert_close(ours, theirs, **TOLERANCE[dtype])
     else:  # torch's bfloat16 SDPA rounds its intermediates: the kernel (float32 inside) must be no further off
