@@ -55,11 +55,14 @@ def force(kernel: str) -> None:
 
 
 def best_time(mats, x: torch.Tensor, kernel: str, timings: dict[str, float]) -> None:
-    force(kernel)
-    t = time.perf_counter()
-    for mat, _ in mats:
-        quant.qmatmul(x, mat)
-    timings[kernel] = min(timings.get(kernel, float("inf")), time.perf_counter() - t)
+    """Time ``kernel`` ("[isa:]rows|gemv|tiles[ x8]") once over every copy, keeping the best."""
+    isa, _, name = kernel.rpartition(":")
+    force(name)
+    with quant.forced_isa(isa or quant.cpu_isa()):
+        t = time.perf_counter()
+        for mat, _ in mats:
+            quant.qmatmul(x, mat)
+        timings[kernel] = min(timings.get(kernel, float("inf")), time.perf_counter() - t)
 
 
 def main() -> None:
@@ -68,13 +71,21 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,3,4,8,12,16,20", help="comma-separated batch sizes")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--min-mb", type=float, default=48.0, help="weight bytes per case (past the L3)")
+    ap.add_argument("--isas", default=None,
+                    help="comma-separated paths to compare in the same rounds (e.g. avx2,avx512; default: the "
+                         "CPU's best)")
     args = ap.parse_args()
     if not quant.available():
         raise SystemExit("the native kernels could not be built here")
     platform_for("cpu").tune_allocator()
     gen = torch.Generator().manual_seed(0)
     isa = quant.qgemm_isa()
-    kernels = ["rows", *(["gemv"] if isa == "avx2" else []), *(["tiles"] if isa in ("avx2", "amx") else [])]
+    isas = args.isas.split(",") if args.isas else [isa]
+    kernels = []
+    for path in isas:
+        prefix = f"{path}:" if len(isas) > 1 else ""
+        kernels += [f"{prefix}rows", *([f"{prefix}gemv"] if path in ("avx2", "avx512") else []),
+                    *([f"{prefix}tiles"] if path in ("avx2", "avx512", "amx") else [])]
     print(f"path {isa}; threads {torch.get_num_threads()}; kernels compared: {', '.join(kernels)}")
     print(f"default plan: {quant.kernels_summary()}")
     row_counts = [int(r) for r in args.rows.split(",")]
@@ -91,7 +102,7 @@ def main() -> None:
                 for _ in range(args.repeats):
                     for kernel in kernels:
                         best_time(mats, x, kernel, timings)
-                        if interleaved and kernel != "rows":  # the row kernels would copy x8 rows back
+                        if interleaved and not kernel.endswith("rows"):  # the row kernels would copy x8 back
                             best_time(mats_x8, x, f"{kernel} x8", timings)
                 cells = "  ".join(f"{kr} {t * 1e3 / len(mats):7.3f} ms {nbytes / t / 1e9:5.1f} GB/s"
                                   for kr, t in timings.items())
@@ -101,19 +112,21 @@ def main() -> None:
         # A whole batch-1 step's products, distinct weights per layer as in the model.
         steps = {layout: [m for qtype, n, k in STEP_SHAPES for _ in range(30) for m in weights(qtype, n, k, 0, gen, layout)]
                  + weights("q8_0", 49152, 576, 0, gen, layout)
-                 for layout in (["rows", "x8"] if "gemv" in kernels else ["rows"])}
+                 for layout in (["rows", "x8"] if any(k.endswith("gemv") for k in kernels) else ["rows"])}
         nbytes = sum(data.numel() * data.element_size() for _, data in steps["rows"])
         xs = {k: torch.randn(1, k, generator=gen) for k in (576, 1536)}
-        best = {"rows": float("inf"), "gemv": float("inf"), "gemv x8": float("inf")} if "gemv" in kernels \
-            else {"rows": float("inf")}
+        best = {name: float("inf") for kernel in kernels if not kernel.endswith("tiles")
+                for name in ([kernel, f"{kernel} x8"] if kernel.endswith("gemv") else [kernel])}
         for _ in range(args.repeats):
             for kernel in best:
-                force(kernel)
+                path, _, name = kernel.rpartition(":")
+                force(name)
                 step = steps["x8" if kernel.endswith("x8") else "rows"]
-                t = time.perf_counter()
-                for mat, _ in step:
-                    quant.qmatmul(xs[mat.k], mat)
-                best[kernel] = min(best[kernel], time.perf_counter() - t)
+                with quant.forced_isa(path or isa):
+                    t = time.perf_counter()
+                    for mat, _ in step:
+                        quant.qmatmul(xs[mat.k], mat)
+                    best[kernel] = min(best[kernel], time.perf_counter() - t)
         print(f"batch-1 step's {len(steps['rows'])} products ({nbytes / 1e6:.0f} MB): " + "  ".join(
             f"{kernel} {t * 1e3:.2f} ms {nbytes / t / 1e9:.1f} GB/s" for kernel, t in best.items()))
     finally:

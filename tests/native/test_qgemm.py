@@ -1,12 +1,15 @@
 """The quantized linear kernels (qgemm.c) on every GGUF format they take and every ISA path this CPU has:
 - the scalar path computes exactly the arithmetic it documents (activations rounded to 8 bits per block
   of 32, integer dot products, each block's scales), written here in float64;
-- each SIMD row path (AVX2, AVX-512 VNNI), AVX2's matrix-vector kernel and AVX2's tiles give the scalar
-  path's numbers, and the AMX tile path the float product with bfloat16-rounded inputs;
+- each SIMD row path (AVX2, AVX-512 VNNI), the matrix-vector kernel and the integer tiles (each in AVX2's
+  byte products and in VNNI's) give the scalar path's numbers, and the AMX tile path the float product with
+  bfloat16-rounded inputs;
 - all of them are the float product of the gguf package's own dequantization, up to the input rounding.
 Paths the CPU lacks are skipped with their name."""
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -21,6 +24,7 @@ pytestmark = pytest.mark.skipif(not quant.available(), reason="no C compiler to 
 FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]
 GEMV_FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"]  # the formats AVX2's matrix-vector kernel takes
 ROW_PATHS = ["avx2", "avx512"]
+INT_PATHS = ["avx2", "avx512"]  # the integer tiles and matrix-vector kernel: AVX2's byte products, or VNNI's
 X8_FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]  # the formats with an interleaved layout
 
 
@@ -104,51 +108,57 @@ def assert_matches_the_scalar_path(qtype: str, rows: int, seed: int, layout: str
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
 
 
-@pytest.fixture
-def avx2_tiles(request):
-    """AVX2's tiles for every product, whatever the batch size (on an AVX2-capable CPU)."""
-    need("avx2")
-    previous = quant.set_tile_min_rows(1)
-    request.addfinalizer(lambda: quant.set_tile_min_rows(previous))
-    with quant.forced_isa("avx2"):
-        assert quant.kernel_for(1) == "avx2-tiles"
-        yield
+@contextlib.contextmanager
+def integer_kernel(kind: str, path: str):
+    """Every product through the integer tiles (kind "tiles") or the matrix-vector kernel ("gemv": the
+    formats it takes; the others take the row kernels) of ``path``, whatever the batch size."""
+    need(path)
+    previous = quant.set_tile_min_rows(1 if kind == "tiles" else 1 << 30)
+    gemv = quant.set_gemv(kind == "gemv")
+    try:
+        with quant.forced_isa(path):
+            if kind == "tiles":
+                assert quant.kernel_for(1) == f"{path}-tiles"
+            else:
+                assert all(quant.kernel_for(rows, qtype) == f"{path}-gemv" for qtype in GEMV_FORMATS for rows in (1, 70))
+                assert quant.kernel_for(1, "q5_k") == "rows"
+            yield
+    finally:
+        quant.set_tile_min_rows(previous)
+        quant.set_gemv(gemv)
+
+
+@pytest.fixture(params=INT_PATHS)
+def int_tiles(request):
+    with integer_kernel("tiles", request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize(("qtype", "layout"), [*((q, "rows") for q in FORMATS), *((q, "x8") for q in X8_FORMATS)])
 @pytest.mark.parametrize("rows", [1, 3, 6, 16, 37, 70])
-def test_avx2_tiles_equal_the_scalar_path(qtype, layout, rows, avx2_tiles):
+def test_integer_tiles_equal_the_scalar_path(qtype, layout, rows, int_tiles):
     """Panels of 16 weight rows (100 rows: the last panel is partly empty, half of it an interleaved group
     in the x8 layout), micro tiles of 4 rows of x (the 1, 2 and 3-row remainders), every format's int16
     chain and Q6_K's per-half scales."""
     assert_matches_the_scalar_path(qtype, rows, seed=2, layout=layout)
 
 
-@pytest.fixture
-def avx2_gemv(request):
-    """AVX2's matrix-vector kernel for every product over the formats it takes, whatever the batch size
-    (on an AVX2-capable CPU); the other formats take the row kernels."""
-    need("avx2")
-    previous = quant.set_tile_min_rows(1 << 30)
-    request.addfinalizer(lambda: quant.set_tile_min_rows(previous))
-    gemv = quant.set_gemv(True)
-    request.addfinalizer(lambda: quant.set_gemv(gemv))
-    with quant.forced_isa("avx2"):
-        assert all(quant.kernel_for(rows, qtype) == "avx2-gemv" for qtype in GEMV_FORMATS for rows in (1, 70))
-        assert quant.kernel_for(1, "q5_k") == "rows"
-        yield
+@pytest.fixture(params=INT_PATHS)
+def int_gemv(request):
+    with integer_kernel("gemv", request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize(("qtype", "layout"), [*((q, "rows") for q in GEMV_FORMATS),
                                                *((q, "x8") for q in X8_FORMATS)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
-def test_avx2_gemv_equals_the_scalar_path(qtype, layout, rows, avx2_gemv):
+def test_gemv_equals_the_scalar_path(qtype, layout, rows, int_gemv):
     """Groups of 8 weight rows (100 rows: 12 groups, and 4 left to the row kernels), 1-3 rows of x per
     pass (7: passes of 3, 3 and 1), with a bias, over the file's rows and the interleaved layout."""
     assert_matches_the_scalar_path(qtype, rows, seed=4, layout=layout)
 
 
-def test_avx2_gemv_next_to_row_kernels_in_one_layer(avx2_gemv):
+def test_gemv_next_to_row_kernels_in_one_layer(int_gemv):
     """A fused layer of Q5_0 | Q8_0 | Q6_K | Q5_K shards (45, 19, 24 and 16 rows: every shard but the last
     ends in a partial group, and Q5_K has no matrix-vector kernel) writes each shard's columns, with SwiGLU
     on the way in."""
@@ -166,16 +176,21 @@ def test_avx2_gemv_next_to_row_kernels_in_one_layer(avx2_gemv):
     assert (got - exact).norm() < 0.01 * exact.norm()
 
 
-@pytest.mark.parametrize(("kernel", "qtype", "layout"), [*(("avx2_tiles", q, "rows") for q in FORMATS),
-                                                         *(("avx2_gemv", q, "rows") for q in GEMV_FORMATS),
-                                                         *((k, q, "x8") for k in ("avx2_tiles", "avx2_gemv")
+@pytest.mark.parametrize(("kernel", "qtype", "layout"), [*(("tiles", q, "rows") for q in FORMATS),
+                                                         *(("gemv", q, "rows") for q in GEMV_FORMATS),
+                                                         *((k, q, "x8") for k in ("tiles", "gemv")
                                                            for q in X8_FORMATS)])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_avx2_extreme_codes_do_not_overflow(kernel, qtype, layout, sign, request):
-    """The int16 sums of vpmaddubsw are added for as many steps as the format's largest code allows: a
-    weight at its largest codes (one low value per block, the rest high) against x at +-127 everywhere
-    comes close to that bound on every format, and Q8_0's -128 reads as |w| = 128."""
-    request.getfixturevalue(kernel)
+@pytest.mark.parametrize("path", INT_PATHS)
+def test_extreme_codes_do_not_overflow(path, kernel, qtype, layout, sign):
+    """AVX2's int16 sums of vpmaddubsw are added for as many steps as the format's largest code allows
+    (VNNI adds in int32): a weight at its largest codes (one low value per block, the rest high) against x
+    at +-127 everywhere comes close to that bound on every format, and Q8_0's -128 reads as |w| = 128."""
+    with integer_kernel(kernel, path):
+        extreme_codes_case(qtype, layout, sign)
+
+
+def extreme_codes_case(qtype: str, layout: str, sign: float) -> None:
     w = torch.ones(32, 256)
     w[:, ::32] = -1.0
     data, values = quantized_pair(w, qtype)
@@ -210,16 +225,17 @@ def test_the_interleaved_layout_round_trips(qtype, n):
         quant.relayout("q4_k", weight("q4_k", n=8, k=256)[0], 256, "x8")
 
 
-@pytest.mark.parametrize("path", ["scalar", "avx2-rows", "avx2-gemv", "avx2-tiles", "avx512", "amx"])
+@pytest.mark.parametrize("path", ["scalar", "avx2-rows", "avx2-gemv", "avx2-tiles", "avx512", "avx512-gemv",
+                                  "avx512-tiles", "amx"])
 @pytest.mark.parametrize("qtype", X8_FORMATS)
 def test_every_path_reads_the_interleaved_layout_as_the_file_rows(path, qtype, request):
     """On every path the x8 layout gives bit for bit what the file's rows give (the paths that do not read it
     directly copy its rows back), for 1 to 20 rows of x and 29 weight rows (3 groups and a tail)."""
-    isa = {"avx2-rows": "avx2", "avx2-gemv": "avx2", "avx2-tiles": "avx2"}.get(path, path)
+    isa = path.split("-")[0]
     need(isa)
-    previous = quant.set_tile_min_rows({"avx2-tiles": 1, "amx": 1}.get(path, 1 << 30))
+    previous = quant.set_tile_min_rows(1 if path.endswith("tiles") or path == "amx" else 1 << 30)
     request.addfinalizer(lambda: quant.set_tile_min_rows(previous))
-    gemv = quant.set_gemv(path == "avx2-gemv")
+    gemv = quant.set_gemv(path.endswith("gemv"))
     request.addfinalizer(lambda: quant.set_gemv(gemv))
     data, _ = weight(qtype, n=29, k=256, seed=3)
     x8 = quant.relayout(qtype, data, 256, "x8")
@@ -234,19 +250,22 @@ def test_every_path_reads_the_interleaved_layout_as_the_file_rows(path, qtype, r
         assert torch.equal(quant.dequant_rows(qtype, x8, 256, ids, "x8"), quant.dequant_rows(qtype, data, 256, ids))
 
 
-def test_a_quantized_weight_keeps_the_layout_this_cpu_reads_fastest():
-    """On AVX2 (without AVX-512 VNNI or AMX) the legacy formats and Q8_0 are interleaved at load and the
-    K-quants stay as stored; either way file_segments, deepcopy, embed and dequantize see the file's rows."""
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512", "amx"])
+def test_a_quantized_weight_keeps_the_layout_this_cpu_reads_fastest(path):
+    """On AVX2 and AVX-512 VNNI (without AMX, whose tiles read rows as stored) the legacy formats and Q8_0
+    are interleaved at load and the K-quants stay as stored; either way file_segments, deepcopy, embed and
+    dequantize see the file's rows."""
     import copy
 
+    need(path)
     gen = torch.Generator().manual_seed(11)
     kinds = (("q5_0", 45), ("q8_0", 19), ("q4_k", 16))
     shards = [quantized_pair(torch.randn(n, 256, generator=gen), qtype) for qtype, n in kinds]
-    with quant.forced_isa("avx2" if quant.cpu_isa() != "scalar" else "scalar") as isa:
+    with quant.forced_isa(path) as isa:
         w = QuantWeight([(qtype, data) for (qtype, _), (data, _) in zip(kinds, shards)], 256)
         x = torch.randn(3, 256, generator=gen)
         got = w(x)
-    want = ["x8", "x8", "rows"] if isa == "avx2" else ["rows"] * 3
+    want = ["x8", "x8", "rows"] if isa in ("avx2", "avx512") else ["rows"] * 3
     assert w.layouts == want
     for (qtype, data), (_, (blocks, _)) in zip(w.file_segments(), zip(kinds, shards)):
         assert torch.equal(data, blocks)
@@ -262,13 +281,14 @@ def test_a_quantized_weight_keeps_the_layout_this_cpu_reads_fastest():
 
 
 def test_batch_sizes_pick_the_measured_kernel():
-    """Below the tiles' threshold the row kernels, from it the tiles (on AVX2 and AMX CPUs). On AVX2, every
-    format but Q5_K takes the matrix-vector kernel below the tiles, which start at 13 rows (4 over Q5_K, 12
-    over Q4_K, 16 over Q6_K, 24 over Q8_0); with it off, the tiles start at 4 rows (12 over Q8_0). The
-    override moves the threshold and 0 restores it."""
+    """Below the tiles' threshold the row kernels, from it the tiles (on AVX2, AVX-512 VNNI and AMX CPUs).
+    On AVX2, every format but Q5_K takes the matrix-vector kernel below the tiles, which start at 13 rows (4
+    over Q5_K, 12 over Q4_K, 16 over Q6_K, 24 over Q8_0); with it off, the tiles start at 4 rows (12 over
+    Q8_0). VNNI's tiles start earlier: at 8 rows (4 over Q5_K, 10 over Q4_K, 16 over Q6_K, 12 over Q8_0).
+    The override moves the threshold and 0 restores it."""
     isa = quant.qgemm_isa()
-    tiles = {"avx2": "avx2-tiles", "amx": "amx-tiles"}.get(isa)
-    small = "avx2-gemv" if isa == "avx2" else "rows"
+    tiles = {"avx2": "avx2-tiles", "avx512": "avx512-tiles", "amx": "amx-tiles"}.get(isa)
+    small = {"avx2": "avx2-gemv", "avx512": "avx512-gemv"}.get(isa, "rows")
     assert quant.kernel_for(1) == small and quant.kernel_for(3) == small
     assert quant.kernel_for(3, "q5_k") == "rows"
     assert quant.kernel_for(64) == (tiles or "rows")
@@ -285,6 +305,12 @@ def test_batch_sizes_pick_the_measured_kernel():
             assert quant.kernel_for(11, "q8_0") == "rows" and quant.kernel_for(12, "q8_0") == "avx2-tiles"
         finally:
             quant.set_gemv(previous)
+    if isa == "avx512":
+        assert quant.kernel_for(7) == "avx512-gemv" and quant.kernel_for(8) == "avx512-tiles"
+        assert quant.kernel_for(3, "q5_k") == "rows" and quant.kernel_for(4, "q5_k") == "avx512-tiles"
+        assert quant.kernel_for(9, "q4_k") == "avx512-gemv" and quant.kernel_for(10, "q4_k") == "avx512-tiles"
+        assert quant.kernel_for(15, "q6_k") == "avx512-gemv" and quant.kernel_for(16, "q6_k") == "avx512-tiles"
+        assert quant.kernel_for(11, "q8_0") == "avx512-gemv" and quant.kernel_for(12, "q8_0") == "avx512-tiles"
     previous = quant.set_tile_min_rows(128)
     try:
         assert quant.kernel_for(64) == small
@@ -296,6 +322,10 @@ def test_batch_sizes_pick_the_measured_kernel():
                     "to 23 rows, avx2-tiles from 24 rows; q4_k: avx2-gemv to 11 rows, avx2-tiles from 12 rows; "
                     "q5_k: rows to 3 rows, avx2-tiles from 4 rows; q6_k: avx2-gemv to 15 rows, avx2-tiles from 16 "
                     "rows",
+            "avx512": "avx512: q4_0, q4_1, q5_0, q5_1: avx512-gemv to 7 rows, avx512-tiles from 8 rows; q8_0: "
+                      "avx512-gemv to 11 rows, avx512-tiles from 12 rows; q4_k: avx512-gemv to 9 rows, avx512-tiles "
+                      "from 10 rows; q5_k: rows to 3 rows, avx512-tiles from 4 rows; q6_k: avx512-gemv to 15 rows, "
+                      "avx512-tiles from 16 rows",
             "amx": "amx: rows to 15 rows, amx-tiles from 16 rows"}
     assert quant.kernels_summary() == want.get(isa, f"{isa}: rows")
 
@@ -350,31 +380,32 @@ def test_amx_tiles_redecode_a_weight_too_large_to_share():
     torch.testing.assert_close(got[:256], first_chunk, rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("path", ["scalar", *ROW_PATHS, "avx2-tiles", "amx"])
+@pytest.mark.parametrize("path", ["scalar", *ROW_PATHS, *(f"{p}-tiles" for p in INT_PATHS), "amx"])
 def test_mixed_segments_swiglu_and_strided_rows(path, request):
     """A fused layer whose shards differ in format (Q5_0 | Q8_0, as llama.cpp's Q4_K_M stores q|k|v), with
     SwiGLU applied on the way in and input rows that are not contiguous."""
-    if path == "avx2-tiles":
-        request.getfixturevalue("avx2_tiles")
-        path = "avx2"
-    elif path in ROW_PATHS:
-        request.getfixturevalue("row_kernels")
-    need(path)
-    gen = torch.Generator().manual_seed(5)
-    a, a_values = quantized_pair(torch.randn(48, 256, generator=gen), "q5_0")
-    b, b_values = quantized_pair(torch.randn(24, 256, generator=gen), "q6_k")
-    w = QuantWeight([("q5_0", a), ("q6_k", b)], 256)
-    assert w.qtypes == ["q5_0", "q6_k"] and w.out_features == 72
-    base = torch.randn(20, 600, generator=gen)
-    gate_up = base[:, :512]  # rows 600 apart
-    activated = torch.nn.functional.silu(gate_up[:, :256]) * gate_up[:, 256:]
-    values = torch.cat([a_values, b_values])
-    with quant.forced_isa(path):
-        got = w(gate_up, swiglu=True)
-        plain = w(activated)
-    exact = activated @ values.T
-    assert (got - exact).norm() < 0.01 * exact.norm()
-    torch.testing.assert_close(got, plain, rtol=1e-4, atol=1e-4 * float(exact.abs().max()))
+    with contextlib.ExitStack() as stack:
+        if path.endswith("-tiles"):
+            path = path.split("-")[0]
+            stack.enter_context(integer_kernel("tiles", path))
+        elif path in ROW_PATHS:
+            request.getfixturevalue("row_kernels")
+        need(path)
+        gen = torch.Generator().manual_seed(5)
+        a, a_values = quantized_pair(torch.randn(48, 256, generator=gen), "q5_0")
+        b, b_values = quantized_pair(torch.randn(24, 256, generator=gen), "q6_k")
+        w = QuantWeight([("q5_0", a), ("q6_k", b)], 256)
+        assert w.qtypes == ["q5_0", "q6_k"] and w.out_features == 72
+        base = torch.randn(20, 600, generator=gen)
+        gate_up = base[:, :512]  # rows 600 apart
+        activated = torch.nn.functional.silu(gate_up[:, :256]) * gate_up[:, 256:]
+        values = torch.cat([a_values, b_values])
+        with quant.forced_isa(path):
+            got = w(gate_up, swiglu=True)
+            plain = w(activated)
+        exact = activated @ values.T
+        assert (got - exact).norm() < 0.01 * exact.norm()
+        torch.testing.assert_close(got, plain, rtol=1e-4, atol=1e-4 * float(exact.abs().max()))
 
 
 def test_segments_of_one_format_are_merged_and_rows_stay_independent():

@@ -53,8 +53,8 @@ CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx51
                 "amx_tile", "amx_bf16", "amx_int8", "amx_permitted")
 _TS_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TS_DTYPE_* codes
 # qgemm.c's block formats and SIMD row kernels (its ctypes front is tideserve/native/quant.py)
-HEADERS += tuple(Path(__file__).with_name(name) for name in ("qgemm_formats.h", "qgemm_simd.h", "qgemm_tiles_avx2.h",
-                                                                "qgemm_gemv_avx2.h"))
+HEADERS += tuple(Path(__file__).with_name(name) for name in ("qgemm_formats.h", "qgemm_simd.h", "qgemm_tiles.h",
+                                                                "qgemm_gemv.h"))
 
 
 def cache_dir() -> Path:

@@ -16,15 +16,17 @@
  *   tiles accumulated in float over all of K; the next panel's decode runs between the current one's
  *   tile products. The input is rounded to bfloat16 (8 bits of mantissa,
  *   like the row kernels' 8-bit codes, but with no block scale to share);
- * - AVX2 tiles (CPUs with AVX2 but no AVX-512 VNNI or AMX, from TS_AVX2_TILE_MIN_ROWS rows;
- *   qgemm_tiles_avx2.h): the row kernels' int8 arithmetic, but a panel of 16 weight rows is decoded once
- *   for the whole batch, in an order where each vector lane is its own output column.
+ * - integer tiles (CPUs without AMX, from tile_min_rows rows; qgemm_tiles.h): the row kernels' int8
+ *   arithmetic, but a panel of 16 weight rows is decoded once for the whole batch, in an order where each
+ *   vector lane is its own output column; compiled for AVX2 (vpmaddubsw) and for AVX-512 VNNI (vpdpbusd);
+ * - a matrix-vector kernel (below the integer tiles, qgemm_gemv.h): 8 weight rows read and transposed
+ *   together, for single streams; also compiled for both.
  * A scalar path computes the same arithmetic as the row kernels in plain C: the reference in tests and
  * the path on CPUs with neither. ts_qgemm_set_isa caps the choice so tests can run every path.
  *
- * On the AVX2 path the legacy formats and Q8_0 are interleaved by 8 rows at load (qgemm_formats.h:
- * TS_LAYOUT_X8), the order in which the matrix-vector kernel and the tiles read them; every other path copies
- * such rows back to the file's layout first.
+ * On the AVX2 and AVX-512 VNNI paths the legacy formats and Q8_0 are interleaved by 8 rows at load
+ * (qgemm_formats.h: TS_LAYOUT_X8), the order in which the matrix-vector kernel and the integer tiles read
+ * them; every other path copies such rows back to the file's layout first.
  *
  * A layer may hold several segments of different formats (a fused q|k|v whose v rows are Q8_0 while q
  * and k are Q5_0, as llama.cpp's Q4_K_M mixes them); each writes its own range of output columns.
@@ -46,23 +48,34 @@
 #endif
 #endif
 
+/* The paths (ts_qgemm_isa). */
+enum { TS_QG_SCALAR = 0, TS_QG_AVX2 = 1, TS_QG_AVX512 = 2, TS_QG_AMX = 3 };
+
 /* Below this many weight bytes read per call, a single thread beats waking the others. */
 #define TS_QGEMM_PARALLEL_MIN 65536
 /* Rows of x that share one decode of a weight row in the row kernels. */
 #define TS_QGEMM_ROWS 4
-/* From this many rows of x, the tiles (AMX, or AVX2 where there is no AMX) beat the row kernels (measured:
+/* From this many rows of x, the tiles (AMX, or the integer tiles where there is no AMX) beat the row kernels (measured:
  * docs/benchmarks.md); ts_qgemm_set_tile_min_rows overrides both (tests, benchmarks). */
 #define TS_AMX_MIN_ROWS 16
 #define TS_AVX2_TILE_MIN_ROWS 4
 /* A Q8_0 panel costs more to decode (codes and signs); below this many rows the row kernels read an LM
  * head faster. */
 #define TS_AVX2_TILE_MIN_ROWS_Q8_0 12
-/* Over the formats AVX2's matrix-vector kernel takes, up to how many rows it beats the tiles with the
+/* Over the formats the matrix-vector kernel takes, up to how many rows it beats the tiles with the
  * weights streaming from DRAM, as a decode step's do, in the layout a loaded model keeps (interleaved for
  * the legacy formats and Q8_0; measured: docs/benchmarks.md). It decodes a block once per TS_GEMV_ROWS
  * rows of x and the tiles once per call, but the tiles also write and reread their panel; a Q8_0 panel
  * stores every code's sign too, and the tiles decode K-quant panels row by row. */
-static int gemv_max_rows(int64_t type) {
+static int gemv_max_rows(int isa, int64_t type) {
+    if (isa == TS_QG_AVX512) { /* VNNI's tiles gain more over AVX2's than its matrix-vector kernel does */
+        switch (type) {
+        case TS_Q8_0: return 11;
+        case TS_Q4_K: return 9;
+        case TS_Q6_K: return 15;
+        default: return 7;
+        }
+    }
     switch (type) {
     case TS_Q8_0: return 23;
     case TS_Q4_K: return 11;
@@ -85,7 +98,9 @@ static inline void prefetch_ahead(const uint8_t *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
 }
 
-enum { TS_QG_SCALAR = 0, TS_QG_AVX2 = 1, TS_QG_AVX512 = 2, TS_QG_AMX = 3 };
+/* The kernels a product can take (ts_qgemm_kernel_for; quant.py's KERNELS names them in this order). */
+enum { TS_K_ROWS = 0, TS_K_AVX2_TILES = 1, TS_K_AMX_TILES = 2, TS_K_AVX2_GEMV = 3, TS_K_AVX512_TILES = 4,
+       TS_K_AVX512_GEMV = 5 };
 
 /* x quantized per block of 32: q int8 [m][k], d [m][kb] (x = d * q), s [m][kb][2] = d * (sum of q over
  * each 16-value half), for the offsets' terms. */
@@ -238,8 +253,8 @@ static const ts_qseg *ts_panel_segment(const ts_qmat *w, int64_t p, int64_t widt
 #define TS_SIMD(name) name##_avx2
 #define TS_SIMD_VNNI 0
 #include "qgemm_simd.h"
-#include "qgemm_tiles_avx2.h"
-#include "qgemm_gemv_avx2.h"
+#include "qgemm_tiles.h"
+#include "qgemm_gemv.h"
 #undef TS_SIMD
 #undef TS_SIMD_VNNI
 #pragma GCC pop_options
@@ -249,6 +264,8 @@ static const ts_qseg *ts_panel_segment(const ts_qmat *w, int64_t p, int64_t widt
 #define TS_SIMD(name) name##_avx512
 #define TS_SIMD_VNNI 1
 #include "qgemm_simd.h"
+#include "qgemm_tiles.h"
+#include "qgemm_gemv.h"
 #undef TS_SIMD
 #undef TS_SIMD_VNNI
 #pragma GCC pop_options
@@ -561,7 +578,7 @@ int ts_qgemm_set_tile_min_rows(int rows) {
     return previous;
 }
 
-/* Whether AVX2's matrix-vector kernel (qgemm_gemv_avx2.h) takes the products below the tiles' threshold
+/* Whether the matrix-vector kernel (qgemm_gemv.h) takes the products below the tiles' threshold
  * over the formats it has (1, the default) or the row kernels do (0: tests compare the two). Returns the
  * previous setting. */
 int ts_qgemm_set_gemv(int enabled) {
@@ -570,10 +587,11 @@ int ts_qgemm_set_gemv(int enabled) {
     return previous;
 }
 
-/* Whether AVX2's matrix-vector kernel takes a format's products below the tiles, on path isa. */
+/* Whether the matrix-vector kernel (AVX2's, or its VNNI twin) takes a format's products below the tiles, on
+ * path isa. */
 static int gemv_for(int isa, int64_t type) {
 #ifdef TS_QGEMM_X86
-    return isa == TS_QG_AVX2 && ts_gemv_enabled && gemv_has_format(type);
+    return (isa == TS_QG_AVX2 || isa == TS_QG_AVX512) && ts_gemv_enabled && gemv_has_format_avx2(type);
 #else
     (void)isa;
     (void)type;
@@ -585,7 +603,7 @@ static int gemv_for(int isa, int64_t type) {
 static int tile_min_rows(int isa, int64_t type) {
     if (ts_tile_min_rows_override > 0) return ts_tile_min_rows_override;
     if (isa >= TS_QG_AMX) return TS_AMX_MIN_ROWS;
-    if (gemv_for(isa, type)) return gemv_max_rows(type) + 1;
+    if (gemv_for(isa, type)) return gemv_max_rows(isa, type) + 1;
     return type == TS_Q8_0 ? TS_AVX2_TILE_MIN_ROWS_Q8_0 : TS_AVX2_TILE_MIN_ROWS;
 }
 
@@ -595,27 +613,32 @@ int ts_qgemm_active_isa(void) {
     return level < ts_isa_cap ? level : ts_isa_cap;
 }
 
-/* Which kernel a product of m rows over a weight in format ``type`` takes now: 0 the row kernels, 1 AVX2's
- * tiles, 2 the AMX tiles, 3 AVX2's matrix-vector kernel. */
+/* Which kernel (TS_K_*) a product of m rows over a weight in format ``type`` takes now. */
 int ts_qgemm_kernel_for(int64_t m, int64_t type) {
     const int isa = ts_qgemm_active_isa();
 #ifdef TS_QGEMM_HAVE_AMX
-    if (isa >= TS_QG_AMX && m >= tile_min_rows(isa, type)) return 2;
+    if (isa >= TS_QG_AMX && m >= tile_min_rows(isa, type)) return TS_K_AMX_TILES;
 #endif
 #ifdef TS_QGEMM_X86
-    if (isa == TS_QG_AVX2 && m >= tile_min_rows(isa, type)) return 1;
+    if (isa == TS_QG_AVX2 && m >= tile_min_rows(isa, type)) return TS_K_AVX2_TILES;
+    if (isa == TS_QG_AVX512 && m >= tile_min_rows(isa, type)) return TS_K_AVX512_TILES;
 #endif
-    return gemv_for(isa, type) ? 3 : 0;
+    if (!gemv_for(isa, type)) return TS_K_ROWS;
+    return isa == TS_QG_AVX512 ? TS_K_AVX512_GEMV : TS_K_AVX2_GEMV;
 }
 
-/* A layer's tiles (1 AVX2's, 2 AMX) or 0 for neither: its segments' strictest threshold decides. Below it,
- * each segment takes the matrix-vector kernel or the row kernels by its own format (rows_matmul). */
+static int is_tiles(int kernel) {
+    return kernel == TS_K_AVX2_TILES || kernel == TS_K_AMX_TILES || kernel == TS_K_AVX512_TILES;
+}
+
+/* A layer's tiles (TS_K_*_TILES) when every segment is past its format's threshold, else TS_K_ROWS: below
+ * it, each segment takes the matrix-vector kernel or the row kernels by its own format (rows_matmul). */
 static int kernel_for_weight(const ts_qmat *w, int64_t m) {
-    int kernel = 2;
+    int kernel = TS_K_ROWS;
     for (int64_t s = 0; s < w->num_segs; s++) {
-        int k = ts_qgemm_kernel_for(m, w->seg[s].type);
-        k = k == 3 ? 0 : k;
-        kernel = k < kernel ? k : kernel;
+        const int k = ts_qgemm_kernel_for(m, w->seg[s].type);
+        if (!is_tiles(k)) return TS_K_ROWS;
+        kernel = k;
     }
     return kernel;
 }
@@ -628,7 +651,12 @@ typedef void (*ts_row_kernel)(int, const uint8_t *, int64_t, const ts_act *, int
  * interleaved group's rows through a per-thread copy in the file's layout (only tests and capped paths
  * take them over such a segment). */
 static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_t m, int act, float *out,
-                       int64_t out_stride, int num_threads, ts_row_kernel kernel, int tiles) {
+                       int64_t out_stride, int num_threads, int isa, int tiles) {
+    ts_row_kernel kernel = dot_row_group_scalar;
+#ifdef TS_QGEMM_X86
+    if (isa == TS_QG_AVX2) kernel = dot_row_group_avx2;
+    if (isa == TS_QG_AVX512) kernel = dot_row_group_avx512;
+#endif
     const int64_t k = w->k, kb = k / TS_QBLOCK;
     ts_act a = {malloc((size_t)(m * k)), malloc(sizeof(float) * (size_t)(m * kb)),
                 malloc(sizeof(float) * (size_t)(2 * m * kb)), k, kb};
@@ -664,7 +692,8 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
             quantize_row_q8(row, k, a.q + i * k, a.d + i * kb, a.s + 2 * i * kb);
         }
 #ifdef TS_QGEMM_X86
-        if (tiles && tiles_matmul_share(w, &a, m, out, out_stride) != 0) {
+        if (tiles && (isa == TS_QG_AVX512 ? tiles_matmul_share_avx512 : tiles_matmul_share_avx2)(w, &a, m, out,
+                                                                                                 out_stride) != 0) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -677,7 +706,7 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
             const int64_t row_bytes = ts_qrow_bytes(seg->type, k);
             int64_t groups = 0;
 #ifdef TS_QGEMM_X86
-            if (kernel == dot_row_group_avx2 && gemv_for(TS_QG_AVX2, seg->type)) groups = seg->n / TS_GEMV_GROUP;
+            if (gemv_for(ts_qgemm_active_isa(), seg->type)) groups = seg->n / TS_GEMV_GROUP; /* not AMX's */
             const int64_t group_bytes = TS_GEMV_GROUP * row_bytes;
             const int x8 = seg->layout == TS_LAYOUT_X8;
 #pragma omp for schedule(static) nowait
@@ -686,8 +715,9 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
                 for (int64_t i0 = 0; i0 < m; i0 += TS_GEMV_ROWS) {
                     const int n_rows = (int)(m - i0 < TS_GEMV_ROWS ? m - i0 : TS_GEMV_ROWS);
                     float res[TS_GEMV_ROWS][TS_GEMV_GROUP];
-                    gemv_group_any((int)seg->type, x8, n_rows, rows, row_bytes, kb, &a, i0,
-                                   rows + TS_GEMV_AHEAD * group_bytes, i0 == 0 ? group_bytes : 0, res);
+                    (isa == TS_QG_AVX512 ? gemv_group_any_avx512 : gemv_group_any_avx2)(
+                        (int)seg->type, x8, n_rows, rows, row_bytes, kb, &a, i0, rows + TS_GEMV_AHEAD * group_bytes,
+                        i0 == 0 ? group_bytes : 0, res);
                     for (int i = 0; i < n_rows; i++)
                         for (int c = 0; c < TS_GEMV_GROUP; c++) {
                             const int64_t col = col0 + g * TS_GEMV_GROUP + c;
@@ -736,15 +766,18 @@ int ts_qmatmul_f32(const ts_qmat *w, const float *x, int64_t x_stride, int64_t m
 #ifdef TS_QGEMM_HAVE_AMX
     int interleaved = 0; /* the AMX panels read rows as stored (weights are interleaved for AVX2 only) */
     for (int64_t s = 0; s < w->num_segs; s++) interleaved |= w->seg[s].layout == TS_LAYOUT_X8;
-    if (kernel == 2 && !interleaved) return amx_matmul(w, x, x_stride, m, act, out, out_stride, num_threads);
+    if (kernel == TS_K_AMX_TILES && !interleaved)
+        return amx_matmul(w, x, x_stride, m, act, out, out_stride, num_threads);
 #endif
 #ifdef TS_QGEMM_X86
-    if (isa >= TS_QG_AVX512)
-        return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_avx512, 0);
+    if (isa >= TS_QG_AVX512) /* AMX's CPUs below its threshold (or over interleaved rows) take these too */
+        return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, TS_QG_AVX512,
+                           kernel == TS_K_AVX512_TILES);
     if (isa >= TS_QG_AVX2)
-        return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_avx2, kernel == 1);
+        return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, TS_QG_AVX2,
+                           kernel == TS_K_AVX2_TILES);
 #endif
-    return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, dot_row_group_scalar, 0);
+    return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, TS_QG_SCALAR, 0);
 }
 
 /* out[i] = the dequantized row ids[i] of a [rows, k] weight in format ``type`` and ``layout`` (embedding
@@ -785,7 +818,8 @@ int ts_qdequant_rows_f32(int64_t type, const uint8_t *data, int64_t rows, int64_
  * matrix-vector kernel and tiles read that layout directly; the other paths would only copy it back. */
 int ts_qgemm_x8_preferred(int64_t type) {
 #ifdef TS_QGEMM_X86
-    return ts_qgemm_active_isa() == TS_QG_AVX2 && ts_x8_supported(type);
+    const int isa = ts_qgemm_active_isa();
+    return (isa == TS_QG_AVX2 || isa == TS_QG_AVX512) && ts_x8_supported(type);
 #else
     (void)type;
     return 0;

@@ -97,13 +97,14 @@ def qgemm_isa() -> str | None:
     return None if lib is None else ISA_NAMES[lib.ts_qgemm_active_isa()]
 
 
-KERNELS = ("rows", "avx2-tiles", "amx-tiles", "avx2-gemv")
+KERNELS = ("rows", "avx2-tiles", "amx-tiles", "avx2-gemv", "avx512-tiles", "avx512-gemv")  # qgemm.c's TS_K_*
 
 
 def kernel_for(rows: int, qtype: str = "q4_1") -> str | None:
     """Which kernel a product of ``rows`` input rows over a ``qtype`` weight takes now: "rows" (the row
-    kernels), "avx2-gemv" (AVX2's matrix-vector kernel), "avx2-tiles" or "amx-tiles"; None without the
-    native library."""
+    kernels), "avx2-gemv" / "avx512-gemv" (the matrix-vector kernel, in AVX2's byte products or VNNI's),
+    "avx2-tiles" / "avx512-tiles" (the integer tiles, likewise) or "amx-tiles"; None without the native
+    library."""
     lib = _lib()
     return None if lib is None else KERNELS[lib.ts_qgemm_kernel_for(rows, QTYPES[qtype])]
 
@@ -176,8 +177,9 @@ def set_tile_min_rows(rows: int) -> int:
 
 
 def preferred_layout(qtype: str) -> str:
-    """The layout the kernels read fastest on the path taken now: "x8" for the formats AVX2's
-    matrix-vector kernel and tiles take (an AVX2 CPU without AVX-512 VNNI or AMX), else "rows"."""
+    """The layout the kernels read fastest on the path taken now: "x8" for the formats the matrix-vector
+    kernel and the integer tiles read interleaved (the AVX2 and AVX-512 VNNI paths; AMX's tiles read rows as
+    stored), else "rows"."""
     lib = _lib()
     return "x8" if lib is not None and lib.ts_qgemm_x8_preferred(QTYPES[qtype]) else "rows"
 

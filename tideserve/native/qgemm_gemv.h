@@ -1,6 +1,7 @@
 /* Matrix-vector products (1 to TS_GEMV_ROWS rows of x: single-stream decode) over Q4_0, Q4_1, Q5_0,
- * Q5_1, Q8_0, Q4_K and Q6_K (every format but Q5_K) in AVX2 instructions. qgemm.c includes this under its AVX2
- * target, after qgemm_tiles_avx2.h, whose 8-row gathers and 8 x 8 transpose it uses.
+ * Q5_1, Q8_0, Q4_K and Q6_K (every format but Q5_K). qgemm.c compiles this twice, after qgemm_tiles.h (whose
+ * 8-row gathers and 8 x 8 transpose it uses): under AVX2 and under AVX-512 VNNI (TS_SIMD_VNNI 1: vpdpbusd
+ * instead of vpmaddubsw and its int16 chains).
  *
  * Why: at one row of x a decode step is bound by how fast the weights stream in, and the row kernels
  * spend about 27 instructions per 32-value block (two scalar fp16 conversions, a vector of scales built
@@ -23,29 +24,30 @@
 #define TS_GEMV_AHEAD 1 /* groups ahead of the one multiplied that are prefetched (1-3: within noise) */
 
 /* Whether a weight format has a matrix-vector kernel here. */
-static inline int gemv_has_format(int64_t type) {
-    return rows8_nibble_format((int)type) || type == TS_Q8_0 || type == TS_Q4_K || type == TS_Q6_K;
+static inline int TS_SIMD(gemv_has_format)(int64_t type) {
+    return TS_SIMD(rows8_nibble_format)((int)type) || type == TS_Q8_0 || type == TS_Q4_K || type == TS_Q6_K;
 }
 
 /* res[r][c] = dot(x row r0 + r, weight row c of the 8 at ``rows``) for r < R; with x8 the 8 rows are one
  * interleaved group (TS_LAYOUT_X8), read with plain loads. The next group's bytes (the next_bytes at
  * ``next``) are prefetched a few cache lines per block, so that the loads stay spread over the group rather
  * than queued at its start. */
-static inline __attribute__((always_inline)) void gemv_group(const int type, const int x8, const int R,
+static inline __attribute__((always_inline)) void TS_SIMD(gemv_group)(const int type, const int x8, const int R,
                                                              const uint8_t *rows, int64_t row_bytes, int64_t kb,
                                                              const ts_act *a, int64_t r0, const uint8_t *next,
                                                              int64_t next_bytes, float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
     const int64_t lines = (next_bytes + 63) / 64;
     const int64_t block_bytes = ts_qunit_bytes(type);
     const __m256i ones = _mm256_set1_epi16(1);
+    (void)ones; /* unused where VNNI adds in int32 */
     __m256 acc[TS_GEMV_ROWS], acc_offset[TS_GEMV_ROWS];
     for (int r = 0; r < R; r++) acc[r] = acc_offset[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *block = rows + b * block_bytes * (x8 ? 8 : 1);
         for (int64_t l = b * lines / kb; l < (b + 1) * lines / kb; l++) __builtin_prefetch(next + 64 * l, 0, 3);
         __m256 d, m;
-        if (x8) rows8_halves_x8(block, &d, &m);
-        else rows8_halves(block, row_bytes, &d, &m);
+        if (x8) TS_SIMD(rows8_halves_x8)(block, &d, &m);
+        else TS_SIMD(rows8_halves)(block, row_bytes, &d, &m);
         __m256i dots[TS_GEMV_ROWS];
         if (type == TS_Q8_0) {
             __m256i w[8]; /* w[g] lane c: codes 4g .. 4g + 3 of row c */
@@ -53,7 +55,7 @@ static inline __attribute__((always_inline)) void gemv_group(const int type, con
                 for (int g = 0; g < 8; g++) w[g] = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * g));
             } else {
                 for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_si256((const __m256i *)(block + c * row_bytes + 2));
-                tile_transpose8x8(w);
+                TS_SIMD(tile_transpose8x8)(w);
             }
             for (int g = 0; g < 8; g++) {
                 const __m256i w_abs = _mm256_abs_epi8(w[g]); /* -128 -> 0x80, read as the unsigned 128 */
@@ -61,16 +63,20 @@ static inline __attribute__((always_inline)) void gemv_group(const int type, con
                     int32_t four;
                     memcpy(&four, a->q + (r0 + r) * a->k + b * TS_QBLOCK + 4 * g, 4);
                     const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(four), w[g]); /* |w| * (x, w's sign) */
+#if TS_SIMD_VNNI
+                    dots[r] = _mm256_dpbusd_epi32(g == 0 ? _mm256_setzero_si256() : dots[r], w_abs, x);
+#else
                     const __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, x), ones); /* 2 x 128 x 127 */
                     dots[r] = g == 0 ? sum : _mm256_add_epi32(dots[r], sum);
+#endif
                 }
             }
         } else {
             __m256i lo[4], hi[4]; /* lane c: 4 codes of row c, values 4j.. and 16 + 4j.. */
-            rows8_nibble_codes(type, x8, block, row_bytes, lo, hi);
+            TS_SIMD(rows8_nibble_codes)(type, x8, block, row_bytes, lo, hi);
             /* Each step adds two vpmaddubsw results (at most 2 x largest code x 127 each) in int16, for 4 steps
              * over Q4 (8 x 2 x 15 x 127 = 30,480) and 2 over Q5 (4 x 2 x 31 x 127 = 31,496) before widening. */
-            const int chain = type == TS_Q5_0 || type == TS_Q5_1 ? 2 : 4;
+            const int chain = TS_SIMD_VNNI || !(type == TS_Q5_0 || type == TS_Q5_1) ? 4 : 2;
             for (int j0 = 0; j0 < 4; j0 += chain) {
                 __m256i sums[TS_GEMV_ROWS];
                 for (int j = j0; j < j0 + chain; j++) {
@@ -79,15 +85,24 @@ static inline __attribute__((always_inline)) void gemv_group(const int type, con
                         int32_t x_lo, x_hi;
                         memcpy(&x_lo, x + 4 * j, 4);
                         memcpy(&x_hi, x + 16 + 4 * j, 4);
+#if TS_SIMD_VNNI /* vpdpbusd adds into int32 directly */
+                        (void)sums;
+                        const __m256i d0 = j == 0 ? _mm256_setzero_si256() : dots[r];
+                        dots[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(d0, lo[j], _mm256_set1_epi32(x_lo)), hi[j],
+                                                      _mm256_set1_epi32(x_hi));
+#else
                         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], _mm256_set1_epi32(x_lo)),
                                                            _mm256_maddubs_epi16(hi[j], _mm256_set1_epi32(x_hi)));
                         sums[r] = j == j0 ? p : _mm256_add_epi16(sums[r], p);
+#endif
                     }
                 }
+#if !TS_SIMD_VNNI
                 for (int r = 0; r < R; r++) {
                     const __m256i wide = _mm256_madd_epi16(sums[r], ones);
                     dots[r] = j0 == 0 ? wide : _mm256_add_epi32(dots[r], wide);
                 }
+#endif
             }
         }
         for (int r = 0; r < R; r++) {
@@ -96,7 +111,7 @@ static inline __attribute__((always_inline)) void gemv_group(const int type, con
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dots[r]), xd), d, acc[r]);
             if (type != TS_Q8_0) { /* the offset times the sum of the block's x */
                 const float *xs = a->s + 2 * at;
-                acc_offset[r] = _mm256_fmadd_ps(rows8_offsets(type, d, m), _mm256_set1_ps(xs[0] + xs[1]),
+                acc_offset[r] = _mm256_fmadd_ps(TS_SIMD(rows8_offsets)(type, d, m), _mm256_set1_ps(xs[0] + xs[1]),
                                                 acc_offset[r]);
             }
         }
@@ -108,23 +123,24 @@ static inline __attribute__((always_inline)) void gemv_group(const int type, con
  * gathered as stored and unpacked with the scalar decoder's word masks, lane by lane; the codes of
  * sub-blocks 2p and 2p + 1 are the low and high nibbles of the same 32 bytes per row, so one 8 x 8
  * transpose serves both. */
-static inline __attribute__((always_inline)) void gemv_group_q4k(const int type, const int R, const uint8_t *rows,
+static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k)(const int type, const int R, const uint8_t *rows,
                                                                  int64_t row_bytes, int64_t kb, const ts_act *a,
                                                                  int64_t r0, const uint8_t *next, int64_t next_bytes,
                                                                  float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
     (void)type; /* Q4_K: the argument keeps gemv_group's signature */
     const int64_t pairs = kb / 2, lines = (next_bytes + 63) / 64;
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f), low6 = _mm256_set1_epi8(0x3f);
+    (void)ones;
     const __m256i low2 = _mm256_set1_epi8(0x03), byte = _mm256_set1_epi32(0xff);
     __m256 acc[TS_GEMV_ROWS], acc_offset[TS_GEMV_ROWS];
     for (int r = 0; r < R; r++) acc[r] = acc_offset[r] = _mm256_setzero_ps();
     for (int64_t u = 0; u < kb / 8; u++) {
         const uint8_t *unit = rows + u * 144;
         __m256 d, dmin;
-        rows8_halves(unit, row_bytes, &d, &dmin);
+        TS_SIMD(rows8_halves)(unit, row_bytes, &d, &dmin);
         dmin = _mm256_sub_ps(_mm256_setzero_ps(), dmin);
         __m256i w[4];
-        rows8_words4(unit + 4, row_bytes, w); /* the 12 scale bytes as words w[0..2] */
+        TS_SIMD(rows8_words4)(unit + 4, row_bytes, w); /* the 12 scale bytes as words w[0..2] */
         const __m256i high_bits0 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w[0], 6), low2), 4);
         const __m256i high_bits1 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w[1], 6), low2), 4);
         const __m256i sc[2] = {_mm256_and_si256(w[0], low6), _mm256_or_si256(_mm256_and_si256(w[2], low4), high_bits0)};
@@ -137,7 +153,7 @@ static inline __attribute__((always_inline)) void gemv_group_q4k(const int type,
             __m256i t[8];
             for (int c = 0; c < 8; c++)
                 t[c] = _mm256_loadu_si256((const __m256i *)(unit + c * row_bytes + 16 + 32 * p));
-            tile_transpose8x8(t); /* t[g] lane c: bytes 4g .. 4g + 3 of row c's 32 */
+            TS_SIMD(tile_transpose8x8)(t); /* t[g] lane c: bytes 4g .. 4g + 3 of row c's 32 */
             for (int h = 0; h < 2; h++) {
                 const int j = 2 * p + h; /* the sub-block: scale byte j % 4 of sc[j / 4] */
                 const __m128i shift = _mm_cvtsi32_si128(8 * (j % 4));
@@ -155,9 +171,17 @@ static inline __attribute__((always_inline)) void gemv_group_q4k(const int type,
                     for (int g = 0; g < 8; g++) { /* 8 x 2 x 15 x 127 = 30,480: one int16 chain */
                         int32_t four;
                         memcpy(&four, x + 4 * g, 4);
+#if TS_SIMD_VNNI
+                        sums = _mm256_dpbusd_epi32(sums, codes[g], _mm256_set1_epi32(four));
+#else
                         sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(codes[g], _mm256_set1_epi32(four)));
+#endif
                     }
+#if TS_SIMD_VNNI
+                    const __m256 dots = _mm256_cvtepi32_ps(sums);
+#else
                     const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, ones));
+#endif
                     acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dots, _mm256_set1_ps(a->d[at])), scale, acc[r]);
                     const float *xs = a->s + 2 * at;
                     acc_offset[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xs[0] + xs[1]), acc_offset[r]);
@@ -171,22 +195,23 @@ static inline __attribute__((always_inline)) void gemv_group_q4k(const int type,
 /* gemv_group over Q6_K. Per half of a 256-value unit, the 8 rows' 32-byte runs of low nibbles (two) and of
  * high bits (one) are each transposed once and serve its four sub-blocks; every 16 values have their own
  * int8 scale, and the offset -32 s is folded into the float step. */
-static inline __attribute__((always_inline)) void gemv_group_q6k(const int type, const int R, const uint8_t *rows,
+static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const int type, const int R, const uint8_t *rows,
                                                                  int64_t row_bytes, int64_t kb, const ts_act *a,
                                                                  int64_t r0, const uint8_t *next, int64_t next_bytes,
                                                                  float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
     (void)type; /* Q6_K */
     const int64_t halves = kb / 4, lines = (next_bytes + 63) / 64;
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
+    (void)ones;
     __m256 acc[TS_GEMV_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t u = 0; u < kb / 8; u++) {
         const uint8_t *unit = rows + u * 210;
         __m256i tail[4], scales[4];
-        rows8_words4(unit + 194, row_bytes, tail); /* tail[3]: bytes 206-209, d in the upper half */
+        TS_SIMD(rows8_words4)(unit + 194, row_bytes, tail); /* tail[3]: bytes 206-209, d in the upper half */
         const __m256i d16 = _mm256_packus_epi32(_mm256_srli_epi32(tail[3], 16), _mm256_setzero_si256());
         const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(d16, 0x08)));
-        rows8_words4(unit + 192, row_bytes, scales); /* scales[i] lane c: row c's int8 scales 4i .. 4i + 3 */
+        TS_SIMD(rows8_words4)(unit + 192, row_bytes, scales); /* scales[i] lane c: row c's int8 scales 4i .. 4i + 3 */
         for (int n = 0; n < 2; n++) {
             const int64_t half = u * 2 + n;
             for (int64_t l = half * lines / halves; l < (half + 1) * lines / halves; l++)
@@ -198,9 +223,9 @@ static inline __attribute__((always_inline)) void gemv_group_q6k(const int type,
                 ql[1][c] = _mm256_loadu_si256((const __m256i *)(row + 64 * n + 32));
                 qh[c] = _mm256_loadu_si256((const __m256i *)(row + 128 + 32 * n));
             }
-            tile_transpose8x8(ql[0]);
-            tile_transpose8x8(ql[1]);
-            tile_transpose8x8(qh);
+            TS_SIMD(tile_transpose8x8)(ql[0]);
+            TS_SIMD(tile_transpose8x8)(ql[1]);
+            TS_SIMD(tile_transpose8x8)(qh);
             for (int t = 0; t < 4; t++) { /* sub-block j = 4n + t: ql run t % 2, nibble t / 2, qh bits 2t */
                 const int j = 4 * n + t;
                 __m256i codes[8];
@@ -228,10 +253,15 @@ static inline __attribute__((always_inline)) void gemv_group_q6k(const int type,
                             int32_t x0, x1;
                             memcpy(&x0, x + 4 * g, 4);
                             memcpy(&x1, x + 4 * g + 4, 4);
+#if TS_SIMD_VNNI
+                            dot = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(dot, codes[g], _mm256_set1_epi32(x0)),
+                                                      codes[g + 1], _mm256_set1_epi32(x1));
+#else
                             const __m256i pair =
                                 _mm256_add_epi16(_mm256_maddubs_epi16(codes[g], _mm256_set1_epi32(x0)),
                                                  _mm256_maddubs_epi16(codes[g + 1], _mm256_set1_epi32(x1)));
                             dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pair, ones));
+#endif
                         }
                         /* s * (xd * dot - 32 * sum of x's 16 values): the code's offset of -32 */
                         const __m256 term =
@@ -247,7 +277,7 @@ static inline __attribute__((always_inline)) void gemv_group_q6k(const int type,
 
 /* gemv_group for a format, layout and row count known at run time, each combination its own loop (x8 only
  * for the formats ts_x8_supported takes). */
-static void gemv_group_any(int type, int x8, int rows_of_x, const uint8_t *rows, int64_t row_bytes, int64_t kb,
+static void TS_SIMD(gemv_group_any)(int type, int x8, int rows_of_x, const uint8_t *rows, int64_t row_bytes, int64_t kb,
                            const ts_act *a, int64_t r0, const uint8_t *next, int64_t next_bytes,
                            float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
 #define TS_GEMV_ROWS_OF_X(KERNEL, ...)                                                          \
@@ -258,8 +288,8 @@ static void gemv_group_any(int type, int x8, int rows_of_x, const uint8_t *rows,
     }
 #define TS_GEMV_LEGACY(T)                                           \
     case T:                                                         \
-        if (x8) { TS_GEMV_ROWS_OF_X(gemv_group, T, 1) }             \
-        else { TS_GEMV_ROWS_OF_X(gemv_group, T, 0) }                \
+        if (x8) { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group), T, 1) }             \
+        else { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group), T, 0) }                \
         break;
     switch (type) {
         TS_GEMV_LEGACY(TS_Q4_0)
@@ -267,8 +297,8 @@ static void gemv_group_any(int type, int x8, int rows_of_x, const uint8_t *rows,
         TS_GEMV_LEGACY(TS_Q5_0)
         TS_GEMV_LEGACY(TS_Q5_1)
         TS_GEMV_LEGACY(TS_Q8_0)
-    case TS_Q4_K: TS_GEMV_ROWS_OF_X(gemv_group_q4k, TS_Q4_K) break;
-    case TS_Q6_K: TS_GEMV_ROWS_OF_X(gemv_group_q6k, TS_Q6_K) break;
+    case TS_Q4_K: TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q4k), TS_Q4_K) break;
+    case TS_Q6_K: TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q6k), TS_Q6_K) break;
     default: break; /* gemv_has_format was asked first */
     }
 #undef TS_GEMV_LEGACY

@@ -1,5 +1,8 @@
-/* Tiles for batched rows on CPUs without AMX, in AVX2 instructions (qgemm.c includes this under its AVX2
- * target, after qgemm_simd.h, whose decode_avx2 it uses).
+/* Integer tiles for batched rows on CPUs without AMX, written once and compiled twice like qgemm_simd.h
+ * (whose decode they use): under AVX2 (TS_SIMD_VNNI 0) and under AVX-512 VNNI (TS_SIMD_VNNI 1), where
+ * vpdpbusd adds each lane's four byte products straight into int32, so there is no int16 chain to widen;
+ * on a 2-core AVX-512 EPYC that made 64-row products 1.5-1.7x faster than the AVX2 build's
+ * (docs/benchmarks.md).
  *
  * Why: the row kernels decode each weight block once per TS_QGEMM_ROWS rows of x, and their dot product
  * lives inside one vector, so every block and row ends in a horizontal reduction. At 64 rows that ran at
@@ -9,11 +12,13 @@
  * columns' partial dot products at once, and no lane is ever summed across.
  *
  * The arithmetic is the row kernels' (x rounded to 8 bits per block of 32, exact integer products, each
- * block's scales in float); only the float summation order differs. vpmaddubsw's int16 pair sums are
- * added in int16 for as many steps as the format's largest code allows without overflow (tile_chain),
- * then widened once: a Q4 block needs one widening, not eight.
+ * block's scales in float); only the float summation order differs. In the AVX2 build vpmaddubsw's int16
+ * pair sums are added in int16 for as many steps as the format's largest code allows without overflow
+ * (tile_chain), then widened once: a Q4 block needs one widening, not eight.
  */
 
+#ifndef TS_TILES_SHARED /* the types and sizes, once for both compilations */
+#define TS_TILES_SHARED
 #define TS_TILE_COLS 16 /* weight rows (output columns) per panel: two vectors of 8 */
 #ifndef TS_TILE_ROWS
 #define TS_TILE_ROWS 4 /* rows of x per micro tile (2-5 measured: 4 was best, docs/benchmarks.md) */
@@ -28,9 +33,10 @@ typedef struct {
     float *offset;   /* [kb][halves][16] */
     uint8_t *copies; /* [16][row_bytes] where a layer has interleaved rows: them in the file's layout */
 } ts_tile_panel;
+#endif
 
 /* Steps of 4 values whose vpmaddubsw results (each at most 2 x largest code x 127) add up in int16. */
-static inline int tile_chain(int type) {
+static inline int TS_SIMD(tile_chain)(int type) {
     switch (type) {
     case TS_Q4_0: case TS_Q4_1: case TS_Q4_K: return 8; /* 8 x 2 x 15 x 127 = 30,480 */
     case TS_Q5_0: case TS_Q5_1: case TS_Q5_K: return 4; /* 4 x 2 x 31 x 127 = 31,496 */
@@ -40,10 +46,10 @@ static inline int tile_chain(int type) {
 }
 
 /* Scales per block: Q6_K has one per 16 values, every other format one per 32. */
-static inline int tile_halves(int type) { return type == TS_Q6_K ? 2 : 1; }
+static inline int TS_SIMD(tile_halves)(int type) { return type == TS_Q6_K ? 2 : 1; }
 
 /* r[c] lane g becomes r[g] lane c (8 x 8 32-bit values). */
-static inline __attribute__((always_inline)) void tile_transpose8x8(__m256i r[8]) {
+static inline __attribute__((always_inline)) void TS_SIMD(tile_transpose8x8)(__m256i r[8]) {
     __m256i t[8], u[8];
     for (int i = 0; i < 8; i += 2) {
         t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
@@ -62,7 +68,7 @@ static inline __attribute__((always_inline)) void tile_transpose8x8(__m256i r[8]
 }
 
 /* v[j] lane c = 32-bit word j of the 16 bytes at p + c * stride, for rows c < 8 and words j < 4. */
-static inline __attribute__((always_inline)) void rows8_words4(const uint8_t *p, int64_t stride, __m256i v[4]) {
+static inline __attribute__((always_inline)) void TS_SIMD(rows8_words4)(const uint8_t *p, int64_t stride, __m256i v[4]) {
     __m256i a[4];
     for (int i = 0; i < 4; i++)
         a[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p + i * stride))),
@@ -77,10 +83,10 @@ static inline __attribute__((always_inline)) void rows8_words4(const uint8_t *p,
 
 /* The two fp16 values at the start of each of 8 rows' blocks (p + c * stride), as 8 floats each: first[c]
  * is bytes 0-1 of row c (the scale d), second[c] bytes 2-3 (Q4_1's offset m). */
-static inline __attribute__((always_inline)) void rows8_halves(const uint8_t *p, int64_t stride, __m256 *first,
+static inline __attribute__((always_inline)) void TS_SIMD(rows8_halves)(const uint8_t *p, int64_t stride, __m256 *first,
                                                               __m256 *second) {
     __m256i v[4];
-    rows8_words4(p, stride, v); /* only v[0] is used: the compiler drops the rest */
+    TS_SIMD(rows8_words4)(p, stride, v); /* only v[0] is used: the compiler drops the rest */
     const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     const __m256i h = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v[0], split), 0xd8);
@@ -89,20 +95,20 @@ static inline __attribute__((always_inline)) void rows8_halves(const uint8_t *p,
 }
 
 /* rows8_halves over an interleaved block (TS_LAYOUT_X8): the 8 rows' fp16 fields lie side by side. */
-static inline __attribute__((always_inline)) void rows8_halves_x8(const uint8_t *p, __m256 *first, __m256 *second) {
+static inline __attribute__((always_inline)) void TS_SIMD(rows8_halves_x8)(const uint8_t *p, __m256 *first, __m256 *second) {
     *first = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
     *second = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
 }
 
 /* v shifted left by ``bits`` (right by -bits) in 32-bit lanes; bits is a constant after inlining. */
-static inline __attribute__((always_inline)) __m256i rows8_shift(__m256i v, int bits) {
+static inline __attribute__((always_inline)) __m256i TS_SIMD(rows8_shift)(__m256i v, int bits) {
     if (bits > 0) return _mm256_slli_epi32(v, bits);
     if (bits < 0) return _mm256_srli_epi32(v, -bits);
     return v;
 }
 
 /* The legacy 32-value formats with packed nibbles (Q4_0, Q4_1, Q5_0, Q5_1). */
-static inline int rows8_nibble_format(int type) {
+static inline int TS_SIMD(rows8_nibble_format)(int type) {
     return type == TS_Q4_0 || type == TS_Q4_1 || type == TS_Q5_0 || type == TS_Q5_1;
 }
 
@@ -110,7 +116,7 @@ static inline int rows8_nibble_format(int type) {
  * nibble format: lo[j] lane c holds values 4j .. 4j + 3 of row c, hi[j] values 16 + 4j .. 16 + 4j + 3 (steps
  * j and 4 + j of the tiles' order). Q5's fifth bits (bit v of the 32-bit qh is value v's) are gathered the
  * same way, then spread to bytes by a broadcast of their byte and a per-byte bit test. */
-static inline __attribute__((always_inline)) void rows8_nibble_codes(const int type, const int x8, const uint8_t *block,
+static inline __attribute__((always_inline)) void TS_SIMD(rows8_nibble_codes)(const int type, const int x8, const uint8_t *block,
                                                                      int64_t stride, __m256i lo[4], __m256i hi[4]) {
     const int five = type == TS_Q5_0 || type == TS_Q5_1;
     const int scales = type == TS_Q4_0 || type == TS_Q5_0 ? 2 : 4; /* d, or d and m */
@@ -120,21 +126,21 @@ static inline __attribute__((always_inline)) void rows8_nibble_codes(const int t
     if (x8) {
         for (int j = 0; j < 4; j++) q[j] = _mm256_loadu_si256((const __m256i *)(block + 8 * codes_at + 32 * j));
     } else {
-        rows8_words4(block + codes_at, stride, q);
+        TS_SIMD(rows8_words4)(block + codes_at, stride, q);
     }
     if (five && x8) { /* the fifth bits as ts_x8_qh orders them: a shift and a mask per 4 codes */
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(block + 8 * scales)), bit4 = _mm256_set1_epi8(0x10);
         for (int j = 0; j < 4; j++) {
-            lo[j] = _mm256_or_si256(_mm256_and_si256(q[j], low4), _mm256_and_si256(rows8_shift(qh, 4 - 2 * j), bit4));
+            lo[j] = _mm256_or_si256(_mm256_and_si256(q[j], low4), _mm256_and_si256(TS_SIMD(rows8_shift)(qh, 4 - 2 * j), bit4));
             hi[j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q[j], 4), low4),
-                                    _mm256_and_si256(rows8_shift(qh, 3 - 2 * j), bit4));
+                                    _mm256_and_si256(TS_SIMD(rows8_shift)(qh, 3 - 2 * j), bit4));
         }
         return;
     }
     __m256i qh = _mm256_setzero_si256();
     if (five) {
         __m256i h[4];
-        rows8_words4(block + scales, stride, h); /* only h[0], each row's qh, is used */
+        TS_SIMD(rows8_words4)(block + scales, stride, h); /* only h[0], each row's qh, is used */
         qh = h[0];
     }
     for (int j = 0; j < 4; j++) {
@@ -158,7 +164,7 @@ static inline __attribute__((always_inline)) void rows8_nibble_codes(const int t
 }
 
 /* Each row's offset o (value = s * code + o) from its scale d and Q4_1 / Q5_1's m. */
-static inline __attribute__((always_inline)) __m256 rows8_offsets(const int type, __m256 d, __m256 m) {
+static inline __attribute__((always_inline)) __m256 TS_SIMD(rows8_offsets)(const int type, __m256 d, __m256 m) {
     switch (type) {
     case TS_Q4_0: return _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
     case TS_Q5_0: return _mm256_mul_ps(d, _mm256_set1_ps(-16.0f));
@@ -170,7 +176,7 @@ static inline __attribute__((always_inline)) __m256 rows8_offsets(const int type
 /* Rows [n0, n0 + 16), all present, of a nibble format or Q8_0: 8 rows' blocks are gathered and transposed
  * as stored, before the nibbles are split (rows8_nibble_codes), which costs a third of decoding each row's
  * block on its own and transposing the codes; interleaved rows (x8) are read in that order already. */
-static inline __attribute__((always_inline)) void tile_decode_panel_gathered(const int type, const int x8,
+static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel_gathered)(const int type, const int x8,
                                                                              const uint8_t *rows, int64_t row_bytes,
                                                                              int64_t kb, ts_tile_panel *p) {
     const int64_t block_bytes = ts_qunit_bytes(type);
@@ -178,17 +184,17 @@ static inline __attribute__((always_inline)) void tile_decode_panel_gathered(con
         for (int h = 0; h < 2; h++) {
             const uint8_t *block = rows + 8 * h * row_bytes + b * block_bytes * (x8 ? 8 : 1);
             __m256 d, m;
-            if (x8) rows8_halves_x8(block, &d, &m);
-            else rows8_halves(block, row_bytes, &d, &m);
+            if (x8) TS_SIMD(rows8_halves_x8)(block, &d, &m);
+            else TS_SIMD(rows8_halves)(block, row_bytes, &d, &m);
             _mm256_storeu_ps(p->scale + b * TS_TILE_COLS + 8 * h, d);
-            _mm256_storeu_ps(p->offset + b * TS_TILE_COLS + 8 * h, rows8_offsets(type, d, m));
+            _mm256_storeu_ps(p->offset + b * TS_TILE_COLS + 8 * h, TS_SIMD(rows8_offsets)(type, d, m));
             if (type == TS_Q8_0) {
                 __m256i w[8];
                 if (x8) {
                     for (int g = 0; g < 8; g++) w[g] = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * g));
                 } else {
                     for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_si256((const __m256i *)(block + c * row_bytes + 2));
-                    tile_transpose8x8(w);
+                    TS_SIMD(tile_transpose8x8)(w);
                 }
                 for (int g = 0; g < 8; g++) {
                     const int64_t at = ((b * 8 + g) * 2 + h) * 32;
@@ -197,7 +203,7 @@ static inline __attribute__((always_inline)) void tile_decode_panel_gathered(con
                 }
             } else {
                 __m256i lo[4], hi[4];
-                rows8_nibble_codes(type, x8, block, row_bytes, lo, hi);
+                TS_SIMD(rows8_nibble_codes)(type, x8, block, row_bytes, lo, hi);
                 for (int j = 0; j < 4; j++) {
                     _mm256_storeu_si256((__m256i *)(p->codes + ((b * 8 + j) * 2 + h) * 32), lo[j]);
                     _mm256_storeu_si256((__m256i *)(p->codes + ((b * 8 + 4 + j) * 2 + h) * 32), hi[j]);
@@ -208,12 +214,12 @@ static inline __attribute__((always_inline)) void tile_decode_panel_gathered(con
 }
 
 /* Weight rows [n0, n0 + 16) of a segment (rows past its end decode to zeros) into a panel. */
-static inline __attribute__((always_inline)) void tile_decode_panel(const int type, const ts_qseg *seg, int64_t n0,
+static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel)(const int type, const ts_qseg *seg, int64_t n0,
                                                                     int64_t k, ts_tile_panel *p) {
     const int64_t kb = k / TS_QBLOCK, row_bytes = ts_qrow_bytes(type, k);
     const int64_t valid = seg->n - n0 < TS_TILE_COLS ? seg->n - n0 : TS_TILE_COLS;
-    if (valid == TS_TILE_COLS && (rows8_nibble_format(type) || type == TS_Q8_0)) {
-        tile_decode_panel_gathered(type, seg->layout == TS_LAYOUT_X8, seg->data + n0 * row_bytes, row_bytes, kb, p);
+    if (valid == TS_TILE_COLS && (TS_SIMD(rows8_nibble_format)(type) || type == TS_Q8_0)) {
+        TS_SIMD(tile_decode_panel_gathered)(type, seg->layout == TS_LAYOUT_X8, seg->data + n0 * row_bytes, row_bytes, kb, p);
         return;
     }
     /* Each row as stored; an interleaved group's rows are copied back to the file's layout first (a panel
@@ -221,7 +227,7 @@ static inline __attribute__((always_inline)) void tile_decode_panel(const int ty
     const uint8_t *row_at[TS_TILE_COLS];
     for (int64_t c = 0; c < valid; c++)
         row_at[c] = ts_x8_row(seg, n0 + c, row_bytes, p->copies != NULL ? p->copies + c * row_bytes : NULL);
-    const int halves = tile_halves(type);
+    const int halves = TS_SIMD(tile_halves)(type);
     float unit_s[TS_TILE_COLS][16], unit_o[TS_TILE_COLS][16];
     for (int64_t b = 0; b < kb; b++) {
         for (int h = 0; h < 2; h++) {
@@ -229,14 +235,14 @@ static inline __attribute__((always_inline)) void tile_decode_panel(const int ty
             for (int c = 0; c < 8; c++) {
                 const int col = 8 * h + c;
                 float s[2] = {0.0f, 0.0f}, o[2] = {0.0f, 0.0f};
-                v[c] = col < valid ? decode_avx2(type, row_at[col], b, s, o, unit_s[col], unit_o[col])
+                v[c] = col < valid ? TS_SIMD(decode)(type, row_at[col], b, s, o, unit_s[col], unit_o[col])
                                    : _mm256_setzero_si256();
                 for (int half = 0; half < halves; half++) {
                     p->scale[(b * halves + half) * TS_TILE_COLS + col] = s[half];
                     p->offset[(b * halves + half) * TS_TILE_COLS + col] = o[half];
                 }
             }
-            tile_transpose8x8(v);
+            TS_SIMD(tile_transpose8x8)(v);
             for (int g = 0; g < 8; g++) {
                 const int64_t at = ((b * 8 + g) * 2 + h) * 32;
                 if (type == TS_Q8_0) {
@@ -250,12 +256,15 @@ static inline __attribute__((always_inline)) void tile_decode_panel(const int ty
 }
 
 /* res[r][c] = dot(x row r0 + r, panel column c) for r < R. */
-static inline __attribute__((always_inline)) void tile_rows(const int type, const int R, const ts_tile_panel *p,
+static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int type, const int R, const ts_tile_panel *p,
                                                             int64_t kb, const ts_act *a, int64_t r0,
                                                             float res[TS_TILE_ROWS][TS_TILE_COLS]) {
-    const int chain = tile_chain(type), halves = tile_halves(type);
+    const int halves = TS_SIMD(tile_halves)(type);
+    const int chain = TS_SIMD_VNNI ? 8 / halves : TS_SIMD(tile_chain)(type); /* VNNI: no int16 steps */
     const int signed_codes = type == TS_Q8_0, has_offset = type != TS_Q8_0;
+#if !TS_SIMD_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
+#endif
     __m256 acc[TS_TILE_ROWS][2];
     const int8_t *xq[TS_TILE_ROWS];
     for (int r = 0; r < R; r++) {
@@ -265,9 +274,11 @@ static inline __attribute__((always_inline)) void tile_rows(const int type, cons
     for (int64_t b = 0; b < kb; b++) {
         for (int half = 0; half < halves; half++) {
             const int g_lo = half * 8 / halves, g_hi = (half + 1) * 8 / halves;
-            __m256i wide[TS_TILE_ROWS][2] = {{_mm256_setzero_si256()}}; /* set at g0 == g_lo (for the compiler) */
+            __m256i wide[TS_TILE_ROWS][2] = {{_mm256_setzero_si256()}}; /* all zero (VNNI adds into them) */
             for (int g0 = g_lo; g0 < g_hi; g0 += chain) {
+#if !TS_SIMD_VNNI
                 __m256i sums[TS_TILE_ROWS][2];
+#endif
                 for (int g = g0; g < g0 + chain; g++) {
                     const int64_t at = (b * 8 + g) * 64;
                     const __m256i w0 = _mm256_loadu_si256((const __m256i *)(p->codes + at));
@@ -280,17 +291,24 @@ static inline __attribute__((always_inline)) void tile_rows(const int type, cons
                             x0 = _mm256_sign_epi8(x0, _mm256_loadu_si256((const __m256i *)(p->signs + at)));
                             x1 = _mm256_sign_epi8(x1, _mm256_loadu_si256((const __m256i *)(p->signs + at + 32)));
                         }
+#if TS_SIMD_VNNI /* vpdpbusd adds the four products straight into int32: no int16 chain to widen */
+                        wide[r][0] = _mm256_dpbusd_epi32(wide[r][0], w0, x0);
+                        wide[r][1] = _mm256_dpbusd_epi32(wide[r][1], w1, x1);
+#else
                         const __m256i p0 = _mm256_maddubs_epi16(w0, x0), p1 = _mm256_maddubs_epi16(w1, x1);
                         sums[r][0] = g == g0 ? p0 : _mm256_add_epi16(sums[r][0], p0);
                         sums[r][1] = g == g0 ? p1 : _mm256_add_epi16(sums[r][1], p1);
+#endif
                     }
                 }
+#if !TS_SIMD_VNNI
                 for (int r = 0; r < R; r++) {
                     for (int h = 0; h < 2; h++) {
                         const __m256i w32 = _mm256_madd_epi16(sums[r][h], ones);
                         wide[r][h] = g0 == g_lo ? w32 : _mm256_add_epi32(wide[r][h], w32);
                     }
                 }
+#endif
             }
             const float *scale = p->scale + (b * halves + half) * TS_TILE_COLS;
             const float *offset = p->offset + (b * halves + half) * TS_TILE_COLS;
@@ -313,8 +331,8 @@ static inline __attribute__((always_inline)) void tile_rows(const int type, cons
     }
 }
 
-static void tile_decode_panel_any(const ts_qseg *seg, int64_t n0, int64_t k, ts_tile_panel *p) {
-#define TS_CASE(T) case T: tile_decode_panel(T, seg, n0, k, p); break;
+static void TS_SIMD(tile_decode_panel_any)(const ts_qseg *seg, int64_t n0, int64_t k, ts_tile_panel *p) {
+#define TS_CASE(T) case T: TS_SIMD(tile_decode_panel)(T, seg, n0, k, p); break;
     switch ((int)seg->type) {
         TS_FOR_EACH_QTYPE(TS_CASE)
     default: break; /* ts_qmatmul_f32 declined unknown formats before any thread got here */
@@ -323,15 +341,15 @@ static void tile_decode_panel_any(const ts_qseg *seg, int64_t n0, int64_t k, ts_
 }
 
 /* The micro tile for format ``type`` and ``rows`` (1 .. TS_TILE_ROWS) rows, each combination its own loop. */
-static void tile_rows_any(int type, int rows, const ts_tile_panel *p, int64_t kb, const ts_act *a, int64_t r0,
+static void TS_SIMD(tile_rows_any)(int type, int rows, const ts_tile_panel *p, int64_t kb, const ts_act *a, int64_t r0,
                           float res[TS_TILE_ROWS][TS_TILE_COLS]) {
 #define TS_CASE(T)                                                  \
     case T:                                                         \
         switch (rows) {                                             \
-        case 1: tile_rows(T, 1, p, kb, a, r0, res); break;          \
-        case 2: tile_rows(T, 2, p, kb, a, r0, res); break;          \
-        case 3: tile_rows(T, 3, p, kb, a, r0, res); break;          \
-        default: tile_rows(T, TS_TILE_ROWS, p, kb, a, r0, res); break; \
+        case 1: TS_SIMD(tile_rows)(T, 1, p, kb, a, r0, res); break;          \
+        case 2: TS_SIMD(tile_rows)(T, 2, p, kb, a, r0, res); break;          \
+        case 3: TS_SIMD(tile_rows)(T, 3, p, kb, a, r0, res); break;          \
+        default: TS_SIMD(tile_rows)(T, TS_TILE_ROWS, p, kb, a, r0, res); break; \
         }                                                           \
         break;
     switch (type) {
@@ -344,7 +362,7 @@ static void tile_rows_any(int type, int rows, const ts_tile_panel *p, int64_t kb
 /* This thread's share of out = x W^T (+ bias) through the tiles, x already quantized into ``a``. Called by
  * every thread of the team (each takes a static, contiguous range of panels); returns -1 when its scratch
  * memory cannot be had. */
-static int tiles_matmul_share(const ts_qmat *w, const ts_act *a, int64_t m, float *out, int64_t out_stride) {
+static int TS_SIMD(tiles_matmul_share)(const ts_qmat *w, const ts_act *a, int64_t m, float *out, int64_t out_stride) {
     const int64_t k = w->k, kb = k / TS_QBLOCK;
     const int64_t panels = ts_panel_count(w, TS_TILE_COLS);
     const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
@@ -376,14 +394,14 @@ static int tiles_matmul_share(const ts_qmat *w, const ts_act *a, int64_t m, floa
             const char *start = (const char *)next->data + next_first * TS_TILE_COLS * bytes;
             for (int64_t off = 0; off < rows * bytes; off += 64) __builtin_prefetch(start + off, 0, 2);
         }
-        tile_decode_panel_any(seg, n0, k, &p);
+        TS_SIMD(tile_decode_panel_any)(seg, n0, k, &p);
         const int64_t valid = seg->n - n0 < TS_TILE_COLS ? seg->n - n0 : TS_TILE_COLS;
         float add[TS_TILE_COLS];
         for (int64_t c = 0; c < valid; c++) add[c] = w->bias != NULL ? w->bias[col0 + n0 + c] : 0.0f;
         for (int64_t r0 = 0; r0 < m; r0 += TS_TILE_ROWS) {
             const int rows = (int)(m - r0 < TS_TILE_ROWS ? m - r0 : TS_TILE_ROWS);
             float res[TS_TILE_ROWS][TS_TILE_COLS];
-            tile_rows_any((int)seg->type, rows, &p, kb, a, r0, res);
+            TS_SIMD(tile_rows_any)((int)seg->type, rows, &p, kb, a, r0, res);
             for (int r = 0; r < rows; r++) {
                 float *dst = out + (r0 + r) * out_stride + col0 + n0;
                 for (int64_t c = 0; c < valid; c++) dst[c] = res[r][c] + add[c];
