@@ -321,18 +321,43 @@ def test_fp8_kv_cache_quarters_the_bytes_and_both_paths_agree(make_llm, referenc
         assert token_lists(native_llm.generate(chats(native_llm), GREEDY)) == got
 
 
+def assert_greedy_agrees_up_to_near_ties(got, want, max_gap: float) -> None:
+    """Each answer equals the reference until the first token where they part, and they may part only
+    where the reference's top two candidates are within ``max_gap`` nats and are the two tokens chosen.
+    A float8 cache rounds K/V, so a batch of another size (the matmuls block rows differently) can move
+    a logit by a few thousandths and flip a near tie; anything larger is a real difference."""
+    for ours, theirs in zip(got, want):
+        ours_ids, want_ids = ours.outputs[0].token_ids, theirs.outputs[0].token_ids
+        assert len(ours_ids) == len(want_ids)
+        for n, (a, b) in enumerate(zip(ours_ids, want_ids)):
+            if a == b:
+                continue
+            top = sorted(theirs.outputs[0].logprobs[n].items(), key=lambda kv: -kv[1].logprob)
+            assert {a, b} == {top[0][0], top[1][0]}, f"token {n}: {a} against {b} is not in the top two ({top})"
+            gap = top[0][1].logprob - top[1][1].logprob
+            assert gap < max_gap, f"token {n}: {a} against {b} parts at a gap of {gap:.4f} nats"
+            break
+
+
 def test_fp8_cache_swaps_out_and_back_by_its_bytes(make_llm):
     """Preempted requests over an fp8 cache swap out and back (torch's CPU index ops have no float8
-    kernels, so the swap tier moves bytes): their tokens equal a run whose pool never preempts."""
+    kernels, so the swap tier moves bytes): their tokens follow a run whose pool never preempts, parting
+    at most at a near tie, and every token is computed once."""
     kwargs = dict(dtype="float32", max_model_len=512, block_size=16, kv_cache_dtype="fp8",
                   enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
     small = make_llm(**kwargs, num_blocks=32, preemption_mode="swap", swap_space=0.05)
+    counted = count_computed_tokens(small.engine)
     prompts = chats(small)
-    got = token_lists(small.generate(prompts, GREEDY))
+    got = small.generate(prompts, params)
     assert small.engine.scheduler.num_swap_ins > 0
+    assert small.engine.scheduler.num_swap_ins == small.engine.scheduler.num_preemptions
+    assert counted[0] == sum(len(p) for p in prompts) + len(prompts) * (params.max_tokens - 1)
     roomy = make_llm(**kwargs, num_blocks=256)
-    assert token_lists(roomy.generate(prompts, GREEDY)) == got
+    want = roomy.generate(prompts, params)
     assert roomy.engine.scheduler.num_preemptions == 0
+    assert_greedy_agrees_up_to_near_ties(got, want, max_gap=0.05)
+    assert sum(token_lists(got)[i] == token_lists(want)[i] for i in range(len(prompts))) >= len(prompts) - 1
 
 
 def count_computed_tokens(engine) -> list[int]:
