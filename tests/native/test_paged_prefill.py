@@ -146,9 +146,13 @@ def test_the_cpu_backend_attends_prefills_as_the_torch_backend_does(dtype, kv_dt
     SDPA path does, so the two agree to float32 rounding there too. The kernel itself ran: one call over
     the cache, and one over the step's own rows where the cache's dtype differs; torch's SDPA never."""
     calls: list[int] = []
-    kernel = native.paged_prefill_attention
-    monkeypatch.setattr(native, "paged_prefill_attention",
-                        lambda q, k, *args, **kw: calls.append(k.shape[0]) or kernel(q, k, *args, **kw))
+    bind = native.bind_paged_prefill
+
+    def recording_bind(*bind_args):
+        kernel = bind(*bind_args)
+        return lambda q, k, *args: calls.append(k.shape[0]) or kernel(q, k, *args)
+
+    monkeypatch.setattr(native, "bind_paged_prefill", recording_bind)
     spans = [(0, 40), (24, 9), (0, 3), (5, 60)]
     heads, kv_heads, dim, bs = 9, 3, 64, 16
     _, k_cache, v_cache, tables, *_ = make_case(spans, heads, kv_heads, dim, bs, seed=5, kv_dtype=kv_dtype)

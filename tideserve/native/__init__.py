@@ -428,6 +428,26 @@ def bind_paged_decode(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int,
     return paged_decode
 
 
+def bind_paged_prefill(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int,
+                       num_kv_heads: int) -> Callable[..., bool] | None:
+    """``fn(q, k, v, tables, block_size, query_start, query_lens, computed, scale, out) -> ok`` as
+    ``paged_prefill_attention`` for q/out of ``dtype`` and k/v of ``kv_dtype`` (the cache's, or the model's
+    own for a step's fresh rows), or None. False means the kernel found no scratch memory."""
+    lib = load_library()
+    if lib is None or dtype not in _TS_DTYPES or kv_dtype not in CACHE_DTYPE_CODES or num_heads % num_kv_heads:
+        return None
+    kernel, q_code, kv_code = lib.ts_paged_prefill, _TS_DTYPES[dtype], CACHE_DTYPE_CODES[kv_dtype]
+
+    def paged_prefill(q, k, v, tables, block_size, query_start, query_lens, computed, scale, out) -> bool:
+        return kernel(q.data_ptr(), q.stride(0), q_code, k.data_ptr(), v.data_ptr(), kv_code, k.stride(0),
+                      tables.data_ptr(), tables.shape[1], block_size, query_start.data_ptr(),
+                      query_lens.data_ptr(), computed.data_ptr(), query_start.shape[0], out.data_ptr(),
+                      out.stride(0), q_code, num_heads, num_kv_heads, q.shape[2], scale,
+                      torch.get_num_threads()) == 0
+
+    return paged_prefill
+
+
 def bind_rope_store(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                     head_dim: int) -> Callable[..., None] | None:
     """``fn(qkv, cos, sin, slots, k_cache, v_cache)`` as ``rope_store`` for qkv/cos/sin of ``dtype`` and

@@ -834,10 +834,13 @@ int ts_qgemm_relayout(int64_t type, const uint8_t *src, uint8_t *dst, int64_t n,
     const int64_t row_bytes = ts_qrow_bytes(type, k), unit_bytes = ts_qunit_bytes(type), blocks = row_bytes / unit_bytes;
     const int64_t grouped = n / 8 * 8;
     for (int64_t g = 0; g < grouped; g += 8) {
-        uint8_t *group = to_x8 ? dst + g * row_bytes : (uint8_t *)src + g * row_bytes; /* src only read */
         for (int64_t c = 0; c < 8; c++) {
-            uint8_t *row = to_x8 ? (uint8_t *)src + (g + c) * row_bytes : dst + (g + c) * row_bytes;
-            for (int64_t b = 0; b < blocks; b++) ts_x8_block_copy(type, group, c, b, row + b * unit_bytes, to_x8);
+            const int64_t group_at = g * row_bytes, row_at = (g + c) * row_bytes;
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t block_at = row_at + b * unit_bytes;
+                if (to_x8) ts_x8_block_copy(type, src + block_at, dst + group_at, c, b, 1);
+                else ts_x8_block_copy(type, src + group_at, dst + block_at, c, b, 0);
+            }
         }
     }
     memcpy(dst + grouped * row_bytes, src + grouped * row_bytes, (size_t)((n - grouped) * row_bytes));

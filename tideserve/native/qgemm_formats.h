@@ -130,7 +130,8 @@ static inline int ts_x8_fields(int64_t type, int offsets[4], int sizes[4]) {
 }
 
 static inline int ts_x8_supported(int64_t type) {
-    return type == TS_Q4_0 || type == TS_Q4_1 || type == TS_Q5_0 || type == TS_Q5_1 || type == TS_Q8_0;
+    int offsets[4], sizes[4];
+    return ts_x8_fields(type, offsets, sizes) > 0;
 }
 
 /* Q5's fifth bits in the interleaved layout: bit v of the file's qh is value v's; here bit 2j of byte i is
@@ -150,26 +151,27 @@ static inline uint32_t ts_x8_qh(uint32_t bits, int to_x8) {
     return out;
 }
 
-/* Copies block b of row c of an interleaved group (at ``group``) to ``block`` in the file's layout
- * (inverse = 0), or the other way (inverse = 1: from the file's block into the group). */
-static inline void ts_x8_block_copy(int64_t type, uint8_t *group, int64_t c, int64_t b, uint8_t *block, int inverse) {
+/* Copies block b of row c between an interleaved group and a block in the file's layout: from the group
+ * at ``src`` to the file's block at ``dst`` (to_x8 0), or from the file's block at ``src`` into the group
+ * at ``dst`` (to_x8 1). */
+static inline void ts_x8_block_copy(int64_t type, const uint8_t *src, uint8_t *dst, int64_t c, int64_t b, int to_x8) {
     int offsets[4], sizes[4];
     const int fields = ts_x8_fields(type, offsets, sizes);
-    uint8_t *base = group + b * 8 * ts_qunit_bytes(type);
+    const int64_t group_at = b * 8 * ts_qunit_bytes(type);
     for (int f = 0; f < fields; f++) {
         const int granule = sizes[f] == 2 ? 2 : 4;
         for (int i = 0; i < sizes[f] / granule; i++) {
-            uint8_t *x8 = base + 8 * offsets[f] + 8 * granule * i + granule * c;
-            uint8_t *file = block + offsets[f] + granule * i;
+            const int64_t x8_at = group_at + 8 * offsets[f] + 8 * granule * i + granule * c;
+            const int64_t file_at = offsets[f] + granule * i;
+            const uint8_t *from = src + (to_x8 ? file_at : x8_at);
+            uint8_t *to = dst + (to_x8 ? x8_at : file_at);
             if ((type == TS_Q5_0 || type == TS_Q5_1) && sizes[f] == 4) { /* qh */
                 uint32_t bits;
-                memcpy(&bits, inverse ? file : x8, 4);
-                bits = ts_x8_qh(bits, inverse);
-                memcpy(inverse ? x8 : file, &bits, 4);
-            } else if (inverse) {
-                memcpy(x8, file, (size_t)granule);
+                memcpy(&bits, from, 4);
+                bits = ts_x8_qh(bits, to_x8);
+                memcpy(to, &bits, 4);
             } else {
-                memcpy(file, x8, (size_t)granule);
+                memcpy(to, from, (size_t)granule);
             }
         }
     }
@@ -180,8 +182,8 @@ static inline void ts_x8_block_copy(int64_t type, uint8_t *group, int64_t c, int
 static inline const uint8_t *ts_x8_row(const ts_qseg *seg, int64_t row, int64_t row_bytes, uint8_t *scratch) {
     if (seg->layout != TS_LAYOUT_X8 || row >= seg->n / 8 * 8) return seg->data + row * row_bytes;
     const int64_t unit_bytes = ts_qunit_bytes(seg->type), blocks = row_bytes / unit_bytes;
-    uint8_t *group = (uint8_t *)(seg->data + row / 8 * 8 * row_bytes);
-    for (int64_t b = 0; b < blocks; b++) ts_x8_block_copy(seg->type, group, row % 8, b, scratch + b * unit_bytes, 0);
+    const uint8_t *group = seg->data + row / 8 * 8 * row_bytes;
+    for (int64_t b = 0; b < blocks; b++) ts_x8_block_copy(seg->type, group, scratch + b * unit_bytes, row % 8, b, 0);
     return scratch;
 }
 

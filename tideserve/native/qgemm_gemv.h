@@ -51,12 +51,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group)(const int 
         __m256i dots[TS_GEMV_ROWS];
         if (type == TS_Q8_0) {
             __m256i w[8]; /* w[g] lane c: codes 4g .. 4g + 3 of row c */
-            if (x8) {
-                for (int g = 0; g < 8; g++) w[g] = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * g));
-            } else {
-                for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_si256((const __m256i *)(block + c * row_bytes + 2));
-                TS_SIMD(tile_transpose8x8)(w);
-            }
+            TS_SIMD(rows8_q8_codes)(x8, block, row_bytes, w);
             for (int g = 0; g < 8; g++) {
                 const __m256i w_abs = _mm256_abs_epi8(w[g]); /* -128 -> 0x80, read as the unsigned 128 */
                 for (int r = 0; r < R; r++) {

@@ -163,6 +163,19 @@ static inline __attribute__((always_inline)) void TS_SIMD(rows8_nibble_codes)(co
     }
 }
 
+/* The signed codes of Q8_0 block ``block`` of 8 rows (``stride`` bytes apart, or one interleaved block with
+ * x8): w[g] lane c holds codes 4g .. 4g + 3 of row c, the order both the tiles and the matrix-vector kernel
+ * read them in. */
+static inline __attribute__((always_inline)) void TS_SIMD(rows8_q8_codes)(const int x8, const uint8_t *block,
+                                                                 int64_t stride, __m256i w[8]) {
+    if (x8) {
+        for (int g = 0; g < 8; g++) w[g] = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * g));
+    } else {
+        for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_si256((const __m256i *)(block + c * stride + 2));
+        TS_SIMD(tile_transpose8x8)(w);
+    }
+}
+
 /* Each row's offset o (value = s * code + o) from its scale d and Q4_1 / Q5_1's m. */
 static inline __attribute__((always_inline)) __m256 TS_SIMD(rows8_offsets)(const int type, __m256 d, __m256 m) {
     switch (type) {
@@ -190,12 +203,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel_gath
             _mm256_storeu_ps(p->offset + b * TS_TILE_COLS + 8 * h, TS_SIMD(rows8_offsets)(type, d, m));
             if (type == TS_Q8_0) {
                 __m256i w[8];
-                if (x8) {
-                    for (int g = 0; g < 8; g++) w[g] = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * g));
-                } else {
-                    for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_si256((const __m256i *)(block + c * row_bytes + 2));
-                    TS_SIMD(tile_transpose8x8)(w);
-                }
+                TS_SIMD(rows8_q8_codes)(x8, block, row_bytes, w);
                 for (int g = 0; g < 8; g++) {
                     const int64_t at = ((b * 8 + g) * 2 + h) * 32;
                     _mm256_storeu_si256((__m256i *)(p->signs + at), w[g]);

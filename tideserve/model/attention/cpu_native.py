@@ -86,6 +86,9 @@ class CpuNativeBackend(AttentionBackend):
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self._paged_decode = native.bind_paged_decode(dtype, kv_dtype, num_heads, num_kv_heads)
         self.rope_store = native.bind_rope_store(dtype, kv_dtype, num_heads, num_kv_heads, head_dim)
+        # Prefill keys come from the cache (its dtype) or from the step's own rows (the model's dtype).
+        self._prefill_from_cache = native.bind_paged_prefill(dtype, kv_dtype, num_heads, num_kv_heads)
+        self._prefill_own_rows = native.bind_paged_prefill(dtype, dtype, num_heads, num_kv_heads)
 
     @staticmethod
     def supported(device: torch.device | str, dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int,
@@ -128,9 +131,9 @@ class CpuNativeBackend(AttentionBackend):
             if call.from_cache:
                 keys = k_cache.view(-1, self.num_kv_heads, self.head_dim)
                 values, block_size = v_cache.view(-1, self.num_kv_heads, self.head_dim), k_cache.shape[1]
+                prefill = self._prefill_from_cache
             else:
-                keys, values, block_size = k, v, 1
-            if not native.paged_prefill_attention(q, keys, values, call.tables, block_size, call.query_start,
-                                                  call.query_lens, call.computed, scale, out):
-                raise RuntimeError("native prefill attention failed: no scratch memory, or inputs outside its "
-                                   "contract (tideserve/native/__init__.py: paged_prefill_attention)")
+                keys, values, block_size, prefill = k, v, 1, self._prefill_own_rows
+            if not prefill(q, keys, values, call.tables, block_size, call.query_start, call.query_lens,
+                           call.computed, scale, out):
+                raise RuntimeError("native prefill attention failed: its scratch memory could not be allocated")

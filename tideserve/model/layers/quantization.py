@@ -204,8 +204,7 @@ class QuantWeight:
             else:
                 merged.append((qtype, data.contiguous()))
         if layouts is None:
-            layouts = [quant.preferred_layout(q) if quant.available() and d.shape[0] >= 8 else "rows"
-                       for q, d in merged]
+            layouts = [quant.preferred_layout(q) if d.shape[0] >= 8 else "rows" for q, d in merged]
             merged = [(q, quant.relayout(q, d, in_features, "x8") if layout == "x8" else d)
                       for (q, d), layout in zip(merged, layouts)]
         self.segments = merged
