@@ -52,6 +52,7 @@ class Request:
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    prefill_counted: bool = False  # its prompt is in the engine's prompt-token counter (once, at prefill's end)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -180,3 +180,23 @@ def test_greedy_steps_take_the_native_argmax(llm, monkeypatch):
     assert len(calls) >= 5 and all(rows <= 2 for rows, _ in calls)
     monkeypatch.setattr(native, "argmax_rows", lambda x: None)  # the kernel declines: torch's max decides
     assert [o.outputs[0].token_ids for o in llm.generate(["The tide", "A harbour at dawn"], params)] == native_out
+
+
+def test_prompt_tokens_count_when_their_prefill_is_done(make_llm):
+    """The prompt-token counter (the log's prompt throughput, vllm:prompt_tokens_total) moves when a
+    prompt has been computed, not when it is queued: a chunked prefill counts once, at its end, and a
+    request still waiting counts nothing."""
+    llm = make_llm(dtype="float32", max_num_batched_tokens=8, max_num_seqs=1)
+    engine = llm.engine
+    ids = [llm.tokenizer.encode(" ".join(PROMPTS[n:n + 3])) for n in (0, 3)]
+    assert min(map(len, ids)) > 8  # each prefill takes more than one step
+    for n, prompt in enumerate(ids):
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                           request_id=f"count-{n}")
+    assert engine.stats().prompt_tokens == 0
+    seen = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        seen.append(engine.stats().prompt_tokens)
+    assert seen[-1] == sum(map(len, ids))
+    assert sorted(set(seen)) == [0, len(ids[0]), sum(map(len, ids))]  # one request at a time, each once

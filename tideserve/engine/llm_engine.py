@@ -380,7 +380,6 @@ class LLMEngine:
                                     structured_output=grammar.matcher() if grammar is not None else None))
         self.output_processor.add(request_id, text, token_ids, children, num_returned=params.n,
                                   hide_logprobs=hide_logprobs)
-        self._num_prompt_tokens += len(token_ids) * num_samples
         for child in children:
             if max_tokens == 0 and params.prompt_logprobs is None:
                 child.status = RequestStatus.FINISHED_LENGTH
@@ -448,6 +447,10 @@ class LLMEngine:
                 self.output_processor.on_prompt_logprobs(rid, first, entries)
             updated = self.scheduler.update_from_output({rid: s.token_id for rid, s in sampled.items()})
             self._num_generation_tokens += sum(1 for r in updated if r.max_tokens > 0)
+            for request in updated:  # prompt tokens count when their prefill is done, as vLLM counts them
+                if not request.prefill_counted:
+                    request.prefill_counted = True
+                    self._num_prompt_tokens += request.num_prompt_tokens
             self._advance_grammars(updated)
             for request in updated:
                 stop = None

@@ -29,5 +29,5 @@ class EngineStats:
     num_swap_ins: int = 0  # counter: preempted requests resumed by copying their KV back
     swap_pool_usage: float = 0.0  # 0..1
     memory_utilization: float = 0.0  # process (CPU) or device (CUDA) memory in use / available, 0..1
-    prompt_tokens: int = 0  # counter: prompt tokens of admitted requests
+    prompt_tokens: int = 0  # counter: prompt tokens of requests whose prefill is done
     generation_tokens: int = 0  # counter: generated tokens

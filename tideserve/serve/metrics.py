@@ -68,7 +68,7 @@ _COUNTERS = (
      "kv_cache_grow_failures"),
     ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
     ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
-    ("vllm:prompt_tokens", "Number of prefill tokens processed (prompt tokens of admitted requests).",
+    ("vllm:prompt_tokens", "Number of prefill tokens processed (counted when a request's prefill is done).",
      "prompt_tokens"),
     ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
 )
