@@ -135,11 +135,12 @@ def int_tiles(request):
 
 
 @pytest.mark.parametrize(("qtype", "layout"), [*((q, "rows") for q in FORMATS), *((q, "x8") for q in X8_FORMATS)])
-@pytest.mark.parametrize("rows", [1, 3, 6, 16, 37, 70])
+@pytest.mark.parametrize("rows", [1, 3, 6, 16, 37, 70, 403])
 def test_integer_tiles_equal_the_scalar_path(qtype, layout, rows, int_tiles):
     """Panels of 16 weight rows (100 rows: the last panel is partly empty, half of it an interleaved group
     in the x8 layout), micro tiles of 4 rows of x (the 1, 2 and 3-row remainders), every format's int16
-    chain and Q6_K's per-half scales."""
+    chain and Q6_K's per-half scales; 403 rows take three chunks of rows the panels sweep (184, 184 and
+    35 of 512 values: a chunk's activations fit 128 KiB), each panel decoded once per chunk."""
     assert_matches_the_scalar_path(qtype, rows, seed=2, layout=layout)
 
 

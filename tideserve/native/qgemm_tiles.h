@@ -23,6 +23,9 @@
 #ifndef TS_TILE_ROWS
 #define TS_TILE_ROWS 4 /* rows of x per micro tile (2-5 measured: 4 was best, docs/benchmarks.md) */
 #endif
+#ifndef TS_TILE_CHUNK_BYTES
+#define TS_TILE_CHUNK_BYTES (128 * 1024) /* activation bytes per chunk of rows the panels sweep */
+#endif
 
 /* One panel, decoded. Block b, step g (values 4g .. 4g + 3 of the block), column half h: 32 bytes whose
  * 4c + i is that value's code in output column 8h + c. */
@@ -389,6 +392,14 @@ static int TS_SIMD(tiles_matmul_share)(const ts_qmat *w, const ts_act *a, int64_
     p.copies = copy_bytes ? malloc((size_t)(TS_TILE_COLS * copy_bytes)) : NULL;
     const int ok = p.codes != NULL && p.signs != NULL && p.scale != NULL && p.offset != NULL &&
                    (copy_bytes == 0 || p.copies != NULL);
+    /* Rows go in chunks whose int8 activations and scales stay in L2 while every panel of this thread
+     * sweeps them; a panel is decoded once per chunk. One sweep over 2048 rows of 576 values (1.6 MB)
+     * spilled L2 and ran the prefill's products at 0.6-0.7 of the rate a 256-row batch reaches. */
+    const int64_t row_bytes = k + 12 * kb; /* codes, d, and the two sums per block */
+    int64_t chunk = TS_TILE_CHUNK_BYTES / row_bytes / TS_TILE_ROWS * TS_TILE_ROWS;
+    if (chunk < TS_TILE_ROWS) chunk = TS_TILE_ROWS;
+    for (int64_t m0 = 0; ok && m0 < m; m0 += chunk) {
+    const int64_t m1 = m - m0 < chunk ? m : m0 + chunk;
     for (int64_t i = lo; ok && i < hi; i++) {
         int64_t first, col0;
         const ts_qseg *seg = ts_panel_segment(w, i, TS_TILE_COLS, &first, &col0);
@@ -406,8 +417,8 @@ static int TS_SIMD(tiles_matmul_share)(const ts_qmat *w, const ts_act *a, int64_
         const int64_t valid = seg->n - n0 < TS_TILE_COLS ? seg->n - n0 : TS_TILE_COLS;
         float add[TS_TILE_COLS];
         for (int64_t c = 0; c < valid; c++) add[c] = w->bias != NULL ? w->bias[col0 + n0 + c] : 0.0f;
-        for (int64_t r0 = 0; r0 < m; r0 += TS_TILE_ROWS) {
-            const int rows = (int)(m - r0 < TS_TILE_ROWS ? m - r0 : TS_TILE_ROWS);
+        for (int64_t r0 = m0; r0 < m1; r0 += TS_TILE_ROWS) {
+            const int rows = (int)(m1 - r0 < TS_TILE_ROWS ? m1 - r0 : TS_TILE_ROWS);
             float res[TS_TILE_ROWS][TS_TILE_COLS];
             TS_SIMD(tile_rows_any)((int)seg->type, rows, &p, kb, a, r0, res);
             for (int r = 0; r < rows; r++) {
@@ -415,6 +426,7 @@ static int TS_SIMD(tiles_matmul_share)(const ts_qmat *w, const ts_act *a, int64_
                 for (int64_t c = 0; c < valid; c++) dst[c] = res[r][c] + add[c];
             }
         }
+    }
     }
     free(p.codes);
     free(p.signs);
