@@ -252,22 +252,26 @@ static const ts_qseg *ts_panel_segment(const ts_qmat *w, int64_t p, int64_t widt
 #pragma GCC target("avx2,fma,f16c")
 #define TS_SIMD(name) name##_avx2
 #define TS_SIMD_VNNI 0
+#define TS_SIMD_TILE_ROWS 4 /* 16 vector registers: 4 rows of x per micro tile (2-5 measured, 4 best) */
 #include "qgemm_simd.h"
 #include "qgemm_tiles.h"
 #include "qgemm_gemv.h"
 #undef TS_SIMD
 #undef TS_SIMD_VNNI
+#undef TS_SIMD_TILE_ROWS
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 #define TS_SIMD(name) name##_avx512
 #define TS_SIMD_VNNI 1
+#define TS_SIMD_TILE_ROWS 6 /* 32 vector registers: 6 rows (4, 6 and 8 measured: 6 best, 8 spills) */
 #include "qgemm_simd.h"
 #include "qgemm_tiles.h"
 #include "qgemm_gemv.h"
 #undef TS_SIMD
 #undef TS_SIMD_VNNI
+#undef TS_SIMD_TILE_ROWS
 #pragma GCC pop_options
 #endif
 

@@ -20,9 +20,7 @@
 #ifndef TS_TILES_SHARED /* the types and sizes, once for both compilations */
 #define TS_TILES_SHARED
 #define TS_TILE_COLS 16 /* weight rows (output columns) per panel: two vectors of 8 */
-#ifndef TS_TILE_ROWS
-#define TS_TILE_ROWS 4 /* rows of x per micro tile (2-5 measured: 4 was best, docs/benchmarks.md) */
-#endif
+#define TS_TILE_ROWS_MAX 6 /* the most rows of x a micro tile holds (TS_SIMD_TILE_ROWS per build) */
 #ifndef TS_TILE_CHUNK_BYTES
 #define TS_TILE_CHUNK_BYTES (128 * 1024) /* activation bytes per chunk of rows the panels sweep */
 #endif
@@ -269,15 +267,15 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel)(con
 /* res[r][c] = dot(x row r0 + r, panel column c) for r < R. */
 static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int type, const int R, const ts_tile_panel *p,
                                                             int64_t kb, const ts_act *a, int64_t r0,
-                                                            float res[TS_TILE_ROWS][TS_TILE_COLS]) {
+                                                            float res[TS_TILE_ROWS_MAX][TS_TILE_COLS]) {
     const int halves = TS_SIMD(tile_halves)(type);
     const int chain = TS_SIMD_VNNI ? 8 / halves : TS_SIMD(tile_chain)(type); /* VNNI: no int16 steps */
     const int signed_codes = type == TS_Q8_0, has_offset = type != TS_Q8_0;
 #if !TS_SIMD_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
-    __m256 acc[TS_TILE_ROWS][2];
-    const int8_t *xq[TS_TILE_ROWS];
+    __m256 acc[TS_TILE_ROWS_MAX][2];
+    const int8_t *xq[TS_TILE_ROWS_MAX];
     for (int r = 0; r < R; r++) {
         acc[r][0] = acc[r][1] = _mm256_setzero_ps();
         xq[r] = a->q + (r0 + r) * a->k;
@@ -285,10 +283,10 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int t
     for (int64_t b = 0; b < kb; b++) {
         for (int half = 0; half < halves; half++) {
             const int g_lo = half * 8 / halves, g_hi = (half + 1) * 8 / halves;
-            __m256i wide[TS_TILE_ROWS][2] = {{_mm256_setzero_si256()}}; /* all zero (VNNI adds into them) */
+            __m256i wide[TS_TILE_ROWS_MAX][2] = {{_mm256_setzero_si256()}}; /* all zero (VNNI adds into them) */
             for (int g0 = g_lo; g0 < g_hi; g0 += chain) {
 #if !TS_SIMD_VNNI
-                __m256i sums[TS_TILE_ROWS][2];
+                __m256i sums[TS_TILE_ROWS_MAX][2];
 #endif
                 for (int g = g0; g < g0 + chain; g++) {
                     const int64_t at = (b * 8 + g) * 64;
@@ -351,16 +349,18 @@ static void TS_SIMD(tile_decode_panel_any)(const ts_qseg *seg, int64_t n0, int64
 #undef TS_CASE
 }
 
-/* The micro tile for format ``type`` and ``rows`` (1 .. TS_TILE_ROWS) rows, each combination its own loop. */
+/* The micro tile for format ``type`` and ``rows`` (1 .. TS_SIMD_TILE_ROWS) rows, each combination its own loop. */
 static void TS_SIMD(tile_rows_any)(int type, int rows, const ts_tile_panel *p, int64_t kb, const ts_act *a, int64_t r0,
-                          float res[TS_TILE_ROWS][TS_TILE_COLS]) {
+                          float res[TS_TILE_ROWS_MAX][TS_TILE_COLS]) {
 #define TS_CASE(T)                                                  \
     case T:                                                         \
         switch (rows) {                                             \
         case 1: TS_SIMD(tile_rows)(T, 1, p, kb, a, r0, res); break;          \
         case 2: TS_SIMD(tile_rows)(T, 2, p, kb, a, r0, res); break;          \
         case 3: TS_SIMD(tile_rows)(T, 3, p, kb, a, r0, res); break;          \
-        default: TS_SIMD(tile_rows)(T, TS_TILE_ROWS, p, kb, a, r0, res); break; \
+        case 4: TS_SIMD(tile_rows)(T, 4, p, kb, a, r0, res); break;          \
+        case 5: TS_SIMD(tile_rows)(T, 5, p, kb, a, r0, res); break;          \
+        default: TS_SIMD(tile_rows)(T, TS_SIMD_TILE_ROWS, p, kb, a, r0, res); break; \
         }                                                           \
         break;
     switch (type) {
@@ -396,8 +396,10 @@ static int TS_SIMD(tiles_matmul_share)(const ts_qmat *w, const ts_act *a, int64_
      * sweeps them; a panel is decoded once per chunk. One sweep over 2048 rows of 576 values (1.6 MB)
      * spilled L2 and ran the prefill's products at 0.6-0.7 of the rate a 256-row batch reaches. */
     const int64_t row_bytes = k + 12 * kb; /* codes, d, and the two sums per block */
-    int64_t chunk = TS_TILE_CHUNK_BYTES / row_bytes / TS_TILE_ROWS * TS_TILE_ROWS;
-    if (chunk < TS_TILE_ROWS) chunk = TS_TILE_ROWS;
+    int64_t chunk = TS_TILE_CHUNK_BYTES / row_bytes / TS_SIMD_TILE_ROWS * TS_SIMD_TILE_ROWS;
+    if (chunk < TS_SIMD_TILE_ROWS) chunk = TS_SIMD_TILE_ROWS;
+    /* Q8_0's signs take registers of their own: 6 rows spill there (LM head at 64 rows: 16.2 -> 20.5 ms) */
+    const int64_t signed_step = TS_SIMD_TILE_ROWS < 4 ? TS_SIMD_TILE_ROWS : 4;
     for (int64_t m0 = 0; ok && m0 < m; m0 += chunk) {
     const int64_t m1 = m - m0 < chunk ? m : m0 + chunk;
     for (int64_t i = lo; ok && i < hi; i++) {
@@ -417,9 +419,10 @@ static int TS_SIMD(tiles_matmul_share)(const ts_qmat *w, const ts_act *a, int64_
         const int64_t valid = seg->n - n0 < TS_TILE_COLS ? seg->n - n0 : TS_TILE_COLS;
         float add[TS_TILE_COLS];
         for (int64_t c = 0; c < valid; c++) add[c] = w->bias != NULL ? w->bias[col0 + n0 + c] : 0.0f;
-        for (int64_t r0 = m0; r0 < m1; r0 += TS_TILE_ROWS) {
-            const int rows = (int)(m1 - r0 < TS_TILE_ROWS ? m1 - r0 : TS_TILE_ROWS);
-            float res[TS_TILE_ROWS][TS_TILE_COLS];
+        const int64_t step = seg->type == TS_Q8_0 ? signed_step : TS_SIMD_TILE_ROWS;
+        for (int64_t r0 = m0; r0 < m1; r0 += step) {
+            const int rows = (int)(m1 - r0 < step ? m1 - r0 : step);
+            float res[TS_TILE_ROWS_MAX][TS_TILE_COLS];
             TS_SIMD(tile_rows_any)((int)seg->type, rows, &p, kb, a, r0, res);
             for (int r = 0; r < rows; r++) {
                 float *dst = out + (r0 + r) * out_stride + col0 + n0;
