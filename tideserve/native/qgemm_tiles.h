@@ -187,6 +187,20 @@ static inline __attribute__((always_inline)) __m256 TS_SIMD(rows8_offsets)(const
     }
 }
 
+/* Q8_0's signed codes w (32 bytes at panel offset ``at``) as the micro tile reads them. AVX2's
+ * maddubs sums byte pairs into int16, so w is split into |w| and its sign (|w| * (x, w's sign) = w * x,
+ * at most 2 x 128 x 127). VNNI sums four products straight into int32, so w + 128 is stored, an unsigned
+ * code like the other formats', and the panel's offset -128 d takes the 128 back out through the
+ * block's x sum: no sign operations, and the 6-row tile's registers suffice. */
+static inline __attribute__((always_inline)) void TS_SIMD(tile_store_q8)(ts_tile_panel *p, int64_t at, __m256i w) {
+#if TS_SIMD_VNNI
+    _mm256_storeu_si256((__m256i *)(p->codes + at), _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)));
+#else
+    _mm256_storeu_si256((__m256i *)(p->signs + at), w);
+    _mm256_storeu_si256((__m256i *)(p->codes + at), _mm256_abs_epi8(w)); /* -128 -> 0x80, read as 128 */
+#endif
+}
+
 /* Rows [n0, n0 + 16), all present, of a nibble format or Q8_0: 8 rows' blocks are gathered and transposed
  * as stored, before the nibbles are split (rows8_nibble_codes), which costs a third of decoding each row's
  * block on its own and transposing the codes; interleaved rows (x8) are read in that order already. */
@@ -201,14 +215,15 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel_gath
             if (x8) TS_SIMD(rows8_halves_x8)(block, &d, &m);
             else TS_SIMD(rows8_halves)(block, row_bytes, &d, &m);
             _mm256_storeu_ps(p->scale + b * TS_TILE_COLS + 8 * h, d);
-            _mm256_storeu_ps(p->offset + b * TS_TILE_COLS + 8 * h, TS_SIMD(rows8_offsets)(type, d, m));
+            _mm256_storeu_ps(p->offset + b * TS_TILE_COLS + 8 * h,
+                             type == TS_Q8_0 && TS_SIMD_VNNI ? _mm256_mul_ps(d, _mm256_set1_ps(-128.0f))
+                                                             : TS_SIMD(rows8_offsets)(type, d, m));
             if (type == TS_Q8_0) {
                 __m256i w[8];
                 TS_SIMD(rows8_q8_codes)(x8, block, row_bytes, w);
                 for (int g = 0; g < 8; g++) {
                     const int64_t at = ((b * 8 + g) * 2 + h) * 32;
-                    _mm256_storeu_si256((__m256i *)(p->signs + at), w[g]);
-                    _mm256_storeu_si256((__m256i *)(p->codes + at), _mm256_abs_epi8(w[g]));
+                    TS_SIMD(tile_store_q8)(p, at, w[g]);
                 }
             } else {
                 __m256i lo[4], hi[4];
@@ -246,6 +261,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel)(con
                 float s[2] = {0.0f, 0.0f}, o[2] = {0.0f, 0.0f};
                 v[c] = col < valid ? TS_SIMD(decode)(type, row_at[col], b, s, o, unit_s[col], unit_o[col])
                                    : _mm256_setzero_si256();
+                if (type == TS_Q8_0 && TS_SIMD_VNNI) o[0] = -128.0f * s[0]; /* codes stored as w + 128 */
                 for (int half = 0; half < halves; half++) {
                     p->scale[(b * halves + half) * TS_TILE_COLS + col] = s[half];
                     p->offset[(b * halves + half) * TS_TILE_COLS + col] = o[half];
@@ -254,11 +270,8 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel)(con
             TS_SIMD(tile_transpose8x8)(v);
             for (int g = 0; g < 8; g++) {
                 const int64_t at = ((b * 8 + g) * 2 + h) * 32;
-                if (type == TS_Q8_0) {
-                    _mm256_storeu_si256((__m256i *)(p->signs + at), v[g]);
-                    v[g] = _mm256_abs_epi8(v[g]); /* -128 -> 0x80, read as the unsigned 128 */
-                }
-                _mm256_storeu_si256((__m256i *)(p->codes + at), v[g]);
+                if (type == TS_Q8_0) TS_SIMD(tile_store_q8)(p, at, v[g]);
+                else _mm256_storeu_si256((__m256i *)(p->codes + at), v[g]);
             }
         }
     }
@@ -270,7 +283,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int t
                                                             float res[TS_TILE_ROWS_MAX][TS_TILE_COLS]) {
     const int halves = TS_SIMD(tile_halves)(type);
     const int chain = TS_SIMD_VNNI ? 8 / halves : TS_SIMD(tile_chain)(type); /* VNNI: no int16 steps */
-    const int signed_codes = type == TS_Q8_0, has_offset = type != TS_Q8_0;
+    const int signed_codes = type == TS_Q8_0 && !TS_SIMD_VNNI, has_offset = type != TS_Q8_0 || TS_SIMD_VNNI;
 #if !TS_SIMD_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
@@ -398,8 +411,8 @@ static int TS_SIMD(tiles_matmul_share)(const ts_qmat *w, const ts_act *a, int64_
     const int64_t row_bytes = k + 12 * kb; /* codes, d, and the two sums per block */
     int64_t chunk = TS_TILE_CHUNK_BYTES / row_bytes / TS_SIMD_TILE_ROWS * TS_SIMD_TILE_ROWS;
     if (chunk < TS_SIMD_TILE_ROWS) chunk = TS_SIMD_TILE_ROWS;
-    /* Q8_0's signs take registers of their own: 6 rows spill there (LM head at 64 rows: 16.2 -> 20.5 ms) */
-    const int64_t signed_step = TS_SIMD_TILE_ROWS < 4 ? TS_SIMD_TILE_ROWS : 4;
+    /* AVX2's Q8_0 signs take registers of their own (a 6-row tile would spill there) */
+    const int64_t signed_step = TS_SIMD_VNNI || TS_SIMD_TILE_ROWS < 4 ? TS_SIMD_TILE_ROWS : 4;
     for (int64_t m0 = 0; ok && m0 < m; m0 += chunk) {
     const int64_t m1 = m - m0 < chunk ? m : m0 + chunk;
     for (int64_t i = lo; ok && i < hi; i++) {
