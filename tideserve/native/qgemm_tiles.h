@@ -29,7 +29,7 @@
  * 4c + i is that value's code in output column 8h + c. */
 typedef struct {
     uint8_t *codes;  /* [kb][8][2][32]; |code| for Q8_0 */
-    int8_t *signs;   /* Q8_0: the signed codes in the same order (vpmaddubsw multiplies u8 by s8) */
+    int8_t *signs;   /* Q8_0 on AVX2: the signed codes in the same order (vpmaddubsw multiplies u8 by s8) */
     float *scale;    /* [kb][halves][16]: per block (per 16-value half for Q6_K: tile_halves), per column */
     float *offset;   /* [kb][halves][16] */
     uint8_t *copies; /* [16][row_bytes] where a layer has interleaved rows: them in the file's layout */
@@ -394,7 +394,7 @@ static int TS_SIMD(tiles_matmul_share)(const ts_qmat *w, const ts_act *a, int64_
     if (lo >= hi) return 0;
     ts_tile_panel p;
     p.codes = malloc((size_t)(kb * 512));
-    p.signs = malloc((size_t)(kb * 512));
+    p.signs = TS_SIMD_VNNI ? NULL : malloc((size_t)(kb * 512)); /* Q8_0's signs: AVX2 only (tile_store_q8) */
     p.scale = malloc(sizeof(float) * (size_t)(kb * 2 * TS_TILE_COLS));
     p.offset = malloc(sizeof(float) * (size_t)(kb * 2 * TS_TILE_COLS));
     int64_t copy_bytes = 0;
@@ -403,7 +403,7 @@ static int TS_SIMD(tiles_matmul_share)(const ts_qmat *w, const ts_act *a, int64_
         if (w->seg[s].layout == TS_LAYOUT_X8 && bytes > copy_bytes) copy_bytes = bytes;
     }
     p.copies = copy_bytes ? malloc((size_t)(TS_TILE_COLS * copy_bytes)) : NULL;
-    const int ok = p.codes != NULL && p.signs != NULL && p.scale != NULL && p.offset != NULL &&
+    const int ok = p.codes != NULL && (TS_SIMD_VNNI || p.signs != NULL) && p.scale != NULL && p.offset != NULL &&
                    (copy_bytes == 0 || p.copies != NULL);
     /* Rows go in chunks whose int8 activations and scales stay in L2 while every panel of this thread
      * sweeps them; a panel is decoded once per chunk. One sweep over 2048 rows of 576 values (1.6 MB)
@@ -411,8 +411,6 @@ static int TS_SIMD(tiles_matmul_share)(const ts_qmat *w, const ts_act *a, int64_
     const int64_t row_bytes = k + 12 * kb; /* codes, d, and the two sums per block */
     int64_t chunk = TS_TILE_CHUNK_BYTES / row_bytes / TS_SIMD_TILE_ROWS * TS_SIMD_TILE_ROWS;
     if (chunk < TS_SIMD_TILE_ROWS) chunk = TS_SIMD_TILE_ROWS;
-    /* AVX2's Q8_0 signs take registers of their own (a 6-row tile would spill there) */
-    const int64_t signed_step = TS_SIMD_VNNI || TS_SIMD_TILE_ROWS < 4 ? TS_SIMD_TILE_ROWS : 4;
     for (int64_t m0 = 0; ok && m0 < m; m0 += chunk) {
     const int64_t m1 = m - m0 < chunk ? m : m0 + chunk;
     for (int64_t i = lo; ok && i < hi; i++) {
@@ -432,9 +430,8 @@ static int TS_SIMD(tiles_matmul_share)(const ts_qmat *w, const ts_act *a, int64_
         const int64_t valid = seg->n - n0 < TS_TILE_COLS ? seg->n - n0 : TS_TILE_COLS;
         float add[TS_TILE_COLS];
         for (int64_t c = 0; c < valid; c++) add[c] = w->bias != NULL ? w->bias[col0 + n0 + c] : 0.0f;
-        const int64_t step = seg->type == TS_Q8_0 ? signed_step : TS_SIMD_TILE_ROWS;
-        for (int64_t r0 = m0; r0 < m1; r0 += step) {
-            const int rows = (int)(m1 - r0 < step ? m1 - r0 : step);
+        for (int64_t r0 = m0; r0 < m1; r0 += TS_SIMD_TILE_ROWS) {
+            const int rows = (int)(m1 - r0 < TS_SIMD_TILE_ROWS ? m1 - r0 : TS_SIMD_TILE_ROWS);
             float res[TS_TILE_ROWS_MAX][TS_TILE_COLS];
             TS_SIMD(tile_rows_any)((int)seg->type, rows, &p, kb, a, r0, res);
             for (int r = 0; r < rows; r++) {
