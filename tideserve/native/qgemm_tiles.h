@@ -412,34 +412,34 @@ static int TS_SIMD(tiles_matmul_share)(const ts_qmat *w, const ts_act *a, int64_
     int64_t chunk = TS_TILE_CHUNK_BYTES / row_bytes / TS_SIMD_TILE_ROWS * TS_SIMD_TILE_ROWS;
     if (chunk < TS_SIMD_TILE_ROWS) chunk = TS_SIMD_TILE_ROWS;
     for (int64_t m0 = 0; ok && m0 < m; m0 += chunk) {
-    const int64_t m1 = m - m0 < chunk ? m : m0 + chunk;
-    for (int64_t i = lo; ok && i < hi; i++) {
-        int64_t first, col0;
-        const ts_qseg *seg = ts_panel_segment(w, i, TS_TILE_COLS, &first, &col0);
-        const int64_t n0 = first * TS_TILE_COLS;
-        if (i + 1 < hi) { /* the next panel's rows (contiguous) towards L2 while this one is multiplied */
-            int64_t next_first, next_col0;
-            const ts_qseg *next = ts_panel_segment(w, i + 1, TS_TILE_COLS, &next_first, &next_col0);
-            const int64_t bytes = ts_qrow_bytes(next->type, k);
-            const int64_t rows = next->n - next_first * TS_TILE_COLS < TS_TILE_COLS ? next->n - next_first * TS_TILE_COLS
-                                                                                    : TS_TILE_COLS;
-            const char *start = (const char *)next->data + next_first * TS_TILE_COLS * bytes;
-            for (int64_t off = 0; off < rows * bytes; off += 64) __builtin_prefetch(start + off, 0, 2);
-        }
-        TS_SIMD(tile_decode_panel_any)(seg, n0, k, &p);
-        const int64_t valid = seg->n - n0 < TS_TILE_COLS ? seg->n - n0 : TS_TILE_COLS;
-        float add[TS_TILE_COLS];
-        for (int64_t c = 0; c < valid; c++) add[c] = w->bias != NULL ? w->bias[col0 + n0 + c] : 0.0f;
-        for (int64_t r0 = m0; r0 < m1; r0 += TS_SIMD_TILE_ROWS) {
-            const int rows = (int)(m1 - r0 < TS_SIMD_TILE_ROWS ? m1 - r0 : TS_SIMD_TILE_ROWS);
-            float res[TS_TILE_ROWS_MAX][TS_TILE_COLS];
-            TS_SIMD(tile_rows_any)((int)seg->type, rows, &p, kb, a, r0, res);
-            for (int r = 0; r < rows; r++) {
-                float *dst = out + (r0 + r) * out_stride + col0 + n0;
-                for (int64_t c = 0; c < valid; c++) dst[c] = res[r][c] + add[c];
+        const int64_t m1 = m - m0 < chunk ? m : m0 + chunk;
+        for (int64_t i = lo; ok && i < hi; i++) {
+            int64_t first, col0;
+            const ts_qseg *seg = ts_panel_segment(w, i, TS_TILE_COLS, &first, &col0);
+            const int64_t n0 = first * TS_TILE_COLS;
+            if (i + 1 < hi) { /* the next panel's rows (contiguous) towards L2 while this one is multiplied */
+                int64_t next_first, next_col0;
+                const ts_qseg *next = ts_panel_segment(w, i + 1, TS_TILE_COLS, &next_first, &next_col0);
+                const int64_t bytes = ts_qrow_bytes(next->type, k);
+                const int64_t rows = next->n - next_first * TS_TILE_COLS < TS_TILE_COLS ? next->n - next_first * TS_TILE_COLS
+                                                                                        : TS_TILE_COLS;
+                const char *start = (const char *)next->data + next_first * TS_TILE_COLS * bytes;
+                for (int64_t off = 0; off < rows * bytes; off += 64) __builtin_prefetch(start + off, 0, 2);
+            }
+            TS_SIMD(tile_decode_panel_any)(seg, n0, k, &p);
+            const int64_t valid = seg->n - n0 < TS_TILE_COLS ? seg->n - n0 : TS_TILE_COLS;
+            float add[TS_TILE_COLS];
+            for (int64_t c = 0; c < valid; c++) add[c] = w->bias != NULL ? w->bias[col0 + n0 + c] : 0.0f;
+            for (int64_t r0 = m0; r0 < m1; r0 += TS_SIMD_TILE_ROWS) {
+                const int rows = (int)(m1 - r0 < TS_SIMD_TILE_ROWS ? m1 - r0 : TS_SIMD_TILE_ROWS);
+                float res[TS_TILE_ROWS_MAX][TS_TILE_COLS];
+                TS_SIMD(tile_rows_any)((int)seg->type, rows, &p, kb, a, r0, res);
+                for (int r = 0; r < rows; r++) {
+                    float *dst = out + (r0 + r) * out_stride + col0 + n0;
+                    for (int64_t c = 0; c < valid; c++) dst[c] = res[r][c] + add[c];
+                }
             }
         }
-    }
     }
     free(p.codes);
     free(p.signs);
