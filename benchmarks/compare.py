@@ -188,7 +188,7 @@ def run_tideserve_serve(args: argparse.Namespace, workloads: dict, levels: list[
     cmd = [sys.executable, "-m", "tideserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--model", args.model, "--dtype", args.tideserve_dtype, "--max-num-seqs", str(max(levels)),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--enable-prefix-caching",
-           "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype]
+           "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype, *args.tideserve_arg]
     args.commands.append(" ".join(cmd))
     with ServerProcess(cmd, port, env=_thread_env(args.threads), name="tideserve-serve") as srv:
         runner = _http_runner(srv.base_url, discover_model(srv.base_url))
@@ -368,6 +368,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"],
                     help="tideserve's --quantization (peers keep their own weights)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="tideserve's --kv-cache-dtype")
+    ap.add_argument("--tideserve-arg", action="append", default=[], metavar="ARG",
+                    help="one more argument for tideserve serve (repeat it: --tideserve-arg=--num-blocks --tideserve-arg=4096)")
     ap.add_argument("--hf-dtype", default=None, help="transformers' dtype (default: --dtype's)")
     ap.add_argument("--concurrency", default=DEFAULT_LEVELS, help="comma-separated levels")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
