@@ -524,3 +524,23 @@ def test_static_sizes_beyond_the_machine_fail_with_the_numbers(make_llm, flag):
     name = next(iter(flag))
     assert message.startswith(f"{name}=") and "GiB available after the weights" in message
     assert "leave it unset for the elastic pool" in message
+
+
+def test_watermark_growth_commits_its_pages_ahead_and_the_answers_stay(make_llm, reference, monkeypatch, caplog):
+    """With every watermark growth large enough to commit ahead, the pool still grows (a step or more
+    later, once its pages are in) and greedy answers are those of the reference."""
+    from tideserve.engine import pool_controller
+    from tideserve.worker.kv_store import ReservedKVStore
+
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr(pool_controller, "COMMIT_AHEAD_MIN_BYTES", 0)
+    ranges = []
+    real = ReservedKVStore._commit_range
+    monkeypatch.setattr(ReservedKVStore, "_commit_range",
+                        lambda self, start, end: (ranges.append(end - start), real(self, start, end)))
+    llm = make_llm(dtype="float32", enable_prefix_caching=False, max_model_len=512)
+    assert isinstance(llm.engine.pool.storage.device_store, ReservedKVStore)
+    outs = llm.generate(chats(llm) * 4, GREEDY)
+    assert token_lists(outs) == reference * 4
+    assert ranges and all(r > 0 for r in ranges)  # background commits ran
+    assert any("above the high watermark" in r.message for r in caplog.records)

@@ -251,3 +251,61 @@ def test_float8_caches_fill_copy_and_swap_by_their_bytes():
     copy_between(swap, device_store, [(1, 0)])
     for (k, v), (wk, wv) in zip(device_store.caches, want):
         assert torch.equal(fp8_bytes(k[0]), wk) and torch.equal(fp8_bytes(v[0]), wv)
+
+
+def wait_for_commit_ahead(store: ReservedKVStore, num_blocks: int) -> None:
+    for _ in range(2000):
+        if store.commit_ahead(num_blocks):
+            return
+        store._ahead_thread.join(0.01)
+    raise AssertionError("the background commit did not finish")
+
+
+def test_reserved_store_commits_ahead_in_the_background_then_resizes_without_committing(monkeypatch):
+    """commit_ahead makes a coming growth's pages resident on a thread of its own; the resize that
+    follows commits nothing more, keeps the blocks, and a shrink hands back what was committed ahead."""
+    store = ReservedKVStore(LAYOUT, BS, num_blocks=10, reserve_bytes=512 * MiB)
+    fill_pattern(store, range(10))
+    assert store.commit_ahead(2000) is False  # started, not done
+    wait_for_commit_ahead(store, 2000)
+    assert store.num_blocks == 10  # the pool itself waits for resize
+    assert mapping_rss(store) >= 2000 * BLOCK
+    assert store.committed_bytes >= 2000 * BLOCK
+    committed = []
+    real_commit = store._commit
+    monkeypatch.setattr(store, "_commit", lambda lo, hi: (committed.append(max(0, hi - lo)), real_commit(lo, hi)))
+    store.resize(2000)
+    assert sum(committed) == 0
+    assert_pattern(store, range(10))
+    assert torch.count_nonzero(store.caches[1][0][10:]) == 0
+    assert store.commit_ahead(2000) is True  # nothing left to do
+    # Ahead of the new end again, then a shrink: the pages committed ahead go back too.
+    assert store.commit_ahead(3000) is False
+    wait_for_commit_ahead(store, 3000)
+    assert mapping_rss(store) >= 3000 * BLOCK
+    store.resize(100)
+    assert mapping_rss(store) <= 100 * BLOCK + 2 * LAYOUT.num_layers * PAGE
+    assert store.committed_bytes <= 100 * BLOCK + 2 * LAYOUT.num_layers * PAGE
+    assert_pattern(store, range(10))
+
+
+def test_a_store_without_background_commits_is_always_ready():
+    lazy = ReservedKVStore(LAYOUT, BS, num_blocks=4, reserve_bytes=64 * MiB, populate=False)
+    assert lazy.commit_ahead(1000) is True and mapping_rss(lazy) == 0
+    assert CopyKVStore(LAYOUT, torch.device("cpu"), BS, 4).commit_ahead(1000) is True
+
+
+def test_a_failed_background_commit_leaves_the_growth_to_resize(monkeypatch):
+    """When the kernel refuses the background commit, commit_ahead stops asking for a wait and the
+    resize commits on the caller's thread (where a real failure raises KVStoreGrowError)."""
+    import tideserve.worker.kv_store as kv_store
+
+    monkeypatch.setattr(kv_store, "_libc_madvise", lambda: (lambda addr, length, advice: -1))
+    store = ReservedKVStore(LAYOUT, BS, num_blocks=10, reserve_bytes=256 * MiB)
+    assert store.commit_ahead(1000) is False
+    store._ahead_thread.join()
+    assert store.commit_ahead(1000) is True
+    assert mapping_rss(store) < 1000 * BLOCK
+    store.resize(1000)
+    assert mapping_rss(store) >= 1000 * BLOCK
+    assert store.commit_ahead(2000) is False  # a resize clears the failure: the next growth tries again

@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 GiB = 2**30
 MiB = 2**20
 ALLOC_LOG_INTERVAL_S = 5.0
+# Watermark growths of at least this many bytes commit their pages in the background first (smaller ones
+# take a few milliseconds on the engine's thread).
+COMMIT_AHEAD_MIN_BYTES = 16 * MiB
 BLOCK_SIZE_ADVICE_INTERVAL_S = 5.0
 
 
@@ -153,6 +156,14 @@ class PoolController:
                       f"{'committed' if target > before else 'released'} in {elapsed * 1e3:.1f} ms")
         return True
 
+    def _commit_ahead(self, target: int) -> bool:
+        """Whether a growth the watermark asks for may run now: a large one first has its pages committed
+        in the background (steps go on meanwhile), and runs at a later step once they are. Growth that
+        an allocation needs now never waits for this."""
+        if (target - self.kv.num_blocks) * self.bytes_per_block < COMMIT_AHEAD_MIN_BYTES:
+            return True
+        return self.storage.commit_ahead(target)
+
     def grow_for_allocation(self, num_short: int = 1) -> bool:
         """The scheduler lacks ``num_short`` free blocks: grow if the budget and the machine allow (else
         it preempts or waits)."""
@@ -210,8 +221,8 @@ class PoolController:
         used = self.num_used_blocks()
         if not idle and now >= self._grow_blocked_until:
             grow = self.policy.grow_target(self.kv.num_blocks, used, 0, self._reachable_blocks)
-            if grow is not None and self._resize(grow, f"usage {used}/{self.kv.num_blocks} above the high "
-                                                       "watermark"):
+            if grow is not None and self._commit_ahead(grow) and self._resize(
+                    grow, f"usage {used}/{self.kv.num_blocks} above the high watermark"):
                 return
         shrink = self.policy.shrink_target(self.kv.num_blocks, used, now, idle, self._cache_to_keep(idle))
         if shrink is not None:

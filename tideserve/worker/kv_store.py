@@ -10,7 +10,10 @@ tight. Two ways to hold the tensors:
   of the new blocks (``MADV_POPULATE_WRITE``, or writing zeros); shrinking hands the tail's pages back to
   the kernel (``MADV_DONTNEED``). Nothing is copied, nothing is allocated twice, and the cost is
   proportional to the bytes that change. Live blocks above a new end are moved by the caller first
-  (compaction), one block at a time.
+  (compaction), one block at a time. A growth the pool sees coming (usage past its high watermark) can
+  commit its pages ahead, on a thread of its own (``commit_ahead``): on virtual machines that hand freed
+  memory back to the host, a first touch costs 3-5 s per GiB, and a commit on the engine's thread stops
+  every step for that long.
 - ``CopyKVStore`` (CUDA, and any device without the above): one tensor per pool size. A resize copies
   the blocks that stay into a new tensor, so growth is capped to what fits beside the existing storage;
   an allocation failure raises ``KVStoreGrowError`` and leaves the store as it was.
@@ -23,9 +26,11 @@ bytes, so the runner only reads the caches.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import mmap
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -43,6 +48,23 @@ PAGE = mmap.PAGESIZE
 HUGE_PAGE = 2 * 2**20
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux value; the reservation costs no commit charge
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+
+
+def _libc_madvise():
+    """libc's madvise(addr, length, advice) -> int through ctypes (which releases the GIL), or None."""
+    global _MADVISE
+    if _MADVISE is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+        except (OSError, AttributeError):
+            return None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        _MADVISE = fn
+    return _MADVISE
+
+
+_MADVISE = None
 
 
 class KVStoreGrowError(RuntimeError):
@@ -110,6 +132,11 @@ class KVStore(ABC):
     def resize(self, num_blocks: int) -> None:
         """Make blocks 0..num_blocks-1 addressable; blocks below min(old, new) keep their KV."""
 
+    def commit_ahead(self, num_blocks: int) -> bool:
+        """Prepare a growth to ``num_blocks`` off the caller's thread; True when ``resize`` may follow at
+        once (stores without background commits: always)."""
+        return True
+
     @abstractmethod
     def reshape_blocks(self, new_block_size: int) -> int:
         """Read the pool with another block size; only while no block holds live KV. Returns the new
@@ -168,6 +195,13 @@ class ReservedKVStore(KVStore):
                               flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
         self._can_populate = True
         raw = torch.frombuffer(self._map, dtype=torch.uint8).view(regions, self.region_bytes)
+        self._base = raw.data_ptr()
+        # Pages committed ahead of the pool's end: [end, _ahead_end) surely, up to _ahead_target maybe
+        # (while the thread runs, or after it failed part way).
+        self._ahead_thread: threading.Thread | None = None
+        self._ahead_end = 0
+        self._ahead_target = 0
+        self._ahead_failed = False
         elem = raw.new_empty((), dtype=layout.dtype).element_size()
         self._regions = raw[:, :_round_down(self.region_bytes, elem)].view(layout.dtype)
         self.capacity_tokens = self.region_bytes // layout.token_bytes
@@ -196,8 +230,53 @@ class ReservedKVStore(KVStore):
 
     @property
     def committed_bytes(self) -> int:
-        """Bytes of the pool's pages that are (or may be) resident: every region up to the pool's end."""
-        return 2 * self.layout.num_layers * _round_up(self._end_bytes(self.num_blocks), PAGE)
+        """Bytes of the pool's pages that are (or may be) resident: every region up to the pool's end, or
+        up to what is being committed ahead of it."""
+        end = max(self._end_bytes(self.num_blocks), self._ahead_target)
+        return 2 * self.layout.num_layers * _round_up(end, PAGE)
+
+    def commit_ahead(self, num_blocks: int) -> bool:
+        """Commit the pages of a pool of ``num_blocks`` on a background thread; True once they are
+        committed (``resize(num_blocks)`` then commits nothing), False while that is under way. The
+        commits run with the GIL released (libc's madvise through ctypes), so steps and the server's
+        event loop go on meanwhile. A failure is left for ``resize`` to meet and report."""
+        end = _round_up(self._end_bytes(num_blocks), PAGE)
+        if not self.populate or not self._can_populate or num_blocks <= self.num_blocks:
+            return True
+        if self._ahead_thread is not None:
+            if self._ahead_thread.is_alive():
+                return False
+            self._ahead_thread = None
+        if self._ahead_failed:  # resize meets the failure on the caller's thread, and reports it
+            return True
+        start = max(_round_down(self._end_bytes(self.num_blocks), PAGE), self._ahead_end)
+        if start >= end or num_blocks > self.capacity_blocks:
+            return True
+        self._ahead_target = max(self._ahead_target, end)
+        self._ahead_thread = threading.Thread(target=self._commit_range, args=(start, end),
+                                              name="kv-commit-ahead", daemon=True)
+        self._ahead_thread.start()
+        return False
+
+    def _commit_range(self, start: int, end: int) -> None:
+        """The background half of commit_ahead: every region's [start, end), or nothing recorded."""
+        madvise = _libc_madvise()
+        for i in range(2 * self.layout.num_layers):
+            if madvise is None or madvise(self._base + i * self.region_bytes + start, end - start,
+                                          MADV_POPULATE_WRITE) != 0:
+                self._ahead_failed = True  # resize commits the rest itself and reports what the kernel says
+                return
+        self._ahead_end = end
+
+    def _join_ahead(self) -> None:
+        if self._ahead_thread is not None:
+            self._ahead_thread.join()
+            self._ahead_thread = None
+
+    def _forget_ahead(self, end: int) -> None:
+        """The pool now ends at ``end``: pages committed ahead below it are the pool's own."""
+        if self._ahead_target <= end:
+            self._ahead_end = self._ahead_target = 0
 
     def _end_bytes(self, num_blocks: int) -> int:
         return num_blocks * self.block_size * self.layout.token_bytes
@@ -243,24 +322,34 @@ class ReservedKVStore(KVStore):
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}.")
         if num_blocks > self.capacity_blocks:
             raise KVStoreGrowError(f"{num_blocks} blocks exceed the reservation of {self.capacity_blocks}")
+        self._join_ahead()
+        self._ahead_failed = False
         old_end, new_end = self._end_bytes(self.num_blocks), self._end_bytes(num_blocks)
         if new_end > old_end and self.populate:
-            self._commit(old_end, new_end)
-        elif new_end < old_end:
-            self._release(new_end, old_end)
+            self._commit(max(old_end, min(self._ahead_end, new_end)), new_end)
+        elif new_end < old_end:  # and whatever was committed ahead of the old end
+            self._release(new_end, max(old_end, self._ahead_target))
+            self._ahead_end = self._ahead_target = 0
         self.num_blocks = num_blocks
+        self._forget_ahead(new_end)
         self._build_views()
 
     def release_all(self) -> None:
         """Hand every page back while keeping the size (a swap tier nobody uses)."""
-        self._release(0, self._end_bytes(self.num_blocks))
+        self._join_ahead()
+        self._release(0, max(self._end_bytes(self.num_blocks), self._ahead_target))
+        self._ahead_end = self._ahead_target = 0
 
     def reshape_blocks(self, new_block_size: int) -> int:
         tokens = self.num_blocks * self.block_size
         new_num = max(1, tokens // new_block_size)
         if new_num * new_block_size > self.capacity_tokens:
             raise KVStoreGrowError(f"block size {new_block_size} does not fit the reservation")
+        self._join_ahead()
         old_end = self._end_bytes(self.num_blocks)
+        if self._ahead_target > old_end:  # the pages committed for the old block size's growth
+            self._release(old_end, self._ahead_target)
+        self._ahead_end = self._ahead_target = 0
         self.block_size = new_block_size
         new_end = self._end_bytes(new_num)
         if new_end < old_end:
@@ -439,6 +528,10 @@ class KVCacheStorage:
     def resize(self, num_blocks: int) -> None:
         """Blocks below min(old, new) keep their KV; raises KVStoreGrowError (unchanged) when growth fails."""
         self.device_store.resize(num_blocks)
+
+    def commit_ahead(self, num_blocks: int) -> bool:
+        """The device store's commit_ahead: True when a growth to ``num_blocks`` costs no page commits now."""
+        return self.device_store.commit_ahead(num_blocks)
 
     def copy_blocks(self, moves: list[tuple[int, int]]) -> None:
         """Copy moved blocks' KV (old id -> new id): compaction's only copy."""
