@@ -151,7 +151,14 @@ def test_backends_give_the_torch_references_tokens_and_logits(kind, backend, kv_
     assert got_tokens == want_tokens and all(len(t) >= 3 for t in got_tokens.values())
     # A fresh prefill attends to its own keys in the torch reference (and cpu-native), but to the cache in the
     # Triton kernels' contract: with a bfloat16 cache those keys are rounded to bf16 (2^-8 relative).
-    tolerance = 2e-2 if backend == "triton" and kv_dtype == torch.bfloat16 else 1e-5
+    # cpu-native over a bfloat16 cache: on an Intel Xeon (AVX-512, no AMX) the steps from the one that
+    # mixes a cached-prefix chunk with a fresh prefill differ from the torch reference by up to 2.8e-5 (on
+    # every ISA path, scalar included; 1e-6 on the AMD hosts and for qwen2); greedy tokens agree. Both read
+    # the same bf16 cache, so 1e-4 still fails on a key or value read wrongly or rounded once more.
+    if kv_dtype == torch.bfloat16:
+        tolerance = 2e-2 if backend == "triton" else 1e-4
+    else:
+        tolerance = 1e-5
     for got, want in zip(got_logits, want_logits, strict=True):
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
     if backend == "triton":
