@@ -69,6 +69,8 @@ SHAPES = [  # num_seqs, heads, kv heads, head_dim, block size, longest context, 
     (5, 6, 1, 64, 1, 50, None),    # multi-query, block size 1
     (4, 8, 2, 128, 16, 70, 2),     # head_dim 128, block size 16
     (3, 10, 5, 80, 16, 45, None),  # head_dim 80: AVX-512 one vector of values at a time
+    (3, 9, 3, 64, 64, 200, 2),     # block size 64: each head's keys in chunks of 16, with prefetch between
+    (4, 9, 3, 64, 24, 100, 2),     # block size 24: a chunk of 16 keys, then one of 8
 ]
 
 
