@@ -327,8 +327,10 @@ static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, co
      * of one head. Asked for whole, a bf16 or fp8 block stalled the core on the line-fill buffers until it came
      * (30% of the kernel's time at 64 requests); sliced, the arithmetic runs while it comes. */
     const int64_t block_bytes = (int64_t)sizeof(KV_T) * block_stride;
-    /* A float32 block (12 KiB for SmolLM2's heads) streamed best asked for whole, before its first chunk. */
-    const int64_t chunks = sizeof(KV_T) >= 4 ? 1 : num_kv_heads * ((block_size + TS_PREFETCH_CHUNK - 1) / TS_PREFETCH_CHUNK);
+    /* A float32 block (12 KiB for SmolLM2's heads) streamed best asked for whole, before its keys, which go
+     * through in one call per head as they did before slicing. */
+    const int64_t chunk_keys = sizeof(KV_T) >= 4 ? block_size : TS_PREFETCH_CHUNK;
+    const int64_t chunks = sizeof(KV_T) >= 4 ? 1 : num_kv_heads * ((block_size + chunk_keys - 1) / chunk_keys);
     const int64_t slice = (block_bytes / chunks + 63) / 64 * 64;
     const int64_t span = blk_hi - blk_lo;
     const int64_t blocks_ahead = block_bytes < TS_PREFETCH_AHEAD_BYTES ? TS_PREFETCH_AHEAD_BYTES / block_bytes : 1;
@@ -346,7 +348,7 @@ static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, co
         int64_t to_fetch = ahead != NULL ? block_bytes : 0;
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t r0 = h * group;
-            for (int64_t c = 0; c < n; c += TS_PREFETCH_CHUNK) {
+            for (int64_t c = 0; c < n; c += chunk_keys) {
                 if (to_fetch > 0) {
                     const int64_t now = to_fetch < slice ? to_fetch : slice;
                     ts_prefetch_bytes(ahead + (block_bytes - to_fetch), now);
@@ -354,7 +356,7 @@ static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, co
                 }
                 KV_NAME(block_scores)(isa, q + r0 * head_dim, qb != NULL ? qb + r0 * head_dim : NULL,
                                       k_cache + table[blk] * block_stride + c * token_stride + h * head_dim,
-                                      token_stride, n - c < TS_PREFETCH_CHUNK ? n - c : TS_PREFETCH_CHUNK, group,
+                                      token_stride, n - c < chunk_keys ? n - c : chunk_keys, group,
                                       head_dim, scale, scores + r0 * max_context + (t0 + c - first), max_context);
             }
         }
@@ -373,7 +375,7 @@ static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, co
         int64_t to_fetch = ahead != NULL ? block_bytes : 0;
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t r0 = h * group;
-            for (int64_t c = 0; c < n; c += TS_PREFETCH_CHUNK) {
+            for (int64_t c = 0; c < n; c += chunk_keys) {
                 if (to_fetch > 0) {
                     const int64_t now = to_fetch < slice ? to_fetch : slice;
                     ts_prefetch_bytes(ahead + (block_bytes - to_fetch), now);
@@ -381,7 +383,7 @@ static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, co
                 }
                 KV_NAME(block_values)(isa, scores + r0 * max_context + (t0 + c - first), max_context,
                                       v_cache + table[blk] * block_stride + c * token_stride + h * head_dim,
-                                      token_stride, n - c < TS_PREFETCH_CHUNK ? n - c : TS_PREFETCH_CHUNK, group,
+                                      token_stride, n - c < chunk_keys ? n - c : chunk_keys, group,
                                       head_dim, acc + r0 * head_dim);
             }
         }
