@@ -349,11 +349,7 @@ static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, co
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t r0 = h * group;
             for (int64_t c = 0; c < n; c += chunk_keys) {
-                if (to_fetch > 0) {
-                    const int64_t now = to_fetch < slice ? to_fetch : slice;
-                    ts_prefetch_bytes(ahead + (block_bytes - to_fetch), now);
-                    to_fetch -= now;
-                }
+                ts_prefetch_next_slice(ahead, block_bytes, slice, &to_fetch);
                 KV_NAME(block_scores)(isa, q + r0 * head_dim, qb != NULL ? qb + r0 * head_dim : NULL,
                                       k_cache + table[blk] * block_stride + c * token_stride + h * head_dim,
                                       token_stride, n - c < chunk_keys ? n - c : chunk_keys, group,
@@ -376,11 +372,7 @@ static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, co
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t r0 = h * group;
             for (int64_t c = 0; c < n; c += chunk_keys) {
-                if (to_fetch > 0) {
-                    const int64_t now = to_fetch < slice ? to_fetch : slice;
-                    ts_prefetch_bytes(ahead + (block_bytes - to_fetch), now);
-                    to_fetch -= now;
-                }
+                ts_prefetch_next_slice(ahead, block_bytes, slice, &to_fetch);
                 KV_NAME(block_values)(isa, scores + r0 * max_context + (t0 + c - first), max_context,
                                       v_cache + table[blk] * block_stride + c * token_stride + h * head_dim,
                                       token_stride, n - c < chunk_keys ? n - c : chunk_keys, group,

@@ -43,6 +43,15 @@ TS_ALWAYS_INLINE void ts_prefetch_bytes(const void *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 3);
 }
 
+/* Hints the next slice of [block, block + block_bytes), *left bytes of it still unasked; a block asked for a
+ * slice at a time lets the arithmetic between slices run while its lines come. */
+TS_ALWAYS_INLINE void ts_prefetch_next_slice(const char *block, int64_t block_bytes, int64_t slice, int64_t *left) {
+    if (*left <= 0) return;
+    const int64_t now = *left < slice ? *left : slice;
+    ts_prefetch_bytes(block + (block_bytes - *left), now);
+    *left -= now;
+}
+
 /* bfloat16 is the top half of a float32: widening is a shift. */
 TS_ALWAYS_INLINE float ts_bf16_to_f32(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
