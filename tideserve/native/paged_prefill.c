@@ -22,9 +22,12 @@
  *   out        [tokens, num_heads, head_dim], float32 or bfloat16, rows out_stride elements apart
  *
  * Arithmetic is float32 (inputs widen exactly; a bfloat16 output is rounded once). Paths: scalar
- * reference and AVX2 + FMA (head_dim a multiple of 8), which AVX-512 CPUs run too: at prefill sizes the
- * tile's arithmetic is FMA-bound and the AVX2 form already keeps both FMA pipes busy on the CPUs measured.
+ * reference; AVX2 + FMA (head_dim a multiple of 8), rows by keys with the dot products summed across
+ * lanes; AVX-512, which turns the item around: a vector holds one element of 16 query rows, so a tile's
+ * scores are broadcast keys times transposed queries with no horizontal sums, the online softmax runs on
+ * whole vectors of rows, and the values go through the same way (any head_dim).
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,6 +38,8 @@
 
 #define KEY_TILE 32      /* keys per tile: scores of one tile stay in L1 next to its widened K/V */
 #define ROWS_PER_ITEM 32 /* query rows (tokens x grouped heads) per work item */
+#define LANE_ROWS 32     /* query rows per pass of the AVX-512 path: two vectors of 16 */
+#define KEY_BLOCK 8      /* keys whose scores the AVX-512 path accumulates at once (16 of 32 registers) */
 
 typedef struct {
     const void *q;
@@ -61,7 +66,11 @@ typedef struct {
     float *m, *l;   /* [rows], running max and sum */
     int64_t *valid; /* [rows], keys of the current tile each row may see */
     float *kw, *vw; /* [KEY_TILE][head_dim], widened keys and values (caches not in float32) */
-    const float *krow[KEY_TILE], *vrow[KEY_TILE];
+    const float *krow[KEY_TILE + KEY_BLOCK], *vrow[KEY_TILE + KEY_BLOCK];
+    /* The AVX-512 path's, transposed: element d of LANE_ROWS rows side by side. */
+    float *qt, *ot; /* [head_dim][LANE_ROWS], scaled queries and unnormalised outputs */
+    float *st;      /* [KEY_TILE + KEY_BLOCK][LANE_ROWS], scores, then probabilities */
+    float *row;     /* [head_dim], one query row widened */
 } scratch;
 
 static float load_elem(const void *p, int dtype, int64_t i) {
@@ -72,6 +81,14 @@ static float load_elem(const void *p, int dtype, int64_t i) {
 
 /* dst[0..n) = src[offset ..] widened to float32. */
 static void widen(int isa, const void *src, int dtype, int64_t offset, float *dst, int64_t n) {
+#ifdef TS_HAVE_AVX512
+    if (isa >= TS_ISA_AVX512 && n % 16 == 0 && dtype != TS_DTYPE_F32) {
+        for (int64_t d = 0; d < n; d += 16)
+            _mm512_storeu_ps(dst + d, dtype == TS_DTYPE_BF16 ? ts_load_bf16x16((const uint16_t *)src + offset + d)
+                                                              : ts_load_fp8x16((const uint8_t *)src + offset + d));
+        return;
+    }
+#endif
 #ifdef TS_HAVE_AVX2
     if (isa >= TS_ISA_AVX2 && n % 8 == 0 && dtype != TS_DTYPE_F32) {
         for (int64_t d = 0; d < n; d += 8)
@@ -252,10 +269,165 @@ static void pv_avx2(const float *s, const int64_t *valid, int64_t rows, int64_t 
 }
 #endif /* TS_HAVE_AVX2 */
 
+#ifdef TS_HAVE_AVX512
+/* st[j] = the scores of key j against the LANE_ROWS rows of qt, for j < nk rounded up to KEY_BLOCK
+ * (padding keys point at real rows; their scores are never read). */
+static void scores_avx512(const float *qt, int64_t dim, const float *const *krow, int64_t nk, float *st) {
+    for (int64_t j = 0; j < nk; j += KEY_BLOCK) {
+        const float *k[KEY_BLOCK];
+        __m512 acc[2 * KEY_BLOCK];
+        for (int i = 0; i < KEY_BLOCK; i++) {
+            k[i] = krow[j + i];
+            acc[2 * i] = acc[2 * i + 1] = _mm512_setzero_ps();
+        }
+        for (int64_t d = 0; d < dim; d++) {
+            const __m512 q0 = _mm512_loadu_ps(qt + d * LANE_ROWS), q1 = _mm512_loadu_ps(qt + d * LANE_ROWS + 16);
+            for (int i = 0; i < KEY_BLOCK; i++) {
+                const __m512 kd = _mm512_set1_ps(k[i][d]);
+                acc[2 * i] = _mm512_fmadd_ps(kd, q0, acc[2 * i]);
+                acc[2 * i + 1] = _mm512_fmadd_ps(kd, q1, acc[2 * i + 1]);
+            }
+        }
+        for (int i = 0; i < KEY_BLOCK; i++) {
+            _mm512_storeu_ps(st + (j + i) * LANE_ROWS, acc[2 * i]);
+            _mm512_storeu_ps(st + (j + i) * LANE_ROWS + 16, acc[2 * i + 1]);
+        }
+    }
+}
+
+/* ot[d] = ot[d] * alpha + sum_j st[j] * vrow[j][d]: eight columns of both row vectors at a time. */
+static void pv_avx512(const float *st, int64_t nk, int64_t dim, const float *const *vrow, __m512 alpha0,
+                      __m512 alpha1, float *ot) {
+    int64_t d = 0;
+    for (; d + 8 <= dim; d += 8) {
+        __m512 acc[16];
+        for (int i = 0; i < 8; i++) {
+            acc[2 * i] = _mm512_mul_ps(_mm512_loadu_ps(ot + (d + i) * LANE_ROWS), alpha0);
+            acc[2 * i + 1] = _mm512_mul_ps(_mm512_loadu_ps(ot + (d + i) * LANE_ROWS + 16), alpha1);
+        }
+        for (int64_t j = 0; j < nk; j++) {
+            const __m512 p0 = _mm512_loadu_ps(st + j * LANE_ROWS), p1 = _mm512_loadu_ps(st + j * LANE_ROWS + 16);
+            const float *vj = vrow[j] + d;
+            for (int i = 0; i < 8; i++) {
+                const __m512 vd = _mm512_set1_ps(vj[i]);
+                acc[2 * i] = _mm512_fmadd_ps(vd, p0, acc[2 * i]);
+                acc[2 * i + 1] = _mm512_fmadd_ps(vd, p1, acc[2 * i + 1]);
+            }
+        }
+        for (int i = 0; i < 8; i++) {
+            _mm512_storeu_ps(ot + (d + i) * LANE_ROWS, acc[2 * i]);
+            _mm512_storeu_ps(ot + (d + i) * LANE_ROWS + 16, acc[2 * i + 1]);
+        }
+    }
+    for (; d < dim; d++) {
+        __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(ot + d * LANE_ROWS), alpha0);
+        __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(ot + d * LANE_ROWS + 16), alpha1);
+        for (int64_t j = 0; j < nk; j++) {
+            const __m512 vd = _mm512_set1_ps(vrow[j][d]);
+            a0 = _mm512_fmadd_ps(vd, _mm512_loadu_ps(st + j * LANE_ROWS), a0);
+            a1 = _mm512_fmadd_ps(vd, _mm512_loadu_ps(st + j * LANE_ROWS + 16), a1);
+        }
+        _mm512_storeu_ps(ot + d * LANE_ROWS, a0);
+        _mm512_storeu_ps(ot + d * LANE_ROWS + 16, a1);
+    }
+}
+
+/* Rows r0 .. r0 + n - 1 (n <= LANE_ROWS) of the item of run_item, row r being token r / group of the item
+ * and head r % group of KV head g; lanes n .. LANE_ROWS stay empty (zero queries, no key visible). */
+static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t span, int64_t g, int64_t first,
+                            int64_t r0, int64_t n) {
+    const int64_t dim = a->head_dim, group = a->num_heads / a->num_kv_heads;
+    const int64_t row0 = a->query_start[span] + first, pos0 = a->computed[span] + first;
+    const int f32_kv = a->kv_dtype == TS_DTYPE_F32;
+    int32_t sees[LANE_ROWS]; /* the last key position each lane's row attends; -1 for an empty lane */
+    memset(w->qt, 0, (size_t)(dim * LANE_ROWS) * sizeof(float));
+    memset(w->ot, 0, (size_t)(dim * LANE_ROWS) * sizeof(float));
+    for (int64_t i = 0; i < LANE_ROWS; i++) {
+        if (i >= n) {
+            sees[i] = -1;
+            continue;
+        }
+        const int64_t r = r0 + i, t = r / group, h = r % group;
+        sees[i] = (int32_t)(pos0 + t);
+        widen(isa, a->q, a->q_dtype, (row0 + t) * a->q_stride + (g * group + h) * dim, w->row, dim);
+        for (int64_t d = 0; d < dim; d++) w->qt[d * LANE_ROWS + i] = w->row[d] * a->scale;
+    }
+    const __m512i sees0 = _mm512_loadu_si512(sees), sees1 = _mm512_loadu_si512(sees + 16);
+    /* a finite floor, so an empty lane's alpha is exp(0) rather than exp(-inf - -inf) */
+    __m512 m0 = _mm512_set1_ps(-FLT_MAX), m1 = m0, l0 = _mm512_setzero_ps(), l1 = l0;
+    const int64_t *table = a->tables + span * a->table_width;
+    const int64_t last = pos0 + (r0 + n - 1) / group; /* the last key the last row sees */
+    for (int64_t kb = 0; kb <= last; kb += KEY_TILE) {
+        const int64_t nk = last - kb + 1 < KEY_TILE ? last - kb + 1 : KEY_TILE;
+        for (int64_t j = 0; j < nk; j++) {
+            const int64_t p = kb + j;
+            const int64_t slot = table[p / a->block_size] * a->block_size + p % a->block_size;
+            const int64_t at = slot * a->kv_stride + g * dim;
+            if (f32_kv) {
+                w->krow[j] = (const float *)a->k + at;
+                w->vrow[j] = (const float *)a->v + at;
+            } else {
+                widen(isa, a->k, a->kv_dtype, at, w->kw + j * dim, dim);
+                widen(isa, a->v, a->kv_dtype, at, w->vw + j * dim, dim);
+                w->krow[j] = w->kw + j * dim;
+                w->vrow[j] = w->vw + j * dim;
+            }
+        }
+        for (int64_t j = nk; j < nk + KEY_BLOCK; j++) w->krow[j] = w->krow[0];
+        scores_avx512(w->qt, dim, w->krow, nk, w->st);
+        __mmask16 see0[KEY_TILE], see1[KEY_TILE];
+        __m512 mx0 = m0, mx1 = m1;
+        for (int64_t j = 0; j < nk; j++) {
+            const __m512i p = _mm512_set1_epi32((int32_t)(kb + j));
+            see0[j] = _mm512_cmpge_epi32_mask(sees0, p);
+            see1[j] = _mm512_cmpge_epi32_mask(sees1, p);
+            mx0 = _mm512_mask_max_ps(mx0, see0[j], mx0, _mm512_loadu_ps(w->st + j * LANE_ROWS));
+            mx1 = _mm512_mask_max_ps(mx1, see1[j], mx1, _mm512_loadu_ps(w->st + j * LANE_ROWS + 16));
+        }
+        const __m512 alpha0 = ts_exp512(_mm512_sub_ps(m0, mx0)), alpha1 = ts_exp512(_mm512_sub_ps(m1, mx1));
+        l0 = _mm512_mul_ps(l0, alpha0);
+        l1 = _mm512_mul_ps(l1, alpha1);
+        for (int64_t j = 0; j < nk; j++) {
+            float *sj = w->st + j * LANE_ROWS;
+            const __m512 p0 = _mm512_maskz_mov_ps(see0[j], ts_exp512(_mm512_sub_ps(_mm512_loadu_ps(sj), mx0)));
+            const __m512 p1 = _mm512_maskz_mov_ps(see1[j], ts_exp512(_mm512_sub_ps(_mm512_loadu_ps(sj + 16), mx1)));
+            _mm512_storeu_ps(sj, p0);
+            _mm512_storeu_ps(sj + 16, p1);
+            l0 = _mm512_add_ps(l0, p0);
+            l1 = _mm512_add_ps(l1, p1);
+        }
+        m0 = mx0;
+        m1 = mx1;
+        pv_avx512(w->st, nk, dim, w->vrow, alpha0, alpha1, w->ot);
+    }
+    float inv[LANE_ROWS];
+    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l0));
+    _mm512_storeu_ps(inv + 16, _mm512_div_ps(_mm512_set1_ps(1.0f), l1));
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = r0 + i, t = r / group, h = r % group;
+        const int64_t at = (row0 + t) * a->out_stride + (g * group + h) * dim;
+        if (a->out_dtype == TS_DTYPE_F32) {
+            float *dst = (float *)a->out + at;
+            for (int64_t d = 0; d < dim; d++) dst[d] = w->ot[d * LANE_ROWS + i] * inv[i];
+        } else {
+            uint16_t *dst = (uint16_t *)a->out + at;
+            for (int64_t d = 0; d < dim; d++) dst[d] = ts_f32_to_bf16(w->ot[d * LANE_ROWS + i] * inv[i]);
+        }
+    }
+}
+#endif /* TS_HAVE_AVX512 */
+
 /* Query tokens first .. first + count of span `span`, heads of KV head `g`: rows (token, grouped head). */
 static void run_item(const prefill_args *a, int isa, scratch *w, int64_t span, int64_t g, int64_t first,
                      int64_t count) {
     const int64_t dim = a->head_dim, group = a->num_heads / a->num_kv_heads, rows = count * group;
+#ifdef TS_HAVE_AVX512
+    if (isa >= TS_ISA_AVX512) {
+        for (int64_t r0 = 0; r0 < rows; r0 += LANE_ROWS)
+            run_rows_avx512(a, isa, w, span, g, first, r0, rows - r0 < LANE_ROWS ? rows - r0 : LANE_ROWS);
+        return;
+    }
+#endif
     const int64_t row0 = a->query_start[span] + first, pos0 = a->computed[span] + first;
     const int f32_kv = a->kv_dtype == TS_DTYPE_F32;
     for (int64_t t = 0; t < count; t++)
@@ -371,7 +543,8 @@ int ts_paged_prefill(const void *q, int64_t q_stride, int q_dtype, const void *k
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         scratch w;
-        float *buf = malloc((size_t)(2 * rows * head_dim + rows * KEY_TILE + 2 * rows + 2 * KEY_TILE * head_dim) *
+        float *buf = malloc((size_t)(2 * rows * head_dim + rows * KEY_TILE + 2 * rows + 2 * KEY_TILE * head_dim +
+                                     2 * head_dim * LANE_ROWS + (KEY_TILE + KEY_BLOCK) * LANE_ROWS + head_dim) *
                             sizeof(float));
         int64_t *valid = malloc((size_t)rows * sizeof(int64_t));
         if (!buf || !valid) {
@@ -384,6 +557,10 @@ int ts_paged_prefill(const void *q, int64_t q_stride, int q_dtype, const void *k
             w.l = w.m + rows;
             w.kw = w.l + rows;
             w.vw = w.kw + KEY_TILE * head_dim;
+            w.qt = w.vw + KEY_TILE * head_dim;
+            w.ot = w.qt + head_dim * LANE_ROWS;
+            w.st = w.ot + head_dim * LANE_ROWS;
+            w.row = w.st + (KEY_TILE + KEY_BLOCK) * LANE_ROWS;
             w.valid = valid;
         }
         /* The last token tiles of a span see the most keys: hand them out first. */
