@@ -79,22 +79,25 @@ def attention_case(batch: int, context: int, dtype: torch.dtype,
     return ours, theirs, kv_bytes
 
 
-def prefill_case(tokens: int, dtype: torch.dtype) -> tuple[Callable[[], None], Callable[[], None], None]:
+def prefill_case(tokens: int, dtype: torch.dtype,
+                 kv_dtype: torch.dtype | None = None) -> tuple[Callable[[], None], Callable[[], None], None]:
     """(cpu-native backend, torch backend) attending one fresh prompt, LAYERS times, through their own
-    builders and with the K/V already stored, as a prefill step runs them."""
+    builders and with the K/V already stored (in ``kv_dtype``, the model's dtype by default), as a prefill
+    step runs them."""
     from tideserve.model.attention import CpuNativeBackend
 
+    kv_dtype = kv_dtype or dtype
     gen = torch.Generator().manual_seed(1)
     qkv = torch.randn(tokens, HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     q, k, v = qkv[:, :HEADS], qkv[:, HEADS:HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS:]
     blocks = -(-tokens // BLOCK)
-    k_cache = torch.zeros(blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
-    k_cache.view(-1, KV_HEADS, HEAD_DIM)[:tokens] = k
+    k_cache = torch.zeros(blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=kv_dtype)
+    k_cache.view(-1, KV_HEADS, HEAD_DIM)[:tokens] = k.to(kv_dtype)
     v_cache = torch.zeros_like(k_cache)
-    v_cache.view(-1, KV_HEADS, HEAD_DIM)[:tokens] = v
+    v_cache.view(-1, KV_HEADS, HEAD_DIM)[:tokens] = v.to(kv_dtype)
     layout = BatchLayout.single_prefill(tokens, BLOCK)
     scale = HEAD_DIM ** -0.5
-    backends = [CpuNativeBackend("cpu", dtype, dtype, HEADS, KV_HEADS, HEAD_DIM), TorchSDPABackend()]
+    backends = [CpuNativeBackend("cpu", dtype, kv_dtype, HEADS, KV_HEADS, HEAD_DIM), TorchSDPABackend()]
     metas = [b.build_metadata(layout) for b in backends]
 
     def run(i: int) -> Callable[[], None]:
@@ -175,6 +178,8 @@ def main() -> None:
         # a float32 model (a GGUF's blocks) over the bf16 cache "auto" gives it, and over --kv-cache-dtype fp8
         for kv_dtype in ((torch.bfloat16, torch.float8_e4m3fn) if dtype == torch.float32 else ()):
             kv_name = "bf16" if kv_dtype == torch.bfloat16 else "fp8"
+            cases[f"prefill attention float32 over a {kv_name} cache, one prompt of {args.prompt_len} tokens, "
+                  f"{LAYERS} layers"] = prefill_case(args.prompt_len, dtype, kv_dtype)
             for batch in (1, 64):
                 ours, theirs, nbytes = attention_case(batch, args.context, dtype, kv_dtype)
                 cases[f"decode attention float32 over a {kv_name} cache, batch {batch} x {args.context} keys, "
