@@ -70,7 +70,7 @@ typedef struct {
     /* The AVX-512 path's, transposed: element d of LANE_ROWS rows side by side. */
     float *qt, *ot; /* [head_dim][LANE_ROWS], scaled queries and unnormalised outputs */
     float *st;      /* [KEY_TILE + KEY_BLOCK][LANE_ROWS], scores, then probabilities */
-    float *row;     /* [head_dim], one query row widened */
+    float *rows;    /* [LANE_ROWS][head_dim], the rows of qt or ot untransposed */
 } scratch;
 
 static float load_elem(const void *p, int dtype, int64_t i) {
@@ -339,19 +339,27 @@ static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t 
     const int64_t dim = a->head_dim, group = a->num_heads / a->num_kv_heads;
     const int64_t row0 = a->query_start[span] + first, pos0 = a->computed[span] + first;
     const int f32_kv = a->kv_dtype == TS_DTYPE_F32;
+    const int blocks16 = dim % 16 == 0; /* transpose 16 x 16 blocks in registers, else element by element */
     int32_t sees[LANE_ROWS]; /* the last key position each lane's row attends; -1 for an empty lane */
-    memset(w->qt, 0, (size_t)(dim * LANE_ROWS) * sizeof(float));
     memset(w->ot, 0, (size_t)(dim * LANE_ROWS) * sizeof(float));
     for (int64_t i = 0; i < LANE_ROWS; i++) {
+        float *qi = w->rows + i * dim;
         if (i >= n) {
             sees[i] = -1;
-            continue;
+            memset(qi, 0, (size_t)dim * sizeof(float));
+        } else {
+            const int64_t r = r0 + i, t = r / group, h = r % group;
+            sees[i] = (int32_t)(pos0 + t);
+            widen(isa, a->q, a->q_dtype, (row0 + t) * a->q_stride + (g * group + h) * dim, qi, dim);
+            for (int64_t d = 0; d < dim; d++) qi[d] *= a->scale;
         }
-        const int64_t r = r0 + i, t = r / group, h = r % group;
-        sees[i] = (int32_t)(pos0 + t);
-        widen(isa, a->q, a->q_dtype, (row0 + t) * a->q_stride + (g * group + h) * dim, w->row, dim);
-        for (int64_t d = 0; d < dim; d++) w->qt[d * LANE_ROWS + i] = w->row[d] * a->scale;
+        if (!blocks16)
+            for (int64_t d = 0; d < dim; d++) w->qt[d * LANE_ROWS + i] = qi[d];
     }
+    if (blocks16)
+        for (int64_t rb = 0; rb < LANE_ROWS; rb += 16)
+            for (int64_t c = 0; c < dim; c += 16)
+                ts_transpose16x16(w->rows + rb * dim + c, dim, w->qt + c * LANE_ROWS + rb, LANE_ROWS);
     const __m512i sees0 = _mm512_loadu_si512(sees), sees1 = _mm512_loadu_si512(sees + 16);
     /* a finite floor, so an empty lane's alpha is exp(0) rather than exp(-inf - -inf) */
     __m512 m0 = _mm512_set1_ps(-FLT_MAX), m1 = m0, l0 = _mm512_setzero_ps(), l1 = l0;
@@ -400,18 +408,30 @@ static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t 
         m1 = mx1;
         pv_avx512(w->st, nk, dim, w->vrow, alpha0, alpha1, w->ot);
     }
-    float inv[LANE_ROWS];
-    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l0));
-    _mm512_storeu_ps(inv + 16, _mm512_div_ps(_mm512_set1_ps(1.0f), l1));
+    /* normalise (an empty lane's 1 / 0 is never written out), then back to one row per query */
+    const __m512 inv0 = _mm512_div_ps(_mm512_set1_ps(1.0f), l0), inv1 = _mm512_div_ps(_mm512_set1_ps(1.0f), l1);
+    for (int64_t d = 0; d < dim; d++) {
+        _mm512_storeu_ps(w->ot + d * LANE_ROWS, _mm512_mul_ps(_mm512_loadu_ps(w->ot + d * LANE_ROWS), inv0));
+        _mm512_storeu_ps(w->ot + d * LANE_ROWS + 16, _mm512_mul_ps(_mm512_loadu_ps(w->ot + d * LANE_ROWS + 16), inv1));
+    }
+    if (blocks16)
+        for (int64_t rb = 0; rb < n; rb += 16)
+            for (int64_t c = 0; c < dim; c += 16)
+                ts_transpose16x16(w->ot + c * LANE_ROWS + rb, LANE_ROWS, w->rows + rb * dim + c, dim);
+    else
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t d = 0; d < dim; d++) w->rows[i * dim + d] = w->ot[d * LANE_ROWS + i];
     for (int64_t i = 0; i < n; i++) {
         const int64_t r = r0 + i, t = r / group, h = r % group;
         const int64_t at = (row0 + t) * a->out_stride + (g * group + h) * dim;
+        const float *src = w->rows + i * dim;
         if (a->out_dtype == TS_DTYPE_F32) {
-            float *dst = (float *)a->out + at;
-            for (int64_t d = 0; d < dim; d++) dst[d] = w->ot[d * LANE_ROWS + i] * inv[i];
+            memcpy((float *)a->out + at, src, (size_t)dim * sizeof(float));
         } else {
             uint16_t *dst = (uint16_t *)a->out + at;
-            for (int64_t d = 0; d < dim; d++) dst[d] = ts_f32_to_bf16(w->ot[d * LANE_ROWS + i] * inv[i]);
+            int64_t d = 0;
+            for (; d + 16 <= dim; d += 16) ts_store_bf16x16(dst + d, _mm512_loadu_ps(src + d));
+            for (; d < dim; d++) dst[d] = ts_f32_to_bf16(src[d]);
         }
     }
 }
@@ -544,7 +564,7 @@ int ts_paged_prefill(const void *q, int64_t q_stride, int q_dtype, const void *k
     {
         scratch w;
         float *buf = malloc((size_t)(2 * rows * head_dim + rows * KEY_TILE + 2 * rows + 2 * KEY_TILE * head_dim +
-                                     2 * head_dim * LANE_ROWS + (KEY_TILE + KEY_BLOCK) * LANE_ROWS + head_dim) *
+                                     3 * head_dim * LANE_ROWS + (KEY_TILE + KEY_BLOCK) * LANE_ROWS) *
                             sizeof(float));
         int64_t *valid = malloc((size_t)rows * sizeof(int64_t));
         if (!buf || !valid) {
@@ -560,7 +580,7 @@ int ts_paged_prefill(const void *q, int64_t q_stride, int q_dtype, const void *k
             w.qt = w.vw + KEY_TILE * head_dim;
             w.ot = w.qt + head_dim * LANE_ROWS;
             w.st = w.ot + head_dim * LANE_ROWS;
-            w.row = w.st + (KEY_TILE + KEY_BLOCK) * LANE_ROWS;
+            w.rows = w.st + (KEY_TILE + KEY_BLOCK) * LANE_ROWS;
             w.valid = valid;
         }
         /* The last token tiles of a span see the most keys: hand them out first. */

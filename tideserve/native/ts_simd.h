@@ -312,6 +312,33 @@ TS_ALWAYS_INLINE __m256 ts_hsum512x8(const __m512 a[8]) {
     return _mm512_castps512_ps256(e);
 }
 
+/* dst row c = src column c, for a 16 x 16 block of floats (strides in elements): unpacks and in-lane
+ * shuffles transpose each 128-bit lane's 4 x 4 blocks, then two rounds of 128-bit lane shuffles move the
+ * blocks into place. */
+TS_ALWAYS_INLINE void ts_transpose16x16(const float *src, int64_t src_stride, float *dst, int64_t dst_stride) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * src_stride);
+    for (int i = 0; i < 8; i++) { /* lane L of t[2i]: rows 2i, 2i+1 at columns 4L, 4L+1; t[2i+1]: 4L+2, 4L+3 */
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* lane L of r[4i+k]: rows 4i .. 4i+3 at column 4L+k */
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int k = 0; k < 4; k++) { /* column 4L+k gathers lane L of r[k], r[4+k], r[8+k], r[12+k] */
+        const __m512 v0 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x44), v1 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xee);
+        const __m512 v2 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x44);
+        const __m512 v3 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xee);
+        _mm512_storeu_ps(dst + k * dst_stride, _mm512_shuffle_f32x4(v0, v2, 0x88));
+        _mm512_storeu_ps(dst + (4 + k) * dst_stride, _mm512_shuffle_f32x4(v0, v2, 0xdd));
+        _mm512_storeu_ps(dst + (8 + k) * dst_stride, _mm512_shuffle_f32x4(v1, v3, 0x88));
+        _mm512_storeu_ps(dst + (12 + k) * dst_stride, _mm512_shuffle_f32x4(v1, v3, 0xdd));
+    }
+}
+
 TS_ALWAYS_INLINE __m512 ts_exp512(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
