@@ -293,16 +293,21 @@ typedef struct __attribute__((packed)) {
  * (done one after the other, the decode took 58% of the time at 64 rows: docs/benchmarks.md). */
 typedef struct {
     int type;
-    const uint8_t *data;
+    const ts_qseg *seg;
+    const uint8_t *row; /* the row being decoded: in the segment, or its copy back from the x8 layout */
+    uint8_t *copy;      /* row_bytes of scratch for that copy (NULL when no segment is interleaved) */
     int64_t row_bytes, n, n0, k;
     uint16_t *panel;
     int64_t r, b; /* the next block to decode: row r of the panel, block b of that row */
     float unit_s[16], unit_o[16];
 } ts_panel_decode;
 
-static void panel_decode_start(ts_panel_decode *d, const ts_qseg *seg, int64_t n0, int64_t k, uint16_t *panel) {
+static void panel_decode_start(ts_panel_decode *d, const ts_qseg *seg, int64_t n0, int64_t k, uint16_t *panel,
+                               uint8_t *copy) {
     d->type = (int)seg->type;
-    d->data = seg->data;
+    d->seg = seg;
+    d->row = NULL;
+    d->copy = copy;
     d->row_bytes = ts_qrow_bytes(seg->type, k);
     d->n = seg->n;
     d->n0 = n0;
@@ -324,8 +329,11 @@ static inline __attribute__((always_inline)) void panel_decode_blocks(const int 
             count -= kb;
             continue;
         }
-        const uint8_t *row = d->data + (n0 + r) * row_bytes;
-        if (b == 0) prefetch_ahead(row, row_bytes);
+        if (b == 0) {
+            d->row = ts_x8_row(d->seg, n0 + r, row_bytes, d->copy);
+            prefetch_ahead(d->row, row_bytes);
+        }
+        const uint8_t *row = d->row;
         for (; b < kb && count > 0; b++, count--) {
             float s[2], o[2];
             const __m256i codes = decode_avx512(type, row, b, s, o, d->unit_s, d->unit_o);
@@ -468,13 +476,18 @@ static int amx_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_
     uint16_t *shared = NULL; /* every panel decoded once, when x comes in several chunks */
     if (chunks > 1 && panels * panel_values * (int64_t)sizeof(uint16_t) <= TS_AMX_SHARED_PANELS_MAX)
         shared = aligned_alloc(64, sizeof(uint16_t) * (size_t)(panels * panel_values));
+    int64_t copy_bytes = 0; /* an interleaved segment's rows are decoded from a copy in the file's order */
+    for (int64_t s = 0; s < w->num_segs; s++)
+        if (w->seg[s].layout == TS_LAYOUT_X8 && ts_qrow_bytes(w->seg[s].type, k) > copy_bytes)
+            copy_bytes = ts_qrow_bytes(w->seg[s].type, k);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         float *activated = act ? malloc(sizeof(float) * (size_t)(16 * k)) : NULL; /* a tile's SwiGLU rows */
+        uint8_t *copy = copy_bytes > 0 ? malloc((size_t)copy_bytes) : NULL; /* a row of an x8 segment, back in order */
         /* two panels: the one multiplied, and the next one being decoded meanwhile */
         uint16_t *panel = shared != NULL ? NULL : aligned_alloc(64, sizeof(uint16_t) * (size_t)(2 * panel_values));
-        if ((act && activated == NULL) || (shared == NULL && panel == NULL)) {
+        if ((act && activated == NULL) || (shared == NULL && panel == NULL) || (copy_bytes > 0 && copy == NULL)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -509,7 +522,8 @@ static int amx_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_
             int64_t first, col0;
             if (count > 0) {
                 const ts_qseg *seg = ts_panel_segment(w, lo, TS_PANEL, &first, &col0);
-                panel_decode_start(&decoder, seg, first * TS_PANEL, k, shared != NULL ? shared + lo * panel_values : panel);
+                panel_decode_start(&decoder, seg, first * TS_PANEL, k, shared != NULL ? shared + lo * panel_values : panel,
+                                   copy);
                 panel_decode_some(&decoder, INT64_MAX);
             }
             for (int64_t i = 0; i < chunks * count; i++) {
@@ -526,7 +540,8 @@ static int amx_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_
                     int64_t next_first, next_col0;
                     const ts_qseg *next_seg = ts_panel_segment(w, q, TS_PANEL, &next_first, &next_col0);
                     panel_decode_start(&decoder, next_seg, next_first * TS_PANEL, k,
-                                       shared != NULL ? shared + q * panel_values : panel + ((i + 1) % 2) * panel_values);
+                                       shared != NULL ? shared + q * panel_values : panel + ((i + 1) % 2) * panel_values,
+                                       copy);
                     next = &decoder;
                 }
                 amx_panel_tiles(current, packed, kb, k, mt_lo, mt_hi, seg, n0, col0, w->bias, m, out, out_stride, next);
@@ -535,6 +550,7 @@ static int amx_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_
             _tile_release();
         }
         free(activated);
+        free(copy);
         free(panel);
     }
     free(shared);
@@ -768,13 +784,12 @@ int ts_qmatmul_f32(const ts_qmat *w, const float *x, int64_t x_stride, int64_t m
     if (n != w->n) return -1;
     const int isa = ts_qgemm_active_isa(), kernel = kernel_for_weight(w, m);
 #ifdef TS_QGEMM_HAVE_AMX
-    int interleaved = 0; /* the AMX panels read rows as stored (weights are interleaved for AVX2 only) */
-    for (int64_t s = 0; s < w->num_segs; s++) interleaved |= w->seg[s].layout == TS_LAYOUT_X8;
-    if (kernel == TS_K_AMX_TILES && !interleaved)
-        return amx_matmul(w, x, x_stride, m, act, out, out_stride, num_threads);
+    /* the AMX panels read an interleaved (x8) weight through copies of its rows; the loader interleaves for
+     * AVX2 and AVX-512 only, so that happens only when the ISA is capped and lifted between load and use */
+    if (kernel == TS_K_AMX_TILES) return amx_matmul(w, x, x_stride, m, act, out, out_stride, num_threads);
 #endif
 #ifdef TS_QGEMM_X86
-    if (isa >= TS_QG_AVX512) /* AMX's CPUs below its threshold (or over interleaved rows) take these too */
+    if (isa >= TS_QG_AVX512) /* AMX's CPUs below its threshold take these too */
         return rows_matmul(w, x, x_stride, m, act, out, out_stride, num_threads, TS_QG_AVX512,
                            kernel == TS_K_AVX512_TILES);
     if (isa >= TS_QG_AVX2)
