@@ -175,6 +175,7 @@ def _declare_isa_exports(lib: ctypes.CDLL) -> None:
                                    i64, f32, cint]),
         "ts_paged_prefill": (cint, [ptr, i64, cint, ptr, ptr, cint, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, cint,
                                     i64, i64, i64, f32, cint]),
+        "ts_paged_prefill_tiles": (cint, [cint, i64]),
         "ts_rms_norm_bf16": (None, [ptr, ptr, ptr, i64, i64, f32, cint]),
         "ts_add_rms_norm_bf16": (None, [ptr, ptr, ptr, ptr, i64, i64, f32, cint]),
         "ts_rope_store_bf16": (None, [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, cint, cint]),
@@ -294,6 +295,16 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t
         computed.data_ptr(), query_start.shape[0], out.data_ptr(), out.stride(0), _TS_DTYPES[out.dtype], num_heads,
         num_kv_heads, head_dim, scale, num_threads or torch.get_num_threads())
     return failed == 0
+
+
+def prefill_uses_tiles(kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether prefill attention over keys and values of ``kv_dtype`` runs on AMX tiles at the level in use:
+    a bfloat16 cache with head_dim a multiple of 32, where the CPU has AMX. The tiles take bfloat16 queries
+    and probabilities, so there a float32 model's fresh prompts are read from the cache too, as every later
+    decode step reads them, rather than from their float32 rows."""
+    lib = load_library()
+    return (lib is not None and kv_dtype in CACHE_DTYPE_CODES
+            and bool(lib.ts_paged_prefill_tiles(CACHE_DTYPE_CODES[kv_dtype], head_dim)))
 
 
 def _plain_f32(*tensors: torch.Tensor | None) -> bool:

@@ -115,17 +115,7 @@ int ts_amx_probe(void) {
     if (ts_isa_best() < TS_ISA_AMX) return 0;
     /* C[16][16] = A[16][32] . B[32][16] in bf16 tiles; B is stored as AMX wants it, pairs of rows
      * interleaved (B2[k / 2][n][k % 2]). Small integers, so the product is exact. */
-    struct __attribute__((packed)) {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 3; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
+    const ts_tilecfg cfg = ts_tilecfg_16x64(3);
     uint16_t a[16][32], b2[16][16][2];
     float c[16][16];
     for (int m = 0; m < 16; m++)

@@ -25,7 +25,11 @@
  * reference; AVX2 + FMA (head_dim a multiple of 8), rows by keys with the dot products summed across
  * lanes; AVX-512, which turns the item around: a vector holds one element of 16 query rows, so a tile's
  * scores are broadcast keys times transposed queries with no horizontal sums, the online softmax runs on
- * whole vectors of rows, and the values go through the same way (any head_dim).
+ * whole vectors of rows, and the values go through the same way (any head_dim); AMX (bfloat16 caches,
+ * head_dim a multiple of 32), the AVX-512 form with both products on tiles: scores transposed as
+ * keys times the queries' bfloat16 pairs, which lands them in the AVX-512 form's layout for the same online
+ * softmax, and outputs transposed as the values' key pairs times the probabilities rounded to bfloat16. A
+ * float32 or fp8 cache keeps the AVX-512 form.
  */
 #include <float.h>
 #include <math.h>
@@ -71,6 +75,12 @@ typedef struct {
     float *qt, *ot; /* [head_dim][LANE_ROWS], scaled queries and unnormalised outputs */
     float *st;      /* [KEY_TILE + KEY_BLOCK][LANE_ROWS], scores, then probabilities */
     float *rows;    /* [LANE_ROWS][head_dim], the rows of qt or ot untransposed */
+    /* The AMX path's, bfloat16 (pairs of it as uint32 where a tile wants them): */
+    uint16_t *kb, *vb; /* [KEY_TILE][head_dim], the tile's keys and values */
+    uint32_t *qb;      /* B tiles of the queries: [LANE_ROWS / 16][head_dim / 32][16][16] */
+    uint32_t *vt;      /* A tiles of the values transposed: [head_dim / 16][16][16] */
+    uint32_t *pb;      /* B tiles of the probabilities: [LANE_ROWS / 16][16][16] */
+    uint32_t *pairs;   /* [16][max(head_dim / 2, 16)], rows on their way into a tile's order */
 } scratch;
 
 static float load_elem(const void *p, int dtype, int64_t i) {
@@ -332,6 +342,123 @@ static void pv_avx512(const float *st, int64_t nk, int64_t dim, const float *con
     }
 }
 
+#ifdef TS_HAVE_AMX
+/* Where the AMX form runs: bfloat16 caches (rounding the queries and probabilities to bfloat16 adds an
+ * error of the cache's own size; a float32 cache keeps the AVX-512 form's float32 arithmetic, and an fp8
+ * cache too: widening its codes to bfloat16 cost what the tiles saved, measured), head_dim a multiple of a
+ * tile row's 32 values. */
+static int amx_form(const prefill_args *a, int isa) {
+    return isa >= TS_ISA_AMX && a->kv_dtype == TS_DTYPE_BF16 && a->head_dim % 32 == 0;
+}
+
+/* The scaled float32 query rows of w->rows (empty lanes zero) as B tiles: tile (qg, ks) row p holds the
+ * bfloat16 pairs (q[16 qg + m][32 ks + 2p], q[16 qg + m][32 ks + 2p + 1]) for its 16 rows m, which is the
+ * rows' pairs transposed. */
+static void pack_queries_amx(scratch *w, int64_t dim, int64_t groups) {
+    const int64_t half = dim / 2, ksteps = dim / 32;
+    for (int64_t qg = 0; qg < groups; qg++) {
+        for (int64_t m = 0; m < 16; m++) {
+            const float *src = w->rows + (qg * 16 + m) * dim;
+            for (int64_t d = 0; d < dim; d += 32)
+                _mm512_storeu_si512(w->pairs + m * half + d / 2, (__m512i)_mm512_cvtne2ps_pbh(
+                                        _mm512_loadu_ps(src + d + 16), _mm512_loadu_ps(src + d)));
+        }
+        for (int64_t ks = 0; ks < ksteps; ks++)
+            ts_transpose16x16((const float *)(w->pairs + ks * 16), half, (float *)(w->qb + (qg * ksteps + ks) * 256),
+                              16);
+    }
+}
+
+/* Keys and values kb .. kb + nk - 1 of KV head g (a bfloat16 cache) as rows of w->kb and w->vb (rows nk ..
+ * KEY_TILE zero), and the values as A tiles of V^T: tile c row d holds (v[2r][16c + d], v[2r + 1][16c + d]) for
+ * r < 16, which is the values' key pairs transposed. */
+static void gather_tile_amx(const prefill_args *a, scratch *w, const int64_t *table, int64_t g, int64_t kb,
+                            int64_t nk) {
+    const int64_t dim = a->head_dim;
+    for (int64_t j = 0; j < KEY_TILE; j++) {
+        uint16_t *kd = w->kb + j * dim, *vd = w->vb + j * dim;
+        if (j >= nk) {
+            memset(kd, 0, (size_t)dim * sizeof(uint16_t));
+            memset(vd, 0, (size_t)dim * sizeof(uint16_t));
+            continue;
+        }
+        const int64_t p = kb + j;
+        const int64_t at = (table[p / a->block_size] * a->block_size + p % a->block_size) * a->kv_stride + g * dim;
+        const uint16_t *ks = (const uint16_t *)a->k + at, *vs = (const uint16_t *)a->v + at;
+        for (int64_t d = 0; d < dim; d += 32) { /* 64 bytes at a time: a call to memcpy per row was 7% of the samples */
+            _mm512_storeu_si512(kd + d, _mm512_loadu_si512(ks + d));
+            _mm512_storeu_si512(vd + d, _mm512_loadu_si512(vs + d));
+        }
+    }
+    for (int64_t c = 0; c < dim / 16; c++) {
+        for (int64_t r = 0; r < 16; r++) {
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w->vb + 2 * r * dim + 16 * c)));
+            const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w->vb + (2 * r + 1) * dim + 16 * c)));
+            _mm512_storeu_si512(w->pairs + r * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+        ts_transpose16x16((const float *)w->pairs, 16, (float *)(w->vt + c * 256), 16);
+    }
+}
+
+/* st[j][16 qg + m] = k[j] . q[16 qg + m] for the tile's keys, 16 keys by 16 rows per tile product (tiles 0:
+ * keys, 1-2: queries, 4-5: scores), in the layout scores_avx512 writes. */
+static void scores_amx(scratch *w, int64_t dim, int64_t groups, int64_t nk) {
+    const int64_t ksteps = dim / 32;
+    for (int64_t kg = 0; kg * 16 < nk; kg++) {
+        _tile_zero(4);
+        _tile_zero(5);
+        for (int64_t ks = 0; ks < ksteps; ks++) {
+            _tile_loadd(0, w->kb + kg * 16 * dim + 32 * ks, dim * (int64_t)sizeof(uint16_t));
+            _tile_loadd(1, w->qb + ks * 256, 64);
+            _tile_dpbf16ps(4, 0, 1);
+            if (groups > 1) {
+                _tile_loadd(2, w->qb + (ksteps + ks) * 256, 64);
+                _tile_dpbf16ps(5, 0, 2);
+            }
+        }
+        _tile_stored(4, w->st + kg * 16 * LANE_ROWS, LANE_ROWS * (int64_t)sizeof(float));
+        if (groups > 1) _tile_stored(5, w->st + kg * 16 * LANE_ROWS + 16, LANE_ROWS * (int64_t)sizeof(float));
+    }
+}
+
+/* As pv_avx512: ot = ot * alpha + V^T P^T over the tile's keys (tiles 3: V^T, 6-7: probabilities, 4-5: ot),
+ * the probabilities of keys 0 .. nk - 1 (zero past them) rounded to bfloat16 pairs of keys. */
+static void pv_amx(scratch *w, int64_t dim, int64_t groups, int64_t nk, __m512 alpha0, __m512 alpha1) {
+    static const uint16_t interleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i order = _mm512_loadu_si512(interleave);
+    for (int64_t qg = 0; qg < groups; qg++)
+        for (int64_t r = 0; r < 16; r++) {
+            const __m512 x = 2 * r < nk ? _mm512_loadu_ps(w->st + 2 * r * LANE_ROWS + 16 * qg) : _mm512_setzero_ps();
+            const __m512 y = 2 * r + 1 < nk ? _mm512_loadu_ps(w->st + (2 * r + 1) * LANE_ROWS + 16 * qg) : _mm512_setzero_ps();
+            _mm512_storeu_si512(w->pb + qg * 256 + r * 16,
+                                _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(y, x)));
+        }
+    const __m512 one = _mm512_set1_ps(1.0f);
+    if (_mm512_cmp_ps_mask(alpha0, one, _CMP_NEQ_UQ) || (groups > 1 && _mm512_cmp_ps_mask(alpha1, one, _CMP_NEQ_UQ)))
+        for (int64_t d = 0; d < dim; d++) {
+            float *od = w->ot + d * LANE_ROWS;
+            _mm512_storeu_ps(od, _mm512_mul_ps(_mm512_loadu_ps(od), alpha0));
+            if (groups > 1) _mm512_storeu_ps(od + 16, _mm512_mul_ps(_mm512_loadu_ps(od + 16), alpha1));
+        }
+    _tile_loadd(6, w->pb, 64);
+    if (groups > 1) _tile_loadd(7, w->pb + 256, 64);
+    const int64_t stride = LANE_ROWS * (int64_t)sizeof(float);
+    for (int64_t c = 0; c < dim / 16; c++) {
+        float *oc = w->ot + 16 * c * LANE_ROWS;
+        _tile_loadd(3, w->vt + c * 256, 64);
+        _tile_loadd(4, oc, stride);
+        _tile_dpbf16ps(4, 3, 6);
+        _tile_stored(4, oc, stride);
+        if (groups > 1) {
+            _tile_loadd(5, oc + 16, stride);
+            _tile_dpbf16ps(5, 3, 7);
+            _tile_stored(5, oc + 16, stride);
+        }
+    }
+}
+#endif /* TS_HAVE_AMX */
+
 /* Rows r0 .. r0 + n - 1 (n <= LANE_ROWS) of the item of run_item, row r being token r / group of the item
  * and head r % group of KV head g; lanes n .. LANE_ROWS stay empty (zero queries, no key visible). */
 static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t span, int64_t g, int64_t first,
@@ -340,6 +467,10 @@ static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t 
     const int64_t row0 = a->query_start[span] + first, pos0 = a->computed[span] + first;
     const int f32_kv = a->kv_dtype == TS_DTYPE_F32;
     const int blocks16 = dim % 16 == 0; /* transpose 16 x 16 blocks in registers, else element by element */
+#ifdef TS_HAVE_AMX
+    const int amx = amx_form(a, isa);
+    const int64_t groups = (n + 15) / 16; /* 16-row query tiles in use */
+#endif
     int32_t sees[LANE_ROWS]; /* the last key position each lane's row attends; -1 for an empty lane */
     memset(w->ot, 0, (size_t)(dim * LANE_ROWS) * sizeof(float));
     for (int64_t i = 0; i < LANE_ROWS; i++) {
@@ -356,6 +487,11 @@ static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t 
         if (!blocks16)
             for (int64_t d = 0; d < dim; d++) w->qt[d * LANE_ROWS + i] = qi[d];
     }
+#ifdef TS_HAVE_AMX
+    if (amx)
+        pack_queries_amx(w, dim, groups);
+    else
+#endif
     if (blocks16)
         for (int64_t rb = 0; rb < LANE_ROWS; rb += 16)
             for (int64_t c = 0; c < dim; c += 16)
@@ -367,22 +503,30 @@ static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t 
     const int64_t last = pos0 + (r0 + n - 1) / group; /* the last key the last row sees */
     for (int64_t kb = 0; kb <= last; kb += KEY_TILE) {
         const int64_t nk = last - kb + 1 < KEY_TILE ? last - kb + 1 : KEY_TILE;
-        for (int64_t j = 0; j < nk; j++) {
-            const int64_t p = kb + j;
-            const int64_t slot = table[p / a->block_size] * a->block_size + p % a->block_size;
-            const int64_t at = slot * a->kv_stride + g * dim;
-            if (f32_kv) {
-                w->krow[j] = (const float *)a->k + at;
-                w->vrow[j] = (const float *)a->v + at;
-            } else {
-                widen(isa, a->k, a->kv_dtype, at, w->kw + j * dim, dim);
-                widen(isa, a->v, a->kv_dtype, at, w->vw + j * dim, dim);
-                w->krow[j] = w->kw + j * dim;
-                w->vrow[j] = w->vw + j * dim;
+#ifdef TS_HAVE_AMX
+        if (amx) {
+            gather_tile_amx(a, w, table, g, kb, nk);
+            scores_amx(w, dim, groups, nk);
+        } else
+#endif
+        {
+            for (int64_t j = 0; j < nk; j++) {
+                const int64_t p = kb + j;
+                const int64_t slot = table[p / a->block_size] * a->block_size + p % a->block_size;
+                const int64_t at = slot * a->kv_stride + g * dim;
+                if (f32_kv) {
+                    w->krow[j] = (const float *)a->k + at;
+                    w->vrow[j] = (const float *)a->v + at;
+                } else {
+                    widen(isa, a->k, a->kv_dtype, at, w->kw + j * dim, dim);
+                    widen(isa, a->v, a->kv_dtype, at, w->vw + j * dim, dim);
+                    w->krow[j] = w->kw + j * dim;
+                    w->vrow[j] = w->vw + j * dim;
+                }
             }
+            for (int64_t j = nk; j < nk + KEY_BLOCK; j++) w->krow[j] = w->krow[0];
+            scores_avx512(w->qt, dim, w->krow, nk, w->st);
         }
-        for (int64_t j = nk; j < nk + KEY_BLOCK; j++) w->krow[j] = w->krow[0];
-        scores_avx512(w->qt, dim, w->krow, nk, w->st);
         __mmask16 see0[KEY_TILE], see1[KEY_TILE];
         __m512 mx0 = m0, mx1 = m1;
         for (int64_t j = 0; j < nk; j++) {
@@ -406,7 +550,12 @@ static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t 
         }
         m0 = mx0;
         m1 = mx1;
-        pv_avx512(w->st, nk, dim, w->vrow, alpha0, alpha1, w->ot);
+#ifdef TS_HAVE_AMX
+        if (amx)
+            pv_amx(w, dim, groups, nk, alpha0, alpha1);
+        else
+#endif
+            pv_avx512(w->st, nk, dim, w->vrow, alpha0, alpha1, w->ot);
     }
     /* normalise (an empty lane's 1 / 0 is never written out), then back to one row per query */
     const __m512 inv0 = _mm512_div_ps(_mm512_set1_ps(1.0f), l0), inv1 = _mm512_div_ps(_mm512_set1_ps(1.0f), l1);
@@ -530,6 +679,17 @@ static void run_item(const prefill_args *a, int isa, scratch *w, int64_t span, i
         }
 }
 
+int ts_paged_prefill_tiles(int kv_dtype, int64_t head_dim) {
+#ifdef TS_HAVE_AMX
+    const prefill_args probe = {.kv_dtype = kv_dtype, .head_dim = head_dim};
+    return head_dim > 0 && amx_form(&probe, ts_isa_level());
+#else
+    (void)kv_dtype;
+    (void)head_dim;
+    return 0;
+#endif
+}
+
 static int known_dtype(int code, int allow_fp8) {
     return code == TS_DTYPE_F32 || code == TS_DTYPE_BF16 || (allow_fp8 && code == TS_DTYPE_FP8);
 }
@@ -567,6 +727,27 @@ int ts_paged_prefill(const void *q, int64_t q_stride, int q_dtype, const void *k
                                      3 * head_dim * LANE_ROWS + (KEY_TILE + KEY_BLOCK) * LANE_ROWS) *
                             sizeof(float));
         int64_t *valid = malloc((size_t)rows * sizeof(int64_t));
+        uint8_t *tiles = NULL; /* the AMX path's buffers, 64-byte aligned */
+#ifdef TS_HAVE_AMX
+        const int amx = amx_form(&a, isa);
+        const int64_t pair_cols = head_dim / 2 > 16 ? head_dim / 2 : 16;
+        const size_t tile_bytes = sizeof(uint16_t) * (size_t)(2 * KEY_TILE * head_dim) +
+                                  sizeof(uint32_t) * (size_t)((LANE_ROWS / 16) * (head_dim / 32) * 256 +
+                                                              (head_dim / 16) * 256 + (LANE_ROWS / 16) * 256 +
+                                                              16 * pair_cols);
+        if (amx) tiles = aligned_alloc(64, (tile_bytes + 63) / 64 * 64);
+        if (amx && tiles) {
+            w.kb = (uint16_t *)tiles;
+            w.vb = w.kb + KEY_TILE * head_dim;
+            w.qb = (uint32_t *)(w.vb + KEY_TILE * head_dim);
+            w.vt = w.qb + (LANE_ROWS / 16) * (head_dim / 32) * 256;
+            w.pb = w.vt + (head_dim / 16) * 256;
+            w.pairs = w.pb + (LANE_ROWS / 16) * 256;
+            const ts_tilecfg cfg = ts_tilecfg_16x64(8);
+            _tile_loadconfig(&cfg);
+        }
+        if (amx && !tiles) failed = 1;
+#endif
         if (!buf || !valid) {
             failed = 1;
         } else {
@@ -597,6 +778,10 @@ int ts_paged_prefill(const void *q, int64_t q_stride, int q_dtype, const void *k
             const int64_t count = len - first < tokens_per_item ? len - first : tokens_per_item;
             run_item(&a, isa, &w, s, g, first, count);
         }
+#ifdef TS_HAVE_AMX
+        if (tiles) _tile_release();
+#endif
+        free(tiles);
         free(buf);
         free(valid);
     }

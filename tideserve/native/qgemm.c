@@ -280,12 +280,6 @@ static const ts_qseg *ts_panel_segment(const ts_qmat *w, int64_t p, int64_t widt
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,amx-tile,amx-bf16")
 
-typedef struct __attribute__((packed)) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} ts_tilecfg;
-
 #define TS_PANEL 32 /* weight rows decoded together: two A tiles */
 
 /* A panel decoded a few blocks at a time, row after row, so that the decode of a thread's next panel runs
@@ -505,13 +499,7 @@ static int amx_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_
             if (!act || activated != NULL) pack_tile_bf16(rows, valid, mt, k, packed);
         }
         if (!failed) {
-            ts_tilecfg cfg;
-            memset(&cfg, 0, sizeof cfg);
-            cfg.palette = 1;
-            for (int t = 0; t < 8; t++) {
-                cfg.rows[t] = 16;
-                cfg.colsb[t] = 64;
-            }
+            const ts_tilecfg cfg = ts_tilecfg_16x64(8);
             _tile_loadconfig(&cfg);
             /* This thread's panels [lo, hi), once per chunk of x (the same split every time): step i multiplies
              * panel lo + i % count while step i + 1's panel is decoded: into the other of two buffers, or, when

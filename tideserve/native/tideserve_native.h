@@ -87,6 +87,10 @@ int ts_paged_prefill(const void *q, int64_t q_stride, int q_dtype, const void *k
                      void *out, int64_t out_stride, int out_dtype, int64_t num_heads, int64_t num_kv_heads,
                      int64_t head_dim, float scale, int num_threads);
 
+/* 1 when ts_paged_prefill, at the ISA level in use, computes over keys and values of ``kv_dtype`` with
+ * AMX tiles (queries and probabilities rounded to bfloat16), 0 when in float32. */
+int ts_paged_prefill_tiles(int kv_dtype, int64_t head_dim);
+
 /* ---------------------------------------------------------------- rows.c: row-wise kernels */
 
 /* out = x / rms(x) * weight, rows of cols elements. */

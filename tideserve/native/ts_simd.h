@@ -36,6 +36,25 @@
 
 #define TS_ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* AMX's tile configuration (palette 1), as _tile_loadconfig reads it: the kernels give their first
+ * ``tiles`` registers 16 rows of 64 bytes (16 float32 or 32 bfloat16 per row) and use no other shape. */
+typedef struct __attribute__((packed)) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} ts_tilecfg;
+
+static inline ts_tilecfg ts_tilecfg_16x64(int tiles) {
+    ts_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < tiles; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    return cfg;
+}
+
 /* ---------------------------------------------------------------- scalar */
 
 /* Hints the cache lines of [p, p + bytes) towards L1 (no fault on any address). */

@@ -96,7 +96,9 @@ class CpuNativeBackend(AttentionBackend):
         return unsupported_reason(device, dtype, kv_dtype, num_heads, num_kv_heads, head_dim) is None
 
     def describe(self) -> str:
-        return f"{self.name} (native kernel, {native.kernel_isa(native.isa() or 'scalar')})"
+        level = native.isa() or "scalar"
+        prefill = "; prefill on amx tiles" if native.prefill_uses_tiles(self.kv_dtype, self.head_dim) else ""
+        return f"{self.name} (native kernel, {native.kernel_isa(level)}{prefill})"
 
     def build_metadata(self, layout: BatchLayout) -> CpuNativeMetadata:
         to_dev = self._to_device
@@ -108,7 +110,9 @@ class CpuNativeBackend(AttentionBackend):
         rows = np.arange(n, len(layout.query_lens))
         if len(rows):
             own_rows = layout.num_computed[rows] == 0
-            if self.kv_dtype == self.dtype:  # the cache holds exactly this step's k/v: read everything there
+            # the cache holds exactly this step's k/v, or the AMX tiles (bfloat16 caches) round them so anyway:
+            # read everything there
+            if self.kv_dtype == self.dtype or native.prefill_uses_tiles(self.kv_dtype, self.head_dim):
                 own_rows[:] = False
             for from_cache, chosen in ((True, rows[~own_rows]), (False, rows[own_rows])):
                 if not len(chosen):
