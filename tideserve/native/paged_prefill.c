@@ -111,6 +111,26 @@ static void widen(int isa, const void *src, int dtype, int64_t offset, float *ds
     for (int64_t d = 0; d < n; d++) dst[d] = load_elem(src, dtype, offset + d);
 }
 
+/* w->krow[j], w->vrow[j] = float32 rows of key and value kb + j (j < nk) of KV head g: in the cache itself
+ * when it holds float32, else widened into w->kw / w->vw. */
+static void point_tile_rows(const prefill_args *a, int isa, scratch *w, const int64_t *table, int64_t g, int64_t kb,
+                            int64_t nk) {
+    const int64_t dim = a->head_dim;
+    for (int64_t j = 0; j < nk; j++) {
+        const int64_t p = kb + j;
+        const int64_t at = (table[p / a->block_size] * a->block_size + p % a->block_size) * a->kv_stride + g * dim;
+        if (a->kv_dtype == TS_DTYPE_F32) {
+            w->krow[j] = (const float *)a->k + at;
+            w->vrow[j] = (const float *)a->v + at;
+        } else {
+            widen(isa, a->k, a->kv_dtype, at, w->kw + j * dim, dim);
+            widen(isa, a->v, a->kv_dtype, at, w->vw + j * dim, dim);
+            w->krow[j] = w->kw + j * dim;
+            w->vrow[j] = w->vw + j * dim;
+        }
+    }
+}
+
 /* s[r][j] = q[r] . krow[j] for j < nk. */
 static void scores_scalar(const float *q, int64_t rows, int64_t dim, const float *const *krow, int64_t nk, float *s) {
     for (int64_t r = 0; r < rows; r++)
@@ -465,7 +485,6 @@ static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t 
                             int64_t r0, int64_t n) {
     const int64_t dim = a->head_dim, group = a->num_heads / a->num_kv_heads;
     const int64_t row0 = a->query_start[span] + first, pos0 = a->computed[span] + first;
-    const int f32_kv = a->kv_dtype == TS_DTYPE_F32;
     const int blocks16 = dim % 16 == 0; /* transpose 16 x 16 blocks in registers, else element by element */
 #ifdef TS_HAVE_AMX
     const int amx = amx_form(a, isa);
@@ -510,20 +529,7 @@ static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t 
         } else
 #endif
         {
-            for (int64_t j = 0; j < nk; j++) {
-                const int64_t p = kb + j;
-                const int64_t slot = table[p / a->block_size] * a->block_size + p % a->block_size;
-                const int64_t at = slot * a->kv_stride + g * dim;
-                if (f32_kv) {
-                    w->krow[j] = (const float *)a->k + at;
-                    w->vrow[j] = (const float *)a->v + at;
-                } else {
-                    widen(isa, a->k, a->kv_dtype, at, w->kw + j * dim, dim);
-                    widen(isa, a->v, a->kv_dtype, at, w->vw + j * dim, dim);
-                    w->krow[j] = w->kw + j * dim;
-                    w->vrow[j] = w->vw + j * dim;
-                }
-            }
+            point_tile_rows(a, isa, w, table, g, kb, nk);
             for (int64_t j = nk; j < nk + KEY_BLOCK; j++) w->krow[j] = w->krow[0];
             scores_avx512(w->qt, dim, w->krow, nk, w->st);
         }
@@ -598,7 +604,6 @@ static void run_item(const prefill_args *a, int isa, scratch *w, int64_t span, i
     }
 #endif
     const int64_t row0 = a->query_start[span] + first, pos0 = a->computed[span] + first;
-    const int f32_kv = a->kv_dtype == TS_DTYPE_F32;
     for (int64_t t = 0; t < count; t++)
         for (int64_t h = 0; h < group; h++) {
             float *dst = w->q + (t * group + h) * dim;
@@ -614,20 +619,7 @@ static void run_item(const prefill_args *a, int isa, scratch *w, int64_t span, i
     const int64_t last = pos0 + count - 1; /* the last key the item's last token sees */
     for (int64_t kb = 0; kb <= last; kb += KEY_TILE) {
         const int64_t nk = last - kb + 1 < KEY_TILE ? last - kb + 1 : KEY_TILE;
-        for (int64_t j = 0; j < nk; j++) {
-            const int64_t p = kb + j;
-            const int64_t slot = table[p / a->block_size] * a->block_size + p % a->block_size;
-            const int64_t at = slot * a->kv_stride + g * dim;
-            if (f32_kv) {
-                w->krow[j] = (const float *)a->k + at;
-                w->vrow[j] = (const float *)a->v + at;
-            } else {
-                widen(isa, a->k, a->kv_dtype, at, w->kw + j * dim, dim);
-                widen(isa, a->v, a->kv_dtype, at, w->vw + j * dim, dim);
-                w->krow[j] = w->kw + j * dim;
-                w->vrow[j] = w->vw + j * dim;
-            }
-        }
+        point_tile_rows(a, isa, w, table, g, kb, nk);
         const int64_t nk4 = (nk + 3) & ~(int64_t)3;
         for (int64_t j = nk; j < nk4; j++) {
             w->krow[j] = w->krow[0];
