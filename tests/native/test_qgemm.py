@@ -287,10 +287,11 @@ def test_batch_sizes_pick_the_measured_kernel():
     On AVX2, every format but Q5_K takes the matrix-vector kernel below the tiles, which start at 13 rows (4
     over Q5_K, 12 over Q4_K, 16 over Q6_K, 24 over Q8_0); with it off, the tiles start at 4 rows (12 over
     Q8_0). VNNI's tiles start earlier: at 8 rows (4 over Q5_K, 10 over Q4_K, 16 over Q6_K, 12 over Q8_0).
-    The override moves the threshold and 0 restores it."""
+    AMX CPUs take that AVX-512 plan below 12 rows and the AMX tiles from there. The override moves the
+    threshold and 0 restores it."""
     isa = quant.qgemm_isa()
     tiles = {"avx2": "avx2-tiles", "avx512": "avx512-tiles", "amx": "amx-tiles"}.get(isa)
-    small = {"avx2": "avx2-gemv", "avx512": "avx512-gemv"}.get(isa, "rows")
+    small = {"avx2": "avx2-gemv", "avx512": "avx512-gemv", "amx": "avx512-gemv"}.get(isa, "rows")
     assert quant.kernel_for(1) == small and quant.kernel_for(3) == small
     assert quant.kernel_for(3, "q5_k") == "rows"
     assert quant.kernel_for(64) == (tiles or "rows")
@@ -313,6 +314,12 @@ def test_batch_sizes_pick_the_measured_kernel():
         assert quant.kernel_for(9, "q4_k") == "avx512-gemv" and quant.kernel_for(10, "q4_k") == "avx512-tiles"
         assert quant.kernel_for(15, "q6_k") == "avx512-gemv" and quant.kernel_for(16, "q6_k") == "avx512-tiles"
         assert quant.kernel_for(11, "q8_0") == "avx512-gemv" and quant.kernel_for(12, "q8_0") == "avx512-tiles"
+    if isa == "amx":  # the AVX-512 plan below 12 rows, the AMX tiles from there
+        assert quant.kernel_for(7) == "avx512-gemv" and quant.kernel_for(8) == "avx512-tiles"
+        assert quant.kernel_for(11) == "avx512-tiles" and quant.kernel_for(12) == "amx-tiles"
+        assert quant.kernel_for(3, "q5_k") == "rows" and quant.kernel_for(4, "q5_k") == "avx512-tiles"
+        assert quant.kernel_for(11, "q8_0") == "avx512-gemv" and quant.kernel_for(12, "q8_0") == "amx-tiles"
+        assert quant.kernel_for(11, "q6_k") == "avx512-gemv" and quant.kernel_for(12, "q6_k") == "amx-tiles"
     previous = quant.set_tile_min_rows(128)
     try:
         assert quant.kernel_for(64) == small
@@ -328,7 +335,10 @@ def test_batch_sizes_pick_the_measured_kernel():
                       "avx512-gemv to 11 rows, avx512-tiles from 12 rows; q4_k: avx512-gemv to 9 rows, avx512-tiles "
                       "from 10 rows; q5_k: rows to 3 rows, avx512-tiles from 4 rows; q6_k: avx512-gemv to 15 rows, "
                       "avx512-tiles from 16 rows",
-            "amx": "amx: rows to 15 rows, amx-tiles from 16 rows"}
+            "amx": "amx: q4_0, q4_1, q5_0, q5_1: avx512-gemv to 7 rows, avx512-tiles to 11 rows, amx-tiles from 12 "
+                   "rows; q8_0, q6_k: avx512-gemv to 11 rows, amx-tiles from 12 rows; q4_k: avx512-gemv to 9 rows, "
+                   "avx512-tiles to 11 rows, amx-tiles from 12 rows; q5_k: rows to 3 rows, avx512-tiles to 11 rows, "
+                   "amx-tiles from 12 rows"}
     assert quant.kernels_summary() == want.get(isa, f"{isa}: rows")
 
 

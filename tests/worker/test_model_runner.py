@@ -52,7 +52,7 @@ def test_batched_decodes_give_the_same_tokens_as_requests_alone(make_llm, monkey
     quantization = "int4" if decode_path == "int4-one-call" else "none"
     if quantization == "int4" and quant.cpu_isa() in ("amx", "avx2"):
         # AMX tiles round x to bfloat16 and the row kernels to int8 blocks, and AVX2's tiles sum in another
-        # order, so a row's numbers change when its batch crosses the tiles' threshold (16 rows); one path for
+        # order, so a row's numbers change when its batch crosses the tiles' threshold (12 rows); one path for
         # every batch size keeps rows independent.
         previous = quant.set_tile_min_rows(1)
         request.addfinalizer(lambda: quant.set_tile_min_rows(previous))

@@ -16,7 +16,7 @@
  *   tiles accumulated in float over all of K; the next panel's decode runs between the current one's
  *   tile products. The input is rounded to bfloat16 (8 bits of mantissa,
  *   like the row kernels' 8-bit codes, but with no block scale to share);
- * - integer tiles (CPUs without AMX, from tile_min_rows rows; qgemm_tiles.h): the row kernels' int8
+ * - integer tiles (from tile_min_rows rows, on AMX CPUs up to the AMX tiles'; qgemm_tiles.h): the row kernels' int8
  *   arithmetic, but a panel of 16 weight rows is decoded once for the whole batch, in an order where each
  *   vector lane is its own output column; compiled for AVX2 (vpmaddubsw) and for AVX-512 VNNI (vpdpbusd);
  * - a matrix-vector kernel (below the integer tiles, qgemm_gemv.h): 8 weight rows read and transposed
@@ -26,7 +26,8 @@
  *
  * On the AVX2 and AVX-512 VNNI paths the legacy formats and Q8_0 are interleaved by 8 rows at load
  * (qgemm_formats.h: TS_LAYOUT_X8), the order in which the matrix-vector kernel and the integer tiles read
- * them; every other path copies such rows back to the file's layout first.
+ * them; every other path copies such rows back to the file's layout first. AMX CPUs keep the file's rows
+ * (their tiles read those, and their AVX-512 kernels below the tiles read either layout).
  *
  * A layer may hold several segments of different formats (a fused q|k|v whose v rows are Q8_0 while q
  * and k are Q5_0, as llama.cpp's Q4_K_M mixes them); each writes its own range of output columns.
@@ -55,9 +56,10 @@ enum { TS_QG_SCALAR = 0, TS_QG_AVX2 = 1, TS_QG_AVX512 = 2, TS_QG_AMX = 3 };
 #define TS_QGEMM_PARALLEL_MIN 65536
 /* Rows of x that share one decode of a weight row in the row kernels. */
 #define TS_QGEMM_ROWS 4
-/* From this many rows of x, the tiles (AMX, or the integer tiles where there is no AMX) beat the row kernels (measured:
- * docs/benchmarks.md); ts_qgemm_set_tile_min_rows overrides both (tests, benchmarks). */
-#define TS_AMX_MIN_ROWS 16
+/* From this many rows of x, the AMX tiles beat the AVX-512 plan an AMX CPU takes below them (the matrix-vector
+ * kernel, then VNNI's integer tiles; measured over the legacy formats, Q8_0 and the K-quants, sixteenth round of
+ * docs/benchmarks.md); ts_qgemm_set_tile_min_rows overrides every path's threshold (tests, benchmarks). */
+#define TS_AMX_MIN_ROWS 12
 #define TS_AVX2_TILE_MIN_ROWS 4
 /* A Q8_0 panel costs more to decode (codes and signs); below this many rows the row kernels read an LM
  * head faster. */
@@ -68,7 +70,7 @@ enum { TS_QG_SCALAR = 0, TS_QG_AVX2 = 1, TS_QG_AVX512 = 2, TS_QG_AMX = 3 };
  * rows of x and the tiles once per call, but the tiles also write and reread their panel; a Q8_0 panel
  * stores every code's sign too, and the tiles decode K-quant panels row by row. */
 static int gemv_max_rows(int isa, int64_t type) {
-    if (isa == TS_QG_AVX512) { /* VNNI's tiles gain more over AVX2's than its matrix-vector kernel does */
+    if (isa >= TS_QG_AVX512) { /* VNNI's tiles gain more over AVX2's than its matrix-vector kernel does */
         switch (type) {
         case TS_Q8_0: return 11;
         case TS_Q4_K: return 9;
@@ -596,10 +598,10 @@ int ts_qgemm_set_gemv(int enabled) {
 }
 
 /* Whether the matrix-vector kernel (AVX2's, or its VNNI twin) takes a format's products below the tiles, on
- * path isa. */
+ * path isa (AMX CPUs run the VNNI one below the AMX tiles). */
 static int gemv_for(int isa, int64_t type) {
 #ifdef TS_QGEMM_X86
-    return (isa == TS_QG_AVX2 || isa == TS_QG_AVX512) && ts_gemv_enabled && gemv_has_format_avx2(type);
+    return isa >= TS_QG_AVX2 && ts_gemv_enabled && gemv_has_format_avx2(type);
 #else
     (void)isa;
     (void)type;
@@ -623,10 +625,11 @@ int ts_qgemm_active_isa(void) {
 
 /* Which kernel (TS_K_*) a product of m rows over a weight in format ``type`` takes now. */
 int ts_qgemm_kernel_for(int64_t m, int64_t type) {
-    const int isa = ts_qgemm_active_isa();
+    int isa = ts_qgemm_active_isa();
 #ifdef TS_QGEMM_HAVE_AMX
     if (isa >= TS_QG_AMX && m >= tile_min_rows(isa, type)) return TS_K_AMX_TILES;
 #endif
+    if (isa > TS_QG_AVX512) isa = TS_QG_AVX512; /* below its threshold an AMX CPU takes the AVX-512 VNNI plan */
 #ifdef TS_QGEMM_X86
     if (isa == TS_QG_AVX2 && m >= tile_min_rows(isa, type)) return TS_K_AVX2_TILES;
     if (isa == TS_QG_AVX512 && m >= tile_min_rows(isa, type)) return TS_K_AVX512_TILES;
@@ -714,7 +717,7 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
             const int64_t row_bytes = ts_qrow_bytes(seg->type, k);
             int64_t groups = 0;
 #ifdef TS_QGEMM_X86
-            if (gemv_for(ts_qgemm_active_isa(), seg->type)) groups = seg->n / TS_GEMV_GROUP; /* not AMX's */
+            if (gemv_for(isa, seg->type)) groups = seg->n / TS_GEMV_GROUP;
             const int64_t group_bytes = TS_GEMV_GROUP * row_bytes;
             const int x8 = seg->layout == TS_LAYOUT_X8;
 #pragma omp for schedule(static) nowait

@@ -176,8 +176,8 @@ class QuantWeight:
     ``segments`` are row ranges in output order, each (qtype, uint8 [rows, row_bytes]); consecutive ones
     of one format are merged, so a fused q|k|v is one segment unless its shards differ (llama.cpp's
     Q4_K_M stores some layers' v rows as Q8_0 beside Q5_0 q and k). Each call quantizes its input to 8
-    bits per block of 32, row by row (or, on AMX at 16 rows and more, rounds it to bfloat16), so a row's
-    result does not depend on its batch-mates' values; on AMX it does depend on which side of 16 rows the
+    bits per block of 32, row by row (or, on AMX at 12 rows and more, rounds it to bfloat16), so a row's
+    result does not depend on its batch-mates' values; on AMX it does depend on which side of 12 rows the
     batch is (the two roundings differ by about 1%, as far apart as any two dtypes). Without the native
     library the weight is dequantized and multiplied in float: slow, but the same numbers up to the input
     rounding.

@@ -125,7 +125,7 @@ def resolve_quantization(quantization: str, path: Path, device: torch.device, dt
     """"auto" -> "gguf" for a quantized GGUF file on a CPU with the native kernels, else "none"; other
     methods as given, checked against the checkpoint and the machine. A float ``dtype`` asked for
     explicitly means "none" under auto: the weights are dequantized to it (the float reference, and the
-    numbers a request gets whatever its batch: the block kernels' AMX path rounds batches of 16 rows and
+    numbers a request gets whatever its batch: the block kernels' AMX path rounds batches of 12 rows and
     more to bfloat16, so there a request's tokens can depend on its batch-mates)."""
     from tideserve.model.layers.quantization import unavailable_reason
     from tideserve.native.quant import QTYPES
