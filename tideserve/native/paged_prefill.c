@@ -111,14 +111,18 @@ static void widen(int isa, const void *src, int dtype, int64_t offset, float *ds
     for (int64_t d = 0; d < n; d++) dst[d] = load_elem(src, dtype, offset + d);
 }
 
+/* Where key (and value) position p of KV head g starts in k and v, in elements. */
+static inline int64_t key_offset(const prefill_args *a, const int64_t *table, int64_t g, int64_t p) {
+    return (table[p / a->block_size] * a->block_size + p % a->block_size) * a->kv_stride + g * a->head_dim;
+}
+
 /* w->krow[j], w->vrow[j] = float32 rows of key and value kb + j (j < nk) of KV head g: in the cache itself
  * when it holds float32, else widened into w->kw / w->vw. */
 static void point_tile_rows(const prefill_args *a, int isa, scratch *w, const int64_t *table, int64_t g, int64_t kb,
                             int64_t nk) {
     const int64_t dim = a->head_dim;
     for (int64_t j = 0; j < nk; j++) {
-        const int64_t p = kb + j;
-        const int64_t at = (table[p / a->block_size] * a->block_size + p % a->block_size) * a->kv_stride + g * dim;
+        const int64_t at = key_offset(a, table, g, kb + j);
         if (a->kv_dtype == TS_DTYPE_F32) {
             w->krow[j] = (const float *)a->k + at;
             w->vrow[j] = (const float *)a->v + at;
@@ -402,8 +406,7 @@ static void gather_tile_amx(const prefill_args *a, scratch *w, const int64_t *ta
             memset(vd, 0, (size_t)dim * sizeof(uint16_t));
             continue;
         }
-        const int64_t p = kb + j;
-        const int64_t at = (table[p / a->block_size] * a->block_size + p % a->block_size) * a->kv_stride + g * dim;
+        const int64_t at = key_offset(a, table, g, kb + j);
         const uint16_t *ks = (const uint16_t *)a->k + at, *vs = (const uint16_t *)a->v + at;
         for (int64_t d = 0; d < dim; d += 32) { /* 64 bytes at a time: a call to memcpy per row was 7% of the samples */
             _mm512_storeu_si512(kd + d, _mm512_loadu_si512(ks + d));
