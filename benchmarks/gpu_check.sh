@@ -7,7 +7,8 @@
 #   decode-micro.json  the Triton decode kernel against the torch path, a few batch sizes x contexts
 #   offline.json       benchmarks/offline_throughput.py on the GPU: tideserve against transformers
 #   elastic.json       the elastic KV pool growing under a burst and shrinking while idle, on device memory
-# Every step has a time limit (the whole run fits in 9 minutes) and a failed step does not stop the next.
+# Every step has a time limit (the whole run fits in 9 minutes) and a failed step does not stop the next;
+# GPU_CHECK_ONLY="install model cuda-tests" runs the named steps alone.
 #
 #   benchmarks/gpu_check.sh                  # on the GPU machine (OUT defaults to /tmp/gpu-check-out)
 #   benchmarks/gpu_check.sh --fetch-wheels   # beforehand, where pip reaches PyPI: fill benchmarks/wheels/
@@ -75,6 +76,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}" PY
 step() {
     local name=$1 limit=$2
     shift 2
+    if [ -n "${GPU_CHECK_ONLY:-}" ] && [[ " $GPU_CHECK_ONLY " != *" $name "* ]]; then
+        return  # GPU_CHECK_ONLY="install cuda-tests ...": a rerun of the named steps alone
+    fi
     local left=$((BUDGET - ($(date +%s) - START)))
     [ "$limit" -gt "$left" ] && limit=$left
     if [ "$limit" -lt 5 ]; then

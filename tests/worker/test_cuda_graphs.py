@@ -89,3 +89,21 @@ def test_cuda_graphs_give_the_eager_tokens(make_llm):
     assert llm.engine.runner.graphs is not None
     assert tokens(llm.generate(PROMPTS, GREEDY)) == want
     assert llm.engine.runner.graphs.num_replays > 0
+
+
+@pytest.mark.cuda
+def test_cuda_graphs_are_recaptured_after_the_kv_pool_changes_twice(make_llm):
+    """Dropping every graph frees their private memory pool: the next generation of graphs must capture
+    into a fresh one (capturing into the freed pool's handle fails an assertion in torch's allocator),
+    and the one after it as well."""
+    model = os.environ.get("TIDESERVE_TEST_MODEL") or None
+    llm = make_llm(model=model, dtype="bfloat16", device="cuda", max_model_len=256, enable_prefix_caching=False)
+    engine = llm.engine
+    want = tokens(llm.generate(PROMPTS, GREEDY))
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.num_captures > 0
+    for _ in range(2):
+        before = graphs.num_captures
+        engine.pool._resize(engine.kv_manager.num_blocks + 64, "test")  # every graph is stale
+        assert tokens(llm.generate(PROMPTS, GREEDY)) == want
+        assert graphs.num_captures > before

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -49,10 +50,16 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 def cuda_graph_capture(device: torch.device) -> GraphCapture:
     """Real CUDA graphs sharing one memory pool (sizes are captured largest-first in use, so the pool is
-    reused across them)."""
-    pool = torch.cuda.graph_pool_handle()
+    reused across them). torch frees a private pool with the last graph that uses it, and capturing into a
+    freed pool's handle fails an allocator assertion; so once every graph was dropped (the KV cache
+    changed), the next capture starts a fresh pool."""
+    live: weakref.WeakSet[torch.cuda.CUDAGraph] = weakref.WeakSet()
+    pool = None
 
     def capture(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        nonlocal pool
+        if pool is None or not live:
+            pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):  # warm-up: compile, pick algorithms, outside the capture
@@ -61,6 +68,7 @@ def cuda_graph_capture(device: torch.device) -> GraphCapture:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             out = fn()
+        live.add(graph)
         return graph.replay, out
 
     return capture
