@@ -301,7 +301,9 @@ def test_bfloat16_kv_cache_halves_the_bytes_and_keeps_the_answers(make_llm, refe
 def test_fp8_kv_cache_quarters_the_bytes_and_both_paths_agree(make_llm, reference, decode_path):
     """A float32 model over an e4m3 cache (--kv-cache-dtype fp8): a quarter of float32's bytes per block;
     the native kernel and the torch path read the same rounded values, so their greedy answers agree with
-    each other, and they follow the float32 cache's answers for the first tokens."""
+    each other up to a near tie (where the CPU has AVX-512 BF16 the native kernel takes its dot products in
+    bf16: a logit moves by a few hundredths), and they follow the float32 cache's answers for the first
+    tokens."""
     import torch
 
     kwargs = dict(dtype="float32", enable_prefix_caching=False, max_model_len=512, kv_cache_dtype="fp8")
@@ -318,7 +320,12 @@ def test_fp8_kv_cache_quarters_the_bytes_and_both_paths_agree(make_llm, referenc
     assert sum(a == b for o, w in zip(got, reference) for a, b in zip(o, w)) >= 0.5 * sum(map(len, reference))
     if decode_path == "torch":
         native_llm = make_llm(**kwargs, attention_backend="cpu-native")
-        assert token_lists(native_llm.generate(chats(native_llm), GREEDY)) == got
+        with_logprobs = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=2)
+        torch_answers = llm.generate(chats(llm), with_logprobs)
+        assert token_lists(torch_answers) == got
+        native_answers = native_llm.generate(chats(native_llm), with_logprobs)
+        assert_greedy_agrees_up_to_near_ties(native_answers, torch_answers, max_gap=0.05)
+        assert sum(a == b for a, b in zip(token_lists(native_answers), got)) >= len(got) - 1
 
 
 def assert_greedy_agrees_up_to_near_ties(got, want, max_gap: float) -> None:
