@@ -79,3 +79,51 @@ def test_batched_decodes_give_the_same_tokens_as_requests_alone(make_llm, monkey
         assert calls.count(True) >= 5  # the steps with only decodes (prefill steps return False)
     alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert batched == alone
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=8), st.integers(1, 64))
+def test_slabs_cut_the_flat_batch_in_order_and_never_past_the_limit(counts, limit):
+    from tideserve.worker.model_runner import ModelRunner
+
+    pieces = [(f"r{i}", 7 * i, n) for i, n in enumerate(counts)]
+    slabs = ModelRunner._slabs(pieces, limit)
+    sizes = [sum(n for _, _, n in slab) for slab in slabs]
+    assert all(0 < s <= limit for s in sizes) and all(s == limit for s in sizes[:-1])
+    # Read back in order, the slabs hold every request's tokens once, each request's from its first
+    # position on without gaps.
+    flat = [(rid, start + j) for slab in slabs for rid, start, n in slab for j in range(n)]
+    assert flat == [(rid, start + j) for rid, start, n in pieces for j in range(n)]
+
+
+def test_a_step_past_the_slab_size_runs_as_slabs_with_the_same_results(make_llm, monkeypatch):
+    """Prompts and decodes sharing steps of up to 512 tokens, with passes of at most 96: each pass holds
+    no more, a request cut between two passes reads its first part from the cache, and the tokens and
+    their logprobs are those of one pass per step."""
+    llm = make_llm(dtype="float32", max_model_len=1024, enable_prefix_caching=False, max_num_batched_tokens=512,
+                   max_num_seqs=8)
+    runner = llm.engine.runner
+    words = "tide moon harbour boat gull rope bread sand shell wave storm flag".split()
+    prompts = [" ".join(words[: 3 + i] * (3 + 9 * (i % 3))) for i in range(6)]  # ~10 to ~300 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
+
+    def run(slab):
+        monkeypatch.setattr(runner.platform, "forward_slab_tokens", slab)
+        passes: list[list[tuple[str, int, int]]] = []
+        forward = runner._forward
+        monkeypatch.setattr(runner, "_forward", lambda pieces, *a, **k: passes.append(pieces) or forward(pieces, *a, **k))
+        outs = llm.generate(prompts, params)
+        monkeypatch.setattr(runner, "_forward", forward)
+        return outs, passes
+
+    sliced, passes = run(96)
+    whole, whole_passes = run(None)
+    assert max(sum(n for _, _, n in p) for p in passes) <= 96
+    assert max(sum(n for _, _, n in p) for p in whole_passes) > 96  # the same steps, unsliced
+    cut = {rid for p in passes for rid, start, n in p[:1]} & {rid for p in passes for rid, start, n in p[-1:]}
+    assert cut  # some request ended one pass and went on at the start of the next
+    for a, b in zip(sliced, whole, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert la.keys() == lb.keys()
+            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)

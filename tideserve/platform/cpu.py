@@ -40,6 +40,10 @@ class CpuPlatform(Platform):
     host_memory = True
     computes_on_host = True
     attention_backends = ("cpu-native", "torch")
+    # A prefill's matmuls per token, 30 layers of the embedded model on 2 cores of an AMX Xeon: 153 us at
+    # 256 and 512 rows per pass, 180 at 1,024, 217 at 4,096 (prefill +20% with 512-token slabs); on an
+    # AVX-512 EPYC without AMX the slab size made no difference (docs/benchmarks.md, seventeenth round).
+    forward_slab_tokens = 512
 
     def __init__(self, device: torch.device | None = None, cgroup: CgroupMemory | None = None) -> None:
         super().__init__(device if device is not None else torch.device("cpu"))

@@ -39,6 +39,13 @@ class Platform(ABC):
     graph_capture: ClassVar[bool] = False
     """Decode-only steps can be captured once and replayed as a graph (CUDA graphs,
     worker/cuda_graphs.py); ``--enforce-eager`` turns it off."""
+    forward_slab_tokens: ClassVar[int | None] = None
+    """Most tokens one forward pass takes: a larger step runs as several passes over consecutive slabs of
+    its flat batch (each request's tokens in order, so a slab reads the keys of the slabs before it from the
+    cache, as a chunked prefill does). On the host, a 4,096-token pass writes each layer's activations out
+    of the caches (tens of MiB per matmul) and reads them back; slabs keep them in cache, as llama.cpp's
+    micro-batches do. None: one pass per step, whatever its size (GPUs, whose wide matmuls want the
+    tokens)."""
     distributed_backend: ClassVar[str] = "gloo"
     """The ``torch.distributed`` backend tensor-parallel ranks on this device join (gloo for host tensors,
     NCCL between GPUs); the ranks' control messages always travel over gloo."""

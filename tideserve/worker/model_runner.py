@@ -195,15 +195,17 @@ class ModelRunner:
                             key=lambda rid: self.requests[rid].num_computed_tokens)
         prefill_ids = [rid for rid, n in out.num_scheduled_tokens.items() if n > 1]
         order = decode_ids + prefill_ids
-        batch = self._build_batch(order, out.num_scheduled_tokens, len(decode_ids))
-        input_ids, positions, meta, sample_rows, sample_ids = batch
+        pieces = [(rid, self.requests[rid].num_computed_tokens, out.num_scheduled_tokens[rid]) for rid in order]
+        sample_rows, sample_ids = self._sample_rows(pieces)
         pending_mask = self._start_masks(sample_ids)  # may run on a worker thread during the forward pass
 
-        hidden = None
-        if self.graphs is not None and not prefill_ids:
-            hidden = self.graphs.run(input_ids, positions, meta, self.kv_caches, self.block_size)
-        if hidden is None:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        slab = self.platform.forward_slab_tokens
+        if prefill_ids and slab is not None and sum(p[2] for p in pieces) > slab:
+            decodes = set(decode_ids)
+            hidden = torch.cat([self._forward(part, sum(1 for rid, _, _ in part if rid in decodes))
+                                for part in self._slabs(pieces, slab)])
+        else:
+            hidden = self._forward(pieces, len(decode_ids), graphs=not prefill_ids)
         self._prompt_logprobs(order, out.num_scheduled_tokens, hidden, result)
         for rid in order:
             self.requests[rid].num_computed_tokens += out.num_scheduled_tokens[rid]
@@ -265,30 +267,54 @@ class ModelRunner:
                 result.prompt_logprobs[rid] = (first + 1, [e for e in entries if e is not None])
             start += n
 
-    def _build_batch(self, order: list[str], num_scheduled: dict[str, int], num_decodes: int):
-        """(input_ids, positions, attention metadata, rows to sample, their request ids) for one step."""
-        counts = [num_scheduled[rid] for rid in order]
-        starts = [self.requests[rid].num_computed_tokens for rid in order]
-        max_blocks = max(len(self.requests[rid].block_ids) for rid in order)
-        tables = np.zeros((len(order), max_blocks), dtype=np.int64)
-        input_ids = np.empty(sum(counts), dtype=np.int64)
+    @staticmethod
+    def _slabs(pieces: list[tuple[str, int, int]], limit: int) -> list[list[tuple[str, int, int]]]:
+        """The step's pieces (request id, first position, tokens) cut into consecutive slabs of at most
+        ``limit`` tokens; a request cut in two continues at the start of the next slab."""
+        slabs: list[list[tuple[str, int, int]]] = [[]]
+        room = limit
+        for rid, start, count in pieces:
+            while count > 0:
+                if room == 0:
+                    slabs.append([])
+                    room = limit
+                take = min(count, room)
+                slabs[-1].append((rid, start, take))
+                start, count, room = start + take, count - take, room - take
+        return slabs
+
+    def _sample_rows(self, pieces: list[tuple[str, int, int]]) -> tuple[torch.Tensor, list[str]]:
+        """Rows of the step's flat batch to sample from (each request whose tokens the step completes:
+        its last row), and their request ids."""
+        rows, ids, end = [], [], 0
+        for rid, start, count in pieces:
+            end += count
+            if start + count >= len(self.requests[rid].token_ids):
+                rows.append(end - 1)
+                ids.append(rid)
+        return torch.tensor(rows, dtype=torch.long, device=self.device), ids
+
+    def _forward(self, pieces: list[tuple[str, int, int]], num_decodes: int, graphs: bool = False) -> torch.Tensor:
+        """Final hidden states of one forward pass over ``pieces`` (request id, first position, tokens),
+        the first ``num_decodes`` of them single-token decodes; ``graphs``: a decode-only pass may replay a
+        captured graph."""
+        max_blocks = max(len(self.requests[rid].block_ids) for rid, _, _ in pieces)
+        tables = np.zeros((len(pieces), max_blocks), dtype=np.int64)
+        input_ids = np.empty(sum(count for _, _, count in pieces), dtype=np.int64)
         offset = 0
-        for i, rid in enumerate(order):
+        for i, (rid, start, count) in enumerate(pieces):
             state = self.requests[rid]
             tables[i, :len(state.block_ids)] = state.block_ids
-            input_ids[offset:offset + counts[i]] = state.token_ids[starts[i]:starts[i] + counts[i]]
-            offset += counts[i]
-        layout = BatchLayout(tables, np.array(starts, dtype=np.int64), np.array(counts, dtype=np.int64),
-                             num_decodes, self.block_size)
-        cu = layout.query_start_loc
+            input_ids[offset:offset + count] = state.token_ids[start:start + count]
+            offset += count
+        layout = BatchLayout(tables, np.array([p[1] for p in pieces], dtype=np.int64),
+                             np.array([p[2] for p in pieces], dtype=np.int64), num_decodes, self.block_size)
         meta = self.attn_backend.build_metadata(layout)
-
-        ends = layout.context_lens  # context length after this step
-        sample_rows, sample_ids = [], []
-        for i, rid in enumerate(order):
-            if ends[i] >= len(self.requests[rid].token_ids):
-                sample_rows.append(int(cu[i + 1]) - 1)
-                sample_ids.append(rid)
-        to_dev = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
-        return (to_dev(input_ids), to_dev(layout.positions), meta,
-                torch.tensor(sample_rows, dtype=torch.long, device=self.device), sample_ids)
+        ids = torch.from_numpy(input_ids).to(self.device)
+        positions = torch.from_numpy(layout.positions).to(self.device)
+        hidden = None
+        if graphs and self.graphs is not None:
+            hidden = self.graphs.run(ids, positions, meta, self.kv_caches, self.block_size)
+        if hidden is None:
+            hidden = self.model(ids, positions, self.kv_caches, meta)
+        return hidden
