@@ -49,3 +49,27 @@ def test_offline_sweep_random_prompts(tmp_path):
         assert run["metrics"]["total_input_tokens"] == 30  # random prompts have exact lengths
         assert run["metrics"]["total_output_tokens"] == 9  # random prompts ignore EOS by default
     assert runs[0]["metrics"]["peak_concurrent_requests"] == 1
+
+
+def test_the_warm_up_leaves_no_cached_prefix_for_the_timed_run(make_llm):
+    """The warm-up runs the first requests, which the timed run then repeats: their prompts must be
+    computed again (a prefix cache hit would skip their prefill and inflate the figures)."""
+    from tideserve.bench.datasets import SampleRequest
+    from tideserve.bench.offline import run_offline_benchmark
+
+    llm = make_llm(dtype="float32", max_model_len=256, enable_prefix_caching=True)
+    tok = llm.tokenizer
+    texts = ["The tide comes in and the tide goes out, twice a day, " * 3, "Paged attention splits the cache " * 4]
+    requests = [SampleRequest(t, tok.encode(t), 2) for t in texts]
+    computed = [0]
+    execute = llm.engine.runner.execute
+
+    def counting(out):
+        computed[0] += out.total_num_scheduled_tokens
+        return execute(out)
+
+    llm.engine.runner.execute = counting
+    run_offline_benchmark(llm, requests, warmup=2, progress=False)
+    prompts = sum(r.prompt_len for r in requests)
+    # warm-up and timed run each compute every prompt token and one decode per request
+    assert computed[0] == 2 * (prompts + len(requests))
