@@ -20,7 +20,9 @@
 #ifndef TS_TILES_SHARED /* the types and sizes, once for both compilations */
 #define TS_TILES_SHARED
 #define TS_TILE_COLS 16 /* weight rows (output columns) per panel: two vectors of 8 */
-#define TS_TILE_ROWS_MAX 6 /* the most rows of x a micro tile holds (TS_SIMD_TILE_ROWS per build) */
+#define TS_TILE_ROWS_MAX 8 /* the most rows of x a micro tile holds (TS_SIMD_TILE_ROWS per build) */
+/* r rows, or the build's micro tile if fewer: a remainder case a build with smaller tiles never reaches */
+#define TS_TILE_MIN(r) ((r) < TS_SIMD_TILE_ROWS ? (r) : TS_SIMD_TILE_ROWS)
 #ifndef TS_TILE_CHUNK_BYTES
 #define TS_TILE_CHUNK_BYTES (128 * 1024) /* activation bytes per chunk of rows the panels sweep */
 #endif
@@ -277,6 +279,48 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel)(con
     }
 }
 
+#if TS_SIMD_VNNI
+/* res[r][c] = dot(x row r0 + r, panel column c) for r < R, in 512-bit vectors: a step's 64 bytes of panel
+ * (4 codes of all 16 columns) are one vector, so each row takes one vpdpbusd per step where the 256-bit
+ * form takes two. CPUs with full-width AVX-512 (Zen 5, Intel's) run it at twice the products per cycle;
+ * Zen 4 splits it in two halves, as before. The arithmetic and the float order are the 256-bit form's. */
+static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int type, const int R, const ts_tile_panel *p,
+                                                            int64_t kb, const ts_act *a, int64_t r0,
+                                                            float res[TS_TILE_ROWS_MAX][TS_TILE_COLS]) {
+    const int halves = TS_SIMD(tile_halves)(type);
+    __m512 acc[TS_TILE_ROWS_MAX];
+    const int8_t *xq[TS_TILE_ROWS_MAX];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_setzero_ps();
+        xq[r] = a->q + (r0 + r) * a->k;
+    }
+    for (int64_t b = 0; b < kb; b++) {
+        for (int half = 0; half < halves; half++) {
+            const int g_lo = half * 8 / halves, g_hi = (half + 1) * 8 / halves;
+            __m512i wide[TS_TILE_ROWS_MAX];
+            for (int r = 0; r < R; r++) wide[r] = _mm512_setzero_si512();
+            for (int g = g_lo; g < g_hi; g++) {
+                const __m512i w = _mm512_loadu_si512((const void *)(p->codes + (b * 8 + g) * 64));
+                for (int r = 0; r < R; r++) {
+                    int32_t four;
+                    memcpy(&four, xq[r] + b * TS_QBLOCK + 4 * g, 4);
+                    wide[r] = _mm512_dpbusd_epi32(wide[r], w, _mm512_set1_epi32(four));
+                }
+            }
+            const __m512 scale = _mm512_loadu_ps(p->scale + (b * halves + half) * TS_TILE_COLS);
+            const __m512 offset = _mm512_loadu_ps(p->offset + (b * halves + half) * TS_TILE_COLS);
+            for (int r = 0; r < R; r++) {
+                const int64_t at = (r0 + r) * a->kb + b;
+                const float *xs = a->s + 2 * at;
+                const __m512 dots = _mm512_mul_ps(_mm512_cvtepi32_ps(wide[r]), _mm512_set1_ps(a->d[at]));
+                acc[r] = _mm512_fmadd_ps(dots, scale, acc[r]);
+                acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(halves == 2 ? xs[half] : xs[0] + xs[1]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(res[r], acc[r]);
+}
+#else
 /* res[r][c] = dot(x row r0 + r, panel column c) for r < R. */
 static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int type, const int R, const ts_tile_panel *p,
                                                             int64_t kb, const ts_act *a, int64_t r0,
@@ -352,6 +396,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int t
         _mm256_storeu_ps(res[r] + 8, acc[r][1]);
     }
 }
+#endif
 
 static void TS_SIMD(tile_decode_panel_any)(const ts_qseg *seg, int64_t n0, int64_t k, ts_tile_panel *p) {
 #define TS_CASE(T) case T: TS_SIMD(tile_decode_panel)(T, seg, n0, k, p); break;
@@ -373,6 +418,8 @@ static void TS_SIMD(tile_rows_any)(int type, int rows, const ts_tile_panel *p, i
         case 3: TS_SIMD(tile_rows)(T, 3, p, kb, a, r0, res); break;          \
         case 4: TS_SIMD(tile_rows)(T, 4, p, kb, a, r0, res); break;          \
         case 5: TS_SIMD(tile_rows)(T, 5, p, kb, a, r0, res); break;          \
+        case 6: TS_SIMD(tile_rows)(T, TS_TILE_MIN(6), p, kb, a, r0, res); break; \
+        case 7: TS_SIMD(tile_rows)(T, TS_TILE_MIN(7), p, kb, a, r0, res); break; \
         default: TS_SIMD(tile_rows)(T, TS_SIMD_TILE_ROWS, p, kb, a, r0, res); break; \
         }                                                           \
         break;
