@@ -6,7 +6,8 @@ which both engines get: a round that repeated an earlier one would find its prom
 cache and skip their prefill, which no first sight of a workload does. tideserve runs once per
 ``--quantization`` value (times each ``--kv-cache-dtypes`` value), and transformers once per
 ``--hf-dtypes`` value (its bfloat16 is the reference config on CPUs with AMX;
-float32 is its fastest where bf16 is emulated). Prints output tokens/s and the ratios.
+float32 is its fastest where bf16 is emulated). Prints output tokens/s and the ratios, each the median of
+the per-round ratios over the rounds both engines ran (``--hf-repeats`` may run fewer).
 
     .venv/bin/python benchmarks/offline_throughput.py --num-prompts 64 --output-len 128 --repeats 3 \
         --quantization none,int8 --hf-dtypes float32,bfloat16 --hf-repeats 1
@@ -167,11 +168,16 @@ def main() -> None:
 
         result.update(transformers=transformers.__version__, transformers_tok_s=theirs,
                       transformers_median={n: med(v) for n, v in theirs.items()},
-                      ratios={f"{q}/{n}": med(ours[q]) / med(theirs[n]) for q in ours for n in theirs})
+                      # rounds differ in their prompts: each ratio is the median of the rounds both ran
+                      round_ratios={f"{q}/{n}": [a / b for a, b in zip(ours[q], theirs[n])]
+                                    for q in ours for n in theirs})
+        result["ratios"] = {key: med(v) for key, v in result["round_ratios"].items()}
         for n, v in theirs.items():
             print(f"transformers[{n}] median {med(v):.1f} tok/s (spread {min(v):.1f}-{max(v):.1f})")
         for key, ratio in result["ratios"].items():
-            print(f"ratio tideserve[{key.split('/')[0]}] / transformers[{key.split('/')[1]}]: {ratio:.2f}x")
+            rounds_ = result["round_ratios"][key]
+            print(f"ratio tideserve[{key.split('/')[0]}] / transformers[{key.split('/')[1]}]: {ratio:.2f}x "
+                  f"(median of {len(rounds_)} rounds: {', '.join(f'{x:.2f}' for x in rounds_)})")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 
