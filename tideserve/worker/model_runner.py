@@ -200,7 +200,7 @@ class ModelRunner:
         pending_mask = self._start_masks(sample_ids)  # may run on a worker thread during the forward pass
 
         slab = self.platform.forward_slab_tokens
-        if prefill_ids and slab is not None and sum(p[2] for p in pieces) > slab:
+        if prefill_ids and slab is not None and out.total_num_scheduled_tokens > slab:
             decodes = set(decode_ids)
             hidden = torch.cat([self._forward(part, sum(1 for rid, _, _ in part if rid in decodes))
                                 for part in self._slabs(pieces, slab)])
