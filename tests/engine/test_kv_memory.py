@@ -229,6 +229,8 @@ def test_elastic_pool_grows_under_load_and_shrinks_when_idle(make_llm, reference
     peak = max(engine.pool.kv.num_blocks, start)
     assert engine.pool.num_resizes >= 1 and peak > start
     assert engine.scheduler.num_preemptions == 0  # grown, not preempted
+    # Never past what the 32 requests could hold at 100 + 20 tokens each (16-token blocks): 8 blocks each.
+    assert engine.kv_manager.block_size == 16 and peak <= 32 * 8, peak
     assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
     # Idle: usage stays under the low watermark for shrink_delay_s, then the pool shrinks to its floor.
     for t in (1.0, 2.5, 4.0):

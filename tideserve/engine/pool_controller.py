@@ -116,6 +116,17 @@ class PoolController:
         swap = self.kv.swap
         return swap.high_water * self.bytes_per_block if swap is not None and self.runner.platform.host_memory else 0
 
+    def demand_blocks(self) -> int:
+        """The most blocks the requests in the engine could ever hold: each at its prompt plus its
+        ``max_tokens`` (within the context), shared prefix blocks counted once per request."""
+        block_size = self.kv.block_size
+        total = 0
+        for queue in (self.scheduler.running, self.scheduler.waiting):
+            for request in queue:
+                tokens = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+                total += -(-tokens // block_size)
+        return total
+
     def _refresh_ceiling(self) -> None:
         reachable = self._reachable_blocks()
         if self.policy.max_blocks != reachable:
@@ -170,7 +181,7 @@ class PoolController:
         if self.policy is None or self.clock() < self._grow_blocked_until:
             return False
         target = self.policy.grow_target(self.kv.num_blocks, self.num_used_blocks(), max(1, num_short),
-                                         self._reachable_blocks)
+                                         self._reachable_blocks, self.demand_blocks)
         if target is None:
             return False
         return self._resize(target, "grow on demand")
@@ -220,7 +231,7 @@ class PoolController:
             self._refresh_ceiling()
         used = self.num_used_blocks()
         if not idle and now >= self._grow_blocked_until:
-            grow = self.policy.grow_target(self.kv.num_blocks, used, 0, self._reachable_blocks)
+            grow = self.policy.grow_target(self.kv.num_blocks, used, 0, self._reachable_blocks, self.demand_blocks)
             if grow is not None and self._commit_ahead(grow) and self._resize(
                     grow, f"usage {used}/{self.kv.num_blocks} above the high watermark"):
                 return

@@ -48,6 +48,17 @@ def test_grow_bounded_by_budget_and_machine():
     assert policy.grow_target(20, 20, 1, reachable=lambda: 18) is None  # a neighbour took the rest
 
 
+def test_growth_stops_at_what_the_requests_could_ever_hold():
+    policy = ElasticPolicy(ElasticConfig(grow_factor=1.5), min_blocks=10, max_blocks=1000)
+    assert policy.grow_target(20, 18, 0, reachable=100, demand=24) == 24  # not 30: 24 is all they can hold
+    assert policy.grow_target(24, 22, 0, reachable=100, demand=24) is None  # full demand fits: no headroom
+    assert policy.grow_target(24, 24, 3, reachable=100, demand=24) == 27  # an allocation's need still wins
+    asked = []
+    assert policy.grow_target(20, 10, 0, reachable=100, demand=lambda: asked.append(1) or 50) is None
+    assert not asked  # under the watermark the requests are not counted
+    assert policy.grow_target(20, 18, 0, reachable=100, demand=lambda: 500) == 30  # the usual step below it
+
+
 def test_shrink_only_after_staying_low():
     policy = ElasticPolicy(ElasticConfig(shrink_delay_s=5), min_blocks=10, max_blocks=1000)
     assert policy.shrink_target(100, 5, now=0.0) is None  # starts the timer

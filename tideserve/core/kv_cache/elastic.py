@@ -120,17 +120,28 @@ class ElasticPolicy:
     _fragmented_since: float | None = None
 
     def grow_target(self, num_blocks: int, num_used: int, extra_needed: int,
-                    reachable: int | Callable[[], int]) -> int | None:
+                    reachable: int | Callable[[], int],
+                    demand: int | Callable[[], int] | None = None) -> int | None:
         """New pool size when usage crosses the high watermark, or when an allocation needs
         ``extra_needed`` more blocks; bounded by the budget and by ``reachable``, the largest pool the
         machine allows now (a pool size, not an increment). ``reachable`` may be a function, called only
         when growing is on the table: asking the machine reads files, which costs more than a whole
-        decode step's bookkeeping."""
+        decode step's bookkeeping.
+
+        ``demand`` (a number or a function, called like ``reachable``) is the most blocks the requests
+        in the engine could ever hold, each at its prompt plus its ``max_tokens``. Growth stops there:
+        headroom beyond it can never be used until more requests come, and committing it is not free
+        (on VMs whose host reclaims freed guest pages, first touches cost milliseconds per MiB, on
+        the cores the steps need). A new request raises the demand, and the pool grows again."""
         want = num_used + extra_needed
         if extra_needed == 0 and want <= num_blocks * self.config.high_watermark:
             return None
         target = max(math.ceil(num_blocks * self.config.grow_factor),
                      math.ceil(want / self.config.high_watermark))
+        if demand is not None:
+            target = min(target, max(want, demand() if callable(demand) else demand))
+            if target <= num_blocks:
+                return None
         if callable(reachable):
             reachable = reachable()
         target = min(target, self.max_blocks, reachable)
