@@ -105,12 +105,34 @@ enum { TS_K_ROWS = 0, TS_K_AVX2_TILES = 1, TS_K_AMX_TILES = 2, TS_K_AVX2_GEMV = 
        TS_K_AVX512_GEMV = 5 };
 
 /* x quantized per block of 32: q int8 [m][k], d [m][kb] (x = d * q), s [m][kb][2] = d * (sum of q over
- * each 16-value half), for the offsets' terms. */
+ * each 16-value half), for the offsets' terms.
+ * The AVX-512 tiles read the same values regrouped 8 rows at a time (NULL elsewhere): tq [m/8][kb][8 steps]
+ * [8 rows][4 codes], td [m/8][kb][8 rows] (d) and ts [m/8][kb][3][8 rows] (s's two halves, then their sum as
+ * the tiles used to add it). A micro tile then finds every row's codes and scales at constant offsets
+ * from one pointer: with 8 row pointers, the registers ran out and the sums were added per tile. */
 typedef struct {
     int8_t *q;
     float *d, *s;
     int64_t k, kb;
+    int8_t *tq;
+    float *td, *ts;
 } ts_act;
+
+/* Row i of a (quantized) into the tiles' 8-row groups. */
+static void regroup_row(ts_act *a, int64_t i) {
+    const int64_t kb = a->kb, group = i / 8, r = i % 8;
+    const int8_t *q = a->q + i * a->k;
+    for (int64_t b = 0; b < kb; b++) {
+        int8_t *dst = a->tq + (group * kb + b) * 256 + 4 * r;
+        for (int g = 0; g < 8; g++) memcpy(dst + 32 * g, q + b * TS_QBLOCK + 4 * g, 4);
+        const float *s = a->s + 2 * (i * kb + b);
+        float *ts = a->ts + (group * kb + b) * 24 + r;
+        a->td[(group * kb + b) * 8 + r] = a->d[i * kb + b];
+        ts[0] = s[0];
+        ts[8] = s[1];
+        ts[16] = s[0] + s[1];
+    }
+}
 
 #ifdef TS_HAVE_AVX2
 TS_ALWAYS_INLINE int hsum_epi32_256(__m256i v) {
@@ -670,8 +692,13 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
     if (isa == TS_QG_AVX512) kernel = dot_row_group_avx512;
 #endif
     const int64_t k = w->k, kb = k / TS_QBLOCK;
+    const int regroup = tiles && isa == TS_QG_AVX512;
+    const int64_t grouped_rows = (m + 7) / 8 * 8;
     ts_act a = {malloc((size_t)(m * k)), malloc(sizeof(float) * (size_t)(m * kb)),
-                malloc(sizeof(float) * (size_t)(2 * m * kb)), k, kb};
+                malloc(sizeof(float) * (size_t)(2 * m * kb)), k, kb,
+                regroup ? malloc((size_t)(grouped_rows * k)) : NULL,
+                regroup ? malloc(sizeof(float) * (size_t)(grouped_rows * kb)) : NULL,
+                regroup ? malloc(sizeof(float) * (size_t)(3 * grouped_rows * kb)) : NULL};
     float *activated = act ? malloc(sizeof(float) * (size_t)(m * k)) : NULL;
     /* per thread, one row in the file's layout: the row kernels' copy of an interleaved group's row */
     int64_t scratch_bytes = 0;
@@ -680,10 +707,14 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
         if (w->seg[s].layout == TS_LAYOUT_X8 && bytes > scratch_bytes) scratch_bytes = bytes;
     }
     uint8_t *scratch_rows = scratch_bytes ? malloc((size_t)(scratch_bytes * (num_threads > 1 ? num_threads : 1))) : NULL;
-    if (a.q == NULL || a.d == NULL || a.s == NULL || (act && activated == NULL) || (scratch_bytes && scratch_rows == NULL)) {
+    if (a.q == NULL || a.d == NULL || a.s == NULL || (act && activated == NULL) || (scratch_bytes && scratch_rows == NULL) ||
+        (regroup && (a.tq == NULL || a.td == NULL || a.ts == NULL))) {
         free(a.q);
         free(a.d);
         free(a.s);
+        free(a.tq);
+        free(a.td);
+        free(a.ts);
         free(activated);
         free(scratch_rows);
         return -1;
@@ -702,6 +733,7 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
                 row = activated + i * k;
             }
             quantize_row_q8(row, k, a.q + i * k, a.d + i * kb, a.s + 2 * i * kb);
+            if (regroup) regroup_row(&a, i);
         }
 #ifdef TS_QGEMM_X86
         if (tiles && (isa == TS_QG_AVX512 ? tiles_matmul_share_avx512 : tiles_matmul_share_avx2)(w, &a, m, out,
@@ -755,6 +787,9 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
     free(a.q);
     free(a.d);
     free(a.s);
+    free(a.tq);
+    free(a.td);
+    free(a.ts);
     free(activated);
     free(scratch_rows);
     return failed ? -1 : 0;

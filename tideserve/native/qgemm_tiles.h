@@ -289,11 +289,10 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int t
                                                             float res[TS_TILE_ROWS_MAX][TS_TILE_COLS]) {
     const int halves = TS_SIMD(tile_halves)(type);
     __m512 acc[TS_TILE_ROWS_MAX];
-    const int8_t *xq[TS_TILE_ROWS_MAX];
-    for (int r = 0; r < R; r++) {
-        acc[r] = _mm512_setzero_ps();
-        xq[r] = a->q + (r0 + r) * a->k;
-    }
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const int64_t group = r0 / 8; /* r0 is a multiple of 8: chunks and tiles step by 8 rows */
+    const int8_t *xq = a->tq + group * kb * 256;
+    const float *xd = a->td + group * kb * 8, *xs = a->ts + group * kb * 24;
     for (int64_t b = 0; b < kb; b++) {
         for (int half = 0; half < halves; half++) {
             const int g_lo = half * 8 / halves, g_hi = (half + 1) * 8 / halves;
@@ -303,18 +302,17 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int t
                 const __m512i w = _mm512_loadu_si512((const void *)(p->codes + (b * 8 + g) * 64));
                 for (int r = 0; r < R; r++) {
                     int32_t four;
-                    memcpy(&four, xq[r] + b * TS_QBLOCK + 4 * g, 4);
+                    memcpy(&four, xq + b * 256 + 32 * g + 4 * r, 4);
                     wide[r] = _mm512_dpbusd_epi32(wide[r], w, _mm512_set1_epi32(four));
                 }
             }
             const __m512 scale = _mm512_loadu_ps(p->scale + (b * halves + half) * TS_TILE_COLS);
             const __m512 offset = _mm512_loadu_ps(p->offset + (b * halves + half) * TS_TILE_COLS);
+            const float *sums = xs + b * 24 + (halves == 2 ? half : 2) * 8; /* a half's sum, or the block's */
             for (int r = 0; r < R; r++) {
-                const int64_t at = (r0 + r) * a->kb + b;
-                const float *xs = a->s + 2 * at;
-                const __m512 dots = _mm512_mul_ps(_mm512_cvtepi32_ps(wide[r]), _mm512_set1_ps(a->d[at]));
+                const __m512 dots = _mm512_mul_ps(_mm512_cvtepi32_ps(wide[r]), _mm512_set1_ps(xd[b * 8 + r]));
                 acc[r] = _mm512_fmadd_ps(dots, scale, acc[r]);
-                acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(halves == 2 ? xs[half] : xs[0] + xs[1]), acc[r]);
+                acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r]), acc[r]);
             }
         }
     }
