@@ -543,6 +543,7 @@ def test_watermark_growth_commits_its_pages_ahead_and_the_answers_stay(make_llm,
 
     caplog.set_level(logging.INFO)
     monkeypatch.setattr(pool_controller, "COMMIT_AHEAD_MIN_BYTES", 0)
+    monkeypatch.setattr(pool_controller, "host_core_free", lambda: True)
     ranges = []
     real = ReservedKVStore._commit_range
     monkeypatch.setattr(ReservedKVStore, "_commit_range",
@@ -553,3 +554,33 @@ def test_watermark_growth_commits_its_pages_ahead_and_the_answers_stay(make_llm,
     assert token_lists(outs) == reference * 4
     assert ranges and all(r > 0 for r in ranges)  # background commits ran
     assert any("above the high watermark" in r.message for r in caplog.records)
+
+
+def test_watermark_growth_commits_on_the_engine_thread_when_no_core_is_free(make_llm, reference, monkeypatch,
+                                                                             caplog):
+    """With every core in the step's threads, no background commit starts (it would take a core from
+    them); the pool still grows at the watermark, and the answers are the reference's."""
+    from tideserve.engine import pool_controller
+    from tideserve.worker.kv_store import ReservedKVStore
+
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr(pool_controller, "COMMIT_AHEAD_MIN_BYTES", 0)
+    monkeypatch.setattr(pool_controller, "host_core_free", lambda: False)
+    started = []
+    monkeypatch.setattr(ReservedKVStore, "_commit_range", lambda self, start, end: started.append(end - start))
+    llm = make_llm(dtype="float32", enable_prefix_caching=False, max_model_len=512)
+    assert isinstance(llm.engine.pool.storage.device_store, ReservedKVStore)
+    outs = llm.generate(chats(llm) * 4, GREEDY)
+    assert token_lists(outs) == reference * 4
+    assert not started  # no background commit
+    assert any("above the high watermark" in r.message for r in caplog.records)
+
+
+def test_a_core_is_free_only_when_the_step_leaves_one(monkeypatch):
+    from tideserve.engine import pool_controller
+
+    monkeypatch.setattr(pool_controller.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(pool_controller.torch, "get_num_threads", lambda: 2)
+    assert not pool_controller.host_core_free()
+    monkeypatch.setattr(pool_controller.torch, "get_num_threads", lambda: 1)  # the governor left one
+    assert pool_controller.host_core_free()

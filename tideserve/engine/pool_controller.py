@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
+
+import torch
 
 from tideserve.core.kv_cache.elastic import BlockSizeAdvisor, ElasticPolicy, MemoryAccount
 from tideserve.core.kv_cache.manager import KVCacheManager
@@ -30,6 +33,20 @@ ALLOC_LOG_INTERVAL_S = 5.0
 # take a few milliseconds on the engine's thread).
 COMMIT_AHEAD_MIN_BYTES = 16 * MiB
 BLOCK_SIZE_ADVICE_INTERVAL_S = 5.0
+
+
+def host_core_free() -> bool:
+    """Whether a background commit would find a core of its own: the engine computes with fewer intra-op
+    threads (the thread governor's count in force) than the CPUs this process may run on. With every
+    core in the step's OpenMP team, a commit thread takes one of them, and every barrier then waits for
+    the thread it displaced: on a 2-vCPU VM whose host takes freed memory back (pages cost ~8 ms per
+    MiB to commit there), 64-stream output fell from 529-571 to 434-480 tok/s with background commits
+    (docs/benchmarks.md, eighteenth round)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return torch.get_num_threads() < cpus
 
 
 class PoolController:
@@ -169,9 +186,13 @@ class PoolController:
 
     def _commit_ahead(self, target: int) -> bool:
         """Whether a growth the watermark asks for may run now: a large one first has its pages committed
-        in the background (steps go on meanwhile), and runs at a later step once they are. Growth that
-        an allocation needs now never waits for this."""
+        in the background (steps go on meanwhile), and runs at a later step once they are, where that
+        costs the steps nothing: on a device, or on the host with a core the step's threads leave free.
+        Otherwise the resize commits them on the engine's thread. Growth that an allocation needs now
+        never waits for this."""
         if (target - self.kv.num_blocks) * self.bytes_per_block < COMMIT_AHEAD_MIN_BYTES:
+            return True
+        if self.runner.platform.computes_on_host and not host_core_free():
             return True
         return self.storage.commit_ahead(target)
 
