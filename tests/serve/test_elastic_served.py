@@ -32,18 +32,36 @@ def scrape(base_url: str) -> dict[str, float]:
     return values
 
 
-async def burst(base_url: str, n: int) -> None:
+async def burst(base_url: str, n: int, shared: bool = True) -> tuple[list[int], list[float]]:
+    """n chat requests at once (every other one behind a shared system prompt, if ``shared``); returns
+    their prompt token counts and the pool sizes (blocks) seen on /metrics every 50 ms meanwhile."""
+    prompt_tokens: list[int] = []
+    pool_blocks: list[float] = []
     async with httpx.AsyncClient(base_url=base_url, timeout=300, trust_env=False) as client:
         async def one(i: int) -> None:
             messages = [{"role": "user", "content": f"Question {i}: when does the boat to island {i} leave?"}]
-            if i % 2 == 0:
+            if shared and i % 2 == 0:
                 messages.insert(0, {"role": "system", "content": SYSTEM})
             r = await client.post("/v1/chat/completions", json={
                 "model": MODEL, "messages": messages, "max_tokens": 48, "temperature": 0,
                 "ignore_eos": True})
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 48
+            prompt_tokens.append(r.json()["usage"]["prompt_tokens"])
+
+        async def watch(done: asyncio.Event) -> None:
+            while not done.is_set():
+                text = (await client.get("/metrics")).text
+                pool_blocks.extend(float(line.rpartition(" ")[2]) for line in text.splitlines()
+                                   if line.startswith("vllm:kv_cache_pool_blocks"))
+                await asyncio.sleep(0.05)
+
+        done = asyncio.Event()
+        watcher = asyncio.create_task(watch(done))
         await asyncio.gather(*(one(i) for i in range(n)))
+        done.set()
+        await watcher
+    return prompt_tokens, pool_blocks
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +79,7 @@ def test_idle_server_returns_the_pool_and_its_memory(elastic_server):
     url = elastic_server.base_url
     start = scrape(url)
     floor_bytes = start["vllm:kv_cache_pool_bytes"]
-    asyncio.run(burst(url, 32))
+    prompt_tokens, pool_blocks = asyncio.run(burst(url, 32))
     ended = time.monotonic()
     after_burst = scrape(url)
     assert after_burst["vllm:kv_cache_resizes_total"] >= 1
@@ -87,5 +105,10 @@ def test_idle_server_returns_the_pool_and_its_memory(elastic_server):
     # The process's resident set follows: most of what the pool released left the process.
     rss = scrape(url)["process_resident_memory_bytes"]
     assert peak_rss - rss >= 0.7 * released, (peak_rss, rss, released)
-    # And the server still answers (the pool grows again on demand).
-    asyncio.run(burst(url, 2))
+    # And the server still answers: the pool grows again, never past what the burst's requests could hold
+    # (prompt + 48 tokens each, 16-token blocks), though they all hold their last block at once and the
+    # high watermark alone would ask for 1 / 0.85 of that.
+    prompt_tokens, pool_blocks = asyncio.run(burst(url, 32, shared=False))
+    demand = sum(-(-(p + 48) // 16) for p in prompt_tokens)
+    assert max(pool_blocks) > now["vllm:kv_cache_pool_blocks"]
+    assert max(pool_blocks) <= demand, (max(pool_blocks), demand)
