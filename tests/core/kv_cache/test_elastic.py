@@ -56,6 +56,8 @@ def test_growth_stops_at_what_the_requests_could_ever_hold():
     asked = []
     assert policy.grow_target(20, 10, 0, reachable=100, demand=lambda: asked.append(1) or 50) is None
     assert not asked  # under the watermark the requests are not counted
+    assert policy.grow_target(1000, 990, 0, reachable=2000, demand=lambda: asked.append(1) or 5000) is None
+    assert not asked  # nor at the budget
     assert policy.grow_target(20, 18, 0, reachable=100, demand=lambda: 500) == 30  # the usual step below it
 
 

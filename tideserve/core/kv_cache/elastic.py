@@ -136,15 +136,15 @@ class ElasticPolicy:
         want = num_used + extra_needed
         if extra_needed == 0 and want <= num_blocks * self.config.high_watermark:
             return None
-        target = max(math.ceil(num_blocks * self.config.grow_factor),
-                     math.ceil(want / self.config.high_watermark))
-        if demand is not None:
+        target = min(max(math.ceil(num_blocks * self.config.grow_factor),
+                         math.ceil(want / self.config.high_watermark)), self.max_blocks)
+        # Cheapest bound first: a pool at its budget (usage high, a queue waiting) asks nothing more.
+        if target > num_blocks and demand is not None:
             target = min(target, max(want, demand() if callable(demand) else demand))
-            if target <= num_blocks:
-                return None
-        if callable(reachable):
+        if target > num_blocks and callable(reachable):
             reachable = reachable()
-        target = min(target, self.max_blocks, reachable)
+        if target > num_blocks:
+            target = min(target, reachable)
         return target if target > num_blocks else None
 
     def shrink_target(self, num_blocks: int, num_used: int, now: float, idle: bool = False,
