@@ -120,6 +120,37 @@ def test_out_of_blocks_asks_the_pool_for_exactly_what_is_missing():
     assert asked == [6] and out.num_scheduled_tokens == {"a": 30}
 
 
+def test_a_waiting_request_short_of_blocks_asks_the_admission_hook_only_while_others_run():
+    """While requests run, a newcomer short of blocks asks ``on_out_of_blocks_to_admit``, which may
+    decline (the pool's pages are still being committed): the running ones step on, the newcomer waits,
+    and nothing is preempted. With nothing running the plain hook is asked: a waiting queue alone must
+    never be left waiting on a declined growth."""
+    s = make(num_blocks=3, block=4, budget=100)
+    asked, admit_asked = [], []
+
+    def grow(num_short):
+        asked.append(num_short)
+        s.kv.grow(num_short)
+        return True
+
+    def decline(num_short):
+        admit_asked.append(num_short)
+        return False
+
+    s.on_out_of_blocks, s.on_out_of_blocks_to_admit = grow, decline
+    s.add_request(req("a", 12))  # 3 blocks: fits, nothing asked
+    step(s)
+    s.add_request(req("b", 8))  # 2 blocks short while "a" runs: declined
+    out = step(s)
+    assert admit_asked == [2] and "b" not in out.num_scheduled_tokens and "a" in out.num_scheduled_tokens
+    assert [r.request_id for r in s.waiting] == ["b"] and s.num_preemptions == 0
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)  # nothing runs now: the plain hook is asked
+    s.kv.shrink_to(1)
+    before = len(asked)
+    out = step(s)
+    assert asked[before:] == [1] and len(admit_asked) == 1 and out.num_scheduled_tokens == {"b": 8}
+
+
 def test_max_num_seqs_caps_running():
     s = make(max_seqs=2, budget=100)
     for r in "abc":

@@ -547,7 +547,8 @@ def test_watermark_growth_commits_its_pages_ahead_and_the_answers_stay(make_llm,
     ranges = []
     real = ReservedKVStore._commit_range
     monkeypatch.setattr(ReservedKVStore, "_commit_range",
-                        lambda self, start, end: (ranges.append(end - start), real(self, start, end)))
+                        lambda self, start, end, on_done=None: (ranges.append(end - start),
+                                                                 real(self, start, end, on_done)))
     llm = make_llm(dtype="float32", enable_prefix_caching=False, max_model_len=512)
     assert isinstance(llm.engine.pool.storage.device_store, ReservedKVStore)
     outs = llm.generate(chats(llm) * 4, GREEDY)
@@ -556,24 +557,66 @@ def test_watermark_growth_commits_its_pages_ahead_and_the_answers_stay(make_llm,
     assert any("above the high watermark" in r.message for r in caplog.records)
 
 
-def test_watermark_growth_commits_on_the_engine_thread_when_no_core_is_free(make_llm, reference, monkeypatch,
-                                                                             caplog):
-    """With every core in the step's threads, no background commit starts (it would take a core from
-    them); the pool still grows at the watermark, and the answers are the reference's."""
+def test_with_every_core_in_the_step_a_background_commit_is_lent_one(make_llm, reference, monkeypatch, caplog):
+    """With every core in the step's threads, a watermark growth's pages are committed on a thread that
+    the kernels lend a core to (they run one thread fewer while it runs, and get it back after); the
+    pool grows onto those pages without committing on the engine's thread, and the answers are the
+    reference's. A single core commits on the engine's thread instead."""
     from tideserve.engine import pool_controller
+    from tideserve.native import cores
     from tideserve.worker.kv_store import ReservedKVStore
 
     caplog.set_level(logging.INFO)
     monkeypatch.setattr(pool_controller, "COMMIT_AHEAD_MIN_BYTES", 0)
     monkeypatch.setattr(pool_controller, "host_core_free", lambda: False)
-    started = []
-    monkeypatch.setattr(ReservedKVStore, "_commit_range", lambda self, start, end: started.append(end - start))
+    monkeypatch.setattr(pool_controller, "intra_op_threads", lambda: 2)
+    lent_while_committing = []
+    real = ReservedKVStore._commit_range
+
+    def commit_range(self, start, end, on_done=None):
+        lent_while_committing.append(cores.lent_cores())
+        real(self, start, end, on_done)
+
+    monkeypatch.setattr(ReservedKVStore, "_commit_range", commit_range)
     llm = make_llm(dtype="float32", enable_prefix_caching=False, max_model_len=512)
     assert isinstance(llm.engine.pool.storage.device_store, ReservedKVStore)
     outs = llm.generate(chats(llm) * 4, GREEDY)
     assert token_lists(outs) == reference * 4
-    assert not started  # no background commit
+    assert lent_while_committing and all(n == 1 for n in lent_while_committing)
+    assert cores.lent_cores() == 0  # every core came back
+    assert any("committed in the background" in r.message for r in caplog.records)
+
+    lent_while_committing.clear()
+    monkeypatch.setattr(pool_controller, "intra_op_threads", lambda: 1)
+    llm = make_llm(dtype="float32", enable_prefix_caching=False, max_model_len=512)
+    outs = llm.generate(chats(llm) * 4, GREEDY)
+    assert token_lists(outs) == reference * 4
+    assert not lent_while_committing  # one core: no background commit
     assert any("above the high watermark" in r.message for r in caplog.records)
+
+
+def test_admission_takes_pages_committed_ahead_and_does_not_wait_for_the_rest(make_llm, monkeypatch):
+    """A waiting request short of blocks while others run grows the pool onto the pages a background
+    commit has made resident, all of them; while that commit is still short of the need it declines
+    (the newcomer waits a step) where an allocation for a running request would wait for the pages."""
+    from tideserve.worker.kv_store import KVCacheStorage
+
+    llm = make_llm(dtype="float32", enable_prefix_caching=False, max_model_len=512)
+    pool = llm.engine.pool
+    n = pool.kv.num_blocks
+    ahead = {"blocks": n, "in_flight": True}
+    monkeypatch.setattr(KVCacheStorage, "committed_ahead_blocks", property(lambda self: ahead["blocks"]))
+    monkeypatch.setattr(KVCacheStorage, "commit_in_flight", property(lambda self: ahead["in_flight"]))
+    resized = []
+    real_resize = KVCacheStorage.resize
+    monkeypatch.setattr(KVCacheStorage, "resize", lambda self, b: (resized.append(b), real_resize(self, b)))
+    assert pool.grow_to_admit(4) is False and not resized  # nothing committed ahead yet: the newcomer waits
+    ahead["blocks"] = n + 10
+    assert pool.grow_to_admit(4) is True and resized == [n + 10]  # all of what is resident
+    assert pool.kv.num_blocks == n + 10
+    short = pool.kv.num_blocks + 4  # more than the pool holds: a running request grows it now
+    assert pool.grow_to_admit(short) is False
+    assert pool.grow_for_allocation(short) is True and resized[-1] > n + 10
 
 
 def test_a_core_is_free_only_when_the_step_leaves_one(monkeypatch):

@@ -289,6 +289,88 @@ def test_reserved_store_commits_ahead_in_the_background_then_resizes_without_com
     assert_pattern(store, range(10))
 
 
+def gated_madvise(monkeypatch, calls_before_gate: int):
+    """libc's madvise for the background thread, which blocks after ``calls_before_gate`` calls until
+    the returned event is set; returns (event, the calls made)."""
+    import threading
+
+    import tideserve.worker.kv_store as kv_store
+
+    real = kv_store._libc_madvise()
+    gate, calls = threading.Event(), []
+
+    def madvise(addr, length, advice):
+        if len(calls) >= calls_before_gate:
+            assert gate.wait(30)
+        calls.append(length)
+        return real(addr, length, advice)
+
+    monkeypatch.setattr(kv_store, "_libc_madvise", lambda: madvise)
+    return gate, calls
+
+
+def test_a_growth_takes_the_blocks_committed_so_far_while_the_background_commit_goes_on(monkeypatch):
+    """The background commit publishes each chunk it has made resident; a growth within that part
+    neither waits for the thread nor commits anything, and the thread then finishes the rest."""
+    import tideserve.worker.kv_store as kv_store
+
+    monkeypatch.setattr(kv_store, "AHEAD_CHUNK_BYTES", 2 * LAYOUT.num_layers * 64 * 1024)  # 64 KiB per region
+    regions = 2 * LAYOUT.num_layers
+    gate, calls = gated_madvise(monkeypatch, calls_before_gate=3 * regions)  # three chunks, then it waits
+    store = ReservedKVStore(LAYOUT, BS, num_blocks=10, reserve_bytes=512 * MiB)
+    fill_pattern(store, range(10))
+    done = []
+    assert store.commit_ahead(1000, on_done=lambda: done.append(1)) is False
+    for _ in range(3000):
+        if len(calls) >= 3 * regions and store.committed_ahead_blocks > 10:
+            break
+        store._ahead_thread.join(0.01)
+    ready = store.committed_ahead_blocks
+    assert 10 < ready < 1000 and store.commit_in_flight and not done
+    committed = []
+    real_commit = store._commit
+    monkeypatch.setattr(store, "_commit", lambda lo, hi: (committed.append(max(0, hi - lo)), real_commit(lo, hi)))
+    store.resize(ready)  # returns with the thread still held at its gate
+    assert store.num_blocks == ready and sum(committed) == 0 and store.commit_in_flight
+    assert_pattern(store, range(10))
+    gate.set()
+    store._ahead_thread.join(30)
+    assert done == [1] and store.committed_ahead_blocks >= 1000 and mapping_rss(store) >= 1000 * BLOCK
+    store.resize(1000)
+    assert sum(committed) == 0
+    assert_pattern(store, range(10))
+
+
+def test_a_shrink_stops_the_background_commit_and_hands_its_pages_back(monkeypatch):
+    import tideserve.worker.kv_store as kv_store
+
+    monkeypatch.setattr(kv_store, "AHEAD_CHUNK_BYTES", 2 * LAYOUT.num_layers * 64 * 1024)
+    regions = 2 * LAYOUT.num_layers
+    gate, calls = gated_madvise(monkeypatch, calls_before_gate=2 * regions)
+    store = ReservedKVStore(LAYOUT, BS, num_blocks=10, reserve_bytes=512 * MiB)
+    done = []
+    assert store.commit_ahead(2000, on_done=lambda: done.append(1)) is False
+    for _ in range(3000):
+        if len(calls) >= 2 * regions:
+            break
+        store._ahead_thread.join(0.01)
+    gate.set()
+    store.resize(5)  # stops the thread at its next region, then releases what it committed
+    assert done == [1] and not store.commit_in_flight
+    whole = regions * (2000 * BS * LAYOUT.token_bytes // (64 * 1024))  # the growth's madvise calls
+    assert len(calls) < whole // 2  # it did not commit the whole growth first
+    assert mapping_rss(store) <= 5 * BLOCK + regions * PAGE and store.committed_ahead_blocks == 5
+
+
+def test_commit_ahead_calls_its_callback_once_when_it_starts_nothing():
+    store = ReservedKVStore(LAYOUT, BS, num_blocks=10, reserve_bytes=64 * MiB)
+    done = []
+    assert store.commit_ahead(5, on_done=lambda: done.append(1)) is True  # not a growth
+    assert done == [1]
+    assert CopyKVStore(LAYOUT, torch.device("cpu"), BS, 4).commit_ahead(1000, on_done=lambda: done.append(2))
+    assert done == [1, 2]
+
+
 def test_a_store_without_background_commits_is_always_ready():
     lazy = ReservedKVStore(LAYOUT, BS, num_blocks=4, reserve_bytes=64 * MiB, populate=False)
     assert lazy.commit_ahead(1000) is True and mapping_rss(lazy) == 0

@@ -97,6 +97,9 @@ class Scheduler:
         # Asked before preempting, with the number of blocks missing: did the pool grow? (the elastic pool
         # answers; None = a fixed pool)
         self.on_out_of_blocks: Callable[[int], bool] | None = None
+        # Asked instead when a waiting request lacks blocks while others run: it may decline (the request
+        # waits a step) rather than stall the running ones until the pool's pages are committed.
+        self.on_out_of_blocks_to_admit: Callable[[int], bool] | None = None
         self.num_swap_ins = 0  # resumed by copying their KV back (no recompute)
 
     # ----------------------------------------------------------------- requests in and out
@@ -238,8 +241,11 @@ class Scheduler:
                                          reserve=len(self.running))
         return short == 0 or self._grow(short)
 
-    def _grow(self, num_short: int) -> bool:
-        return num_short > 0 and self.on_out_of_blocks is not None and self.on_out_of_blocks(num_short)
+    def _grow(self, num_short: int, admitting: bool = False) -> bool:
+        grow = self.on_out_of_blocks
+        if admitting and self.running and self.on_out_of_blocks_to_admit is not None:
+            grow = self.on_out_of_blocks_to_admit
+        return num_short > 0 and grow is not None and grow(num_short)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -264,7 +270,7 @@ class Scheduler:
                 break
             new_ids = self.kv.allocate_slots(request.request_id, token_ids, 0, num_new, hit_blocks)
             if new_ids is None and self._grow(self.kv.num_blocks_short(request.request_id, 0, num_new,
-                                                                        hit_blocks)):
+                                                                        hit_blocks), admitting=True):
                 new_ids = self.kv.allocate_slots(request.request_id, token_ids, 0, num_new, hit_blocks)
             if new_ids is None:
                 break

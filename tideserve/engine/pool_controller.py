@@ -22,6 +22,7 @@ from tideserve.core.kv_cache.elastic import BlockSizeAdvisor, ElasticPolicy, Mem
 from tideserve.core.kv_cache.manager import KVCacheManager
 from tideserve.core.kv_cache.memory import MemoryProbe
 from tideserve.core.scheduler import Scheduler
+from tideserve.native.cores import intra_op_threads, lend_core
 from tideserve.worker.kv_store import KVStoreGrowError, release_freed_memory
 from tideserve.worker.model_runner import ModelRunner
 
@@ -36,17 +37,18 @@ BLOCK_SIZE_ADVICE_INTERVAL_S = 5.0
 
 
 def host_core_free() -> bool:
-    """Whether a background commit would find a core of its own: the engine computes with fewer intra-op
-    threads (the thread governor's count in force) than the CPUs this process may run on. With every
-    core in the step's OpenMP team, a commit thread takes one of them, and every barrier then waits for
-    the thread it displaced: on a 2-vCPU VM whose host takes freed memory back (pages cost ~8 ms per
-    MiB to commit there), 64-stream output fell from 529-571 to 434-480 tok/s with background commits
-    (docs/benchmarks.md, eighteenth round)."""
+    """Whether a background commit would find a core of its own: the kernels compute with fewer intra-op
+    threads (the thread governor's count in force, less the cores lent out) than the CPUs this process
+    may run on. With every core in the step's OpenMP team, a commit thread takes one of them, and every
+    barrier then waits for the thread it displaced: on a 2-vCPU VM whose host takes freed memory back
+    (pages cost ~8 ms per MiB to commit there), 64-stream output fell from 529-571 to 434-480 tok/s with
+    background commits that way (docs/benchmarks.md, eighteenth round); the pool lends the commit a
+    core instead (``native.cores.lend_core``)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
-    return torch.get_num_threads() < cpus
+    return intra_op_threads() < cpus
 
 
 class PoolController:
@@ -78,6 +80,7 @@ class PoolController:
         self._swap_dirty = False
         if policy is not None:
             scheduler.on_out_of_blocks = self.grow_for_allocation
+            scheduler.on_out_of_blocks_to_admit = self.grow_to_admit
 
     # ----------------------------------------------------------------- numbers
     @property
@@ -157,6 +160,7 @@ class PoolController:
         if target == before:
             return False
         start = time.perf_counter()
+        committed_before = self.storage.committed_ahead_blocks >= target > before
         try:  # the store first: when it cannot get the memory, nothing has changed yet
             self.storage.resize(target)
         except KVStoreGrowError as exc:
@@ -180,32 +184,80 @@ class PoolController:
         self.resize_seconds += elapsed
         self.num_resizes += 1
         changed = abs(target - before) * self.bytes_per_block
-        self.log_pool(f"{reason}: {before} -> {target} blocks, {changed / MiB:.1f} MiB "
-                      f"{'committed' if target > before else 'released'} in {elapsed * 1e3:.1f} ms")
+        done = ("committed in the background" if committed_before else
+                f"{'committed' if target > before else 'released'} in {elapsed * 1e3:.1f} ms")
+        self.log_pool(f"{reason}: {before} -> {target} blocks, {changed / MiB:.1f} MiB {done}")
         return True
+
+    def known_blocks(self) -> int:
+        """The blocks the requests in the engine will surely hold: each at every token it has now (the
+        prompt, and the output so far), shared prefix blocks counted once per request."""
+        block_size = self.kv.block_size
+        return sum(-(-min(request.num_tokens, self.max_model_len) // block_size)
+                   for queue in (self.scheduler.running, self.scheduler.waiting) for request in queue)
+
+    def _ahead_target(self, target: int) -> int:
+        """How far a background commit goes for a watermark growth to ``target``: at least there, and on
+        to what the requests already in the engine will hold below the watermark (a burst's prompts are
+        known when it arrives, and each of its prefill steps would otherwise cross the watermark again,
+        a step at a time), within the budget, the machine and the requests' demand."""
+        known = math.ceil(self.known_blocks() / self.policy.config.high_watermark)
+        if known <= target:
+            return target
+        return max(target, min(known, self.policy.max_blocks, self.demand_blocks(), self._reachable_blocks()))
 
     def _commit_ahead(self, target: int) -> bool:
         """Whether a growth the watermark asks for may run now: a large one first has its pages committed
-        in the background (steps go on meanwhile), and runs at a later step once they are, where that
-        costs the steps nothing: on a device, or on the host with a core the step's threads leave free.
-        Otherwise the resize commits them on the engine's thread. Growth that an allocation needs now
-        never waits for this."""
+        in the background (steps go on meanwhile), and runs at a later step once they are. On the host
+        with every core in the step's threads, the commit is lent one of them for as long as it runs
+        (``native.cores``): the kernels run with one thread fewer, the commit on a core of its own. A
+        single core commits on the engine's thread. Growth that an allocation needs now takes what is
+        committed so far (``grow_for_allocation``), and waits for the rest only when it must."""
         if (target - self.kv.num_blocks) * self.bytes_per_block < COMMIT_AHEAD_MIN_BYTES:
             return True
-        if self.runner.platform.computes_on_host and not host_core_free():
+        if self.storage.commit_in_flight:
+            return False
+        if self.storage.committed_ahead_blocks >= target:
             return True
-        return self.storage.commit_ahead(target)
+        on_done = None
+        if self.runner.platform.computes_on_host and not host_core_free():
+            if intra_op_threads() < 2:
+                return True
+            on_done = lend_core()
+        return self.storage.commit_ahead(self._ahead_target(target), on_done)
 
     def grow_for_allocation(self, num_short: int = 1) -> bool:
         """The scheduler lacks ``num_short`` free blocks: grow if the budget and the machine allow (else
-        it preempts or waits)."""
+        it preempts or waits). Blocks whose pages a background commit has made resident already are
+        taken first, all of them (they cost nothing more)."""
         if self.policy is None or self.clock() < self._grow_blocked_until:
             return False
+        if self._take_committed_ahead(num_short):
+            return True
         target = self.policy.grow_target(self.kv.num_blocks, self.num_used_blocks(), max(1, num_short),
                                          self._reachable_blocks, self.demand_blocks)
         if target is None:
             return False
         return self._resize(target, "grow on demand")
+
+    def grow_to_admit(self, num_short: int = 1) -> bool:
+        """A waiting request lacks ``num_short`` blocks while others run: grow as for any allocation, but
+        not by waiting on a background commit (the running requests' step goes on without the newcomer,
+        and the pages are in a step or two later)."""
+        if self.policy is None or self.clock() < self._grow_blocked_until:
+            return False
+        if self._take_committed_ahead(num_short):
+            return True
+        if self.storage.commit_in_flight:
+            return False
+        return self.grow_for_allocation(num_short)
+
+    def _take_committed_ahead(self, num_short: int) -> bool:
+        """Grow onto the blocks a background commit has made resident, if they cover ``num_short``."""
+        ahead = min(self.storage.committed_ahead_blocks, max(self.policy.max_blocks, self.kv.num_blocks))
+        if ahead < self.kv.num_blocks + num_short:
+            return False
+        return self._resize(ahead, "grow on demand")
 
     def shrink(self, target: int, reason: str) -> int:
         """Keep the most valuable cached prefixes that fit below ``target`` beside the used blocks, move
@@ -253,9 +305,10 @@ class PoolController:
         used = self.num_used_blocks()
         if not idle and now >= self._grow_blocked_until:
             grow = self.policy.grow_target(self.kv.num_blocks, used, 0, self._reachable_blocks, self.demand_blocks)
-            if grow is not None and self._commit_ahead(grow) and self._resize(
-                    grow, f"usage {used}/{self.kv.num_blocks} above the high watermark"):
-                return
+            if grow is not None and self._commit_ahead(grow):
+                grow = max(grow, min(self.storage.committed_ahead_blocks, self.policy.max_blocks))
+                if self._resize(grow, f"usage {used}/{self.kv.num_blocks} above the high watermark"):
+                    return
         shrink = self.policy.shrink_target(self.kv.num_blocks, used, now, idle, self._cache_to_keep(idle))
         if shrink is not None:
             self.shrink(shrink, "idle" if idle else f"usage {used}/{self.kv.num_blocks} stayed under the "

@@ -103,5 +103,5 @@ class NativeDecodeForward:
             tokens, arch.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, arch.intermediate_size,
             arch.rms_norm_eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
             lens.data_ptr(),
-            k0.shape[1], native.CACHE_DTYPE_CODES[k0.dtype], attn.scale, torch.get_num_threads())
+            k0.shape[1], native.CACHE_DTYPE_CODES[k0.dtype], attn.scale, native.intra_op_threads())
         return failed == 0

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from tideserve.native.cores import intra_op_threads
+
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "paged_prefill.c", "rows.c", "qgemm.c",
@@ -258,7 +260,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.data_ptr(), q.stride(0), _TS_DTYPES[q.dtype], k_cache.data_ptr(), v_cache.data_ptr(),
         CACHE_DTYPE_CODES[k_cache.dtype], block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
         out.data_ptr(), out.stride(0), _TS_DTYPES[out.dtype], n, num_heads, num_kv_heads, head_dim,
-        k_cache.shape[1], scale, num_threads or torch.get_num_threads())
+        k_cache.shape[1], scale, num_threads or intra_op_threads())
     return failed == 0
 
 
@@ -293,7 +295,7 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t
         q.data_ptr(), q.stride(0), _TS_DTYPES[q.dtype], k.data_ptr(), v.data_ptr(), CACHE_DTYPE_CODES[k.dtype],
         k.stride(0), tables.data_ptr(), tables.shape[1], block_size, query_start.data_ptr(), query_lens.data_ptr(),
         computed.data_ptr(), query_start.shape[0], out.data_ptr(), out.stride(0), _TS_DTYPES[out.dtype], num_heads,
-        num_kv_heads, head_dim, scale, num_threads or torch.get_num_threads())
+        num_kv_heads, head_dim, scale, num_threads or intra_op_threads())
     return failed == 0
 
 
@@ -340,10 +342,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     suffix = KV_DTYPES[x.dtype]
     if residual is None:
         getattr(lib, f"ts_rms_norm_{suffix}")(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, cols, eps,
-                                              torch.get_num_threads())
+                                              intra_op_threads())
     else:
         getattr(lib, f"ts_add_rms_norm_{suffix}")(x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
-                                                  out.data_ptr(), rows, cols, eps, torch.get_num_threads())
+                                                  out.data_ptr(), rows, cols, eps, intra_op_threads())
     return out
 
 
@@ -357,7 +359,7 @@ def int8_rows(x: torch.Tensor, inv_smooth: torch.Tensor | None) -> tuple[torch.T
     rows = torch.empty(m + 1, k)
     row_max = torch.empty(m, 1)
     lib.ts_int8_rows_f32(x.data_ptr(), None if inv_smooth is None else inv_smooth.data_ptr(), rows.data_ptr(),
-                         row_max.data_ptr(), m, k, torch.get_num_threads())
+                         row_max.data_ptr(), m, k, intra_op_threads())
     return rows, row_max
 
 
@@ -373,7 +375,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     if x.shape[0] == 0:
         return out
     failed = lib.ts_argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
-                                    torch.get_num_threads())
+                                    intra_op_threads())
     return None if failed else out
 
 
@@ -383,7 +385,7 @@ def scale_rows_(y: torch.Tensor, row_max: torch.Tensor, bias: torch.Tensor | Non
     if lib is None or y.dim() != 2 or not _plain_f32(y, row_max, bias):
         return False
     lib.ts_scale_rows_f32(y.data_ptr(), row_max.data_ptr(), None if bias is None else bias.data_ptr(),
-                          y.data_ptr(), y.shape[0], y.shape[1], torch.get_num_threads())
+                          y.data_ptr(), y.shape[0], y.shape[1], intra_op_threads())
     return True
 
 
@@ -409,7 +411,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: t
     kernel = lib.ts_rope_store_f32 if qkv.dtype == torch.float32 else lib.ts_rope_store_bf16
     kernel(qkv.data_ptr(), qkv.stride(0), tokens, num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
            slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_DTYPE_CODES[k_cache.dtype],
-           torch.get_num_threads())
+           intra_op_threads())
     return True
 
 
@@ -434,7 +436,7 @@ def bind_paged_decode(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int,
         kernel(q.data_ptr(), q.stride(0), q_code, k_cache.data_ptr(), v_cache.data_ptr(), kv_code,
                block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
                out.stride(0), q_code, q.shape[0], num_heads, num_kv_heads, q.shape[2], k_cache.shape[1], scale,
-               torch.get_num_threads())
+               intra_op_threads())
 
     return paged_decode
 
@@ -454,7 +456,7 @@ def bind_paged_prefill(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int
                       tables.data_ptr(), tables.shape[1], block_size, query_start.data_ptr(),
                       query_lens.data_ptr(), computed.data_ptr(), query_start.shape[0], out.data_ptr(),
                       out.stride(0), q_code, num_heads, num_kv_heads, q.shape[2], scale,
-                      torch.get_num_threads()) == 0
+                      intra_op_threads()) == 0
 
     return paged_prefill
 
@@ -472,7 +474,7 @@ def bind_rope_store(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, n
     def rope_store_bound(qkv, cos, sin, slots, k_cache, v_cache) -> None:
         kernel(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads, num_kv_heads, head_dim, cos.data_ptr(),
                sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_code,
-               torch.get_num_threads())
+               intra_op_threads())
 
     return rope_store_bound
 
@@ -489,12 +491,12 @@ def bind_rms_norm(dtype: torch.dtype, device: torch.device | str) -> tuple[Calla
 
     def norm(x, weight, eps, out) -> None:
         cols = x.shape[-1]
-        plain(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // cols, cols, eps, torch.get_num_threads())
+        plain(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // cols, cols, eps, intra_op_threads())
 
     def add_norm(x, residual, weight, eps, out) -> None:
         cols = x.shape[-1]
         fused(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // cols, cols, eps,
-              torch.get_num_threads())
+              intra_op_threads())
 
     return norm, add_norm
 
@@ -511,11 +513,11 @@ def bind_int8_rows() -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]], 
         m, k = x.shape
         out, row_max = torch.empty(m + 1, k), torch.empty(m, 1)
         rows_kernel(x.data_ptr(), None if inv_smooth is None else inv_smooth.data_ptr(), out.data_ptr(),
-                    row_max.data_ptr(), m, k, torch.get_num_threads())
+                    row_max.data_ptr(), m, k, intra_op_threads())
         return out, row_max
 
     def scale(y, row_max, bias) -> None:
         scale_kernel(y.data_ptr(), row_max.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                     y.shape[0], y.shape[1], torch.get_num_threads())
+                     y.shape[0], y.shape[1], intra_op_threads())
 
     return rows, scale

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from tideserve import native
+from tideserve.native.cores import intra_op_threads
 
 # GGUF (ggml) type ids of the formats qgemm.c multiplies, by the names the gguf package uses.
 QTYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
@@ -228,7 +229,7 @@ def qmatmul(x: torch.Tensor, mat: QMat, swiglu: bool = False) -> torch.Tensor | 
         return None
     out = torch.empty(x.shape[0], mat.n)
     failed = lib.ts_qmatmul_f32(ctypes.byref(mat), x.data_ptr(), x.stride(0), x.shape[0], int(swiglu),
-                                out.data_ptr(), mat.n, torch.get_num_threads())
+                                out.data_ptr(), mat.n, intra_op_threads())
     return None if failed else out
 
 
@@ -246,5 +247,5 @@ def dequant_rows(qtype: str, data: torch.Tensor, in_features: int, ids: torch.Te
     if ids.numel() == 0:
         return out
     failed = lib.ts_qdequant_rows_f32(QTYPES[qtype], data.data_ptr(), data.shape[0], LAYOUTS[layout], in_features,
-                                      ids.data_ptr(), ids.numel(), out.data_ptr(), torch.get_num_threads())
+                                      ids.data_ptr(), ids.numel(), out.data_ptr(), intra_op_threads())
     return None if failed else out

@@ -11,9 +11,9 @@ tight. Two ways to hold the tensors:
   the kernel (``MADV_DONTNEED``). Nothing is copied, nothing is allocated twice, and the cost is
   proportional to the bytes that change. Live blocks above a new end are moved by the caller first
   (compaction), one block at a time. A growth the pool sees coming (usage past its high watermark) can
-  commit its pages ahead, on a thread of its own (``commit_ahead``): on virtual machines that hand freed
-  memory back to the host, a first touch costs 3-5 s per GiB, and a commit on the engine's thread stops
-  every step for that long.
+  commit its pages ahead, on a thread of its own (``commit_ahead``), a chunk of every region at a time,
+  each usable once done: on virtual machines that hand freed memory back to the host, a first touch costs
+  3-8 s per GiB, and a commit on the engine's thread stops every step for that long.
 - ``CopyKVStore`` (CUDA, and any device without the above): one tensor per pool size. A resize copies
   the blocks that stay into a new tensor, so growth is capped to what fits beside the existing storage;
   an allocation failure raises ``KVStoreGrowError`` and leaves the store as it was.
@@ -32,6 +32,7 @@ import math
 import mmap
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,8 @@ PAGE = mmap.PAGESIZE
 HUGE_PAGE = 2 * 2**20
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux value; the reservation costs no commit charge
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+# A background commit publishes its progress after each chunk of this many bytes (all regions together).
+AHEAD_CHUNK_BYTES = 4 * 2**20
 
 
 def _libc_madvise():
@@ -132,10 +135,23 @@ class KVStore(ABC):
     def resize(self, num_blocks: int) -> None:
         """Make blocks 0..num_blocks-1 addressable; blocks below min(old, new) keep their KV."""
 
-    def commit_ahead(self, num_blocks: int) -> bool:
+    def commit_ahead(self, num_blocks: int, on_done: Callable[[], None] | None = None) -> bool:
         """Prepare a growth to ``num_blocks`` off the caller's thread; True when ``resize`` may follow at
-        once (stores without background commits: always)."""
+        once (stores without background commits: always). ``on_done`` is called once: when a commit this
+        call starts ends, or at once when it starts none."""
+        if on_done is not None:
+            on_done()
         return True
+
+    @property
+    def commit_in_flight(self) -> bool:
+        """Whether a background commit (``commit_ahead``) is running now."""
+        return False
+
+    @property
+    def committed_ahead_blocks(self) -> int:
+        """The largest pool whose pages are committed already (a resize to it commits nothing)."""
+        return self.num_blocks
 
     @abstractmethod
     def reshape_blocks(self, new_block_size: int) -> int:
@@ -202,6 +218,7 @@ class ReservedKVStore(KVStore):
         self._ahead_end = 0
         self._ahead_target = 0
         self._ahead_failed = False
+        self._ahead_cancel = threading.Event()
         elem = raw.new_empty((), dtype=layout.dtype).element_size()
         self._regions = raw[:, :_round_down(self.region_bytes, elem)].view(layout.dtype)
         self.capacity_tokens = self.region_bytes // layout.token_bytes
@@ -235,41 +252,72 @@ class ReservedKVStore(KVStore):
         end = max(self._end_bytes(self.num_blocks), self._ahead_target)
         return 2 * self.layout.num_layers * _round_up(end, PAGE)
 
-    def commit_ahead(self, num_blocks: int) -> bool:
+    def commit_ahead(self, num_blocks: int, on_done: Callable[[], None] | None = None) -> bool:
         """Commit the pages of a pool of ``num_blocks`` on a background thread; True once they are
         committed (``resize(num_blocks)`` then commits nothing), False while that is under way. The
         commits run with the GIL released (libc's madvise through ctypes), so steps and the server's
-        event loop go on meanwhile. A failure is left for ``resize`` to meet and report."""
-        end = _round_up(self._end_bytes(num_blocks), PAGE)
-        if not self.populate or not self._can_populate or num_blocks <= self.num_blocks:
-            return True
-        if self._ahead_thread is not None:
-            if self._ahead_thread.is_alive():
-                return False
-            self._ahead_thread = None
-        if self._ahead_failed:  # resize meets the failure on the caller's thread, and reports it
-            return True
-        start = max(_round_down(self._end_bytes(self.num_blocks), PAGE), self._ahead_end)
-        if start >= end or num_blocks > self.capacity_blocks:
-            return True
-        self._ahead_target = max(self._ahead_target, end)
-        self._ahead_thread = threading.Thread(target=self._commit_range, args=(start, end),
-                                              name="kv-commit-ahead", daemon=True)
-        self._ahead_thread.start()
-        return False
+        event loop go on meanwhile, and in chunks across every region, each published when done
+        (``committed_ahead_blocks``): a growth may take the part committed so far without waiting for
+        the rest. A failure is left for ``resize`` to meet and report. ``on_done`` is called once, when
+        the thread this call starts ends, or at once when it starts none."""
+        started = False
+        try:
+            end = _round_up(self._end_bytes(num_blocks), PAGE)
+            if not self.populate or not self._can_populate or num_blocks <= self.num_blocks:
+                return True
+            if self._ahead_thread is not None:
+                if self._ahead_thread.is_alive():
+                    return False
+                self._ahead_thread = None
+            if self._ahead_failed:  # resize meets the failure on the caller's thread, and reports it
+                return True
+            start = max(_round_down(self._end_bytes(self.num_blocks), PAGE), self._ahead_end)
+            if start >= end or num_blocks > self.capacity_blocks:
+                return True
+            self._ahead_target = max(self._ahead_target, end)
+            self._ahead_cancel.clear()
+            self._ahead_thread = threading.Thread(target=self._commit_range, args=(start, end, on_done),
+                                                  name="kv-commit-ahead", daemon=True)
+            self._ahead_thread.start()
+            started = True
+            return False
+        finally:
+            if not started and on_done is not None:
+                on_done()
 
-    def _commit_range(self, start: int, end: int) -> None:
-        """The background half of commit_ahead: every region's [start, end), or nothing recorded."""
-        madvise = _libc_madvise()
-        for i in range(2 * self.layout.num_layers):
-            if madvise is None or madvise(self._base + i * self.region_bytes + start, end - start,
-                                          MADV_POPULATE_WRITE) != 0:
-                self._ahead_failed = True  # resize commits the rest itself and reports what the kernel says
-                return
-        self._ahead_end = end
+    @property
+    def commit_in_flight(self) -> bool:
+        return self._ahead_thread is not None and self._ahead_thread.is_alive()
 
-    def _join_ahead(self) -> None:
+    @property
+    def committed_ahead_blocks(self) -> int:
+        return max(self.num_blocks, self._ahead_end // (self.block_size * self.layout.token_bytes))
+
+    def _commit_range(self, start: int, end: int, on_done: Callable[[], None] | None = None) -> None:
+        """The background half of commit_ahead: every region's [start, end), a chunk of every region at a
+        time; each chunk done moves ``_ahead_end``. Stops early when asked (a shrink or a block-size
+        change) or when the kernel refuses."""
+        try:
+            madvise = _libc_madvise()
+            chunk = _round_up(max(AHEAD_CHUNK_BYTES // (2 * self.layout.num_layers), PAGE), PAGE)
+            for lo in range(start, end, chunk):
+                hi = min(end, lo + chunk)
+                for i in range(2 * self.layout.num_layers):
+                    if self._ahead_cancel.is_set():
+                        return
+                    if madvise is None or madvise(self._base + i * self.region_bytes + lo, hi - lo,
+                                                  MADV_POPULATE_WRITE) != 0:
+                        self._ahead_failed = True  # resize commits the rest itself and reports the kernel's answer
+                        return
+                self._ahead_end = hi
+        finally:
+            if on_done is not None:
+                on_done()
+
+    def _join_ahead(self, cancel: bool = False) -> None:
         if self._ahead_thread is not None:
+            if cancel:
+                self._ahead_cancel.set()
             self._ahead_thread.join()
             self._ahead_thread = None
 
@@ -322,9 +370,12 @@ class ReservedKVStore(KVStore):
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}.")
         if num_blocks > self.capacity_blocks:
             raise KVStoreGrowError(f"{num_blocks} blocks exceed the reservation of {self.capacity_blocks}")
-        self._join_ahead()
-        self._ahead_failed = False
         old_end, new_end = self._end_bytes(self.num_blocks), self._end_bytes(num_blocks)
+        # A growth within what the background thread has committed so far leaves it running; any other
+        # resize waits for it (a shrink stops it first: its pages go back with the tail).
+        if not (old_end < new_end <= self._ahead_end):
+            self._join_ahead(cancel=new_end < old_end)
+            self._ahead_failed = False
         if new_end > old_end and self.populate:
             self._commit(max(old_end, min(self._ahead_end, new_end)), new_end)
         elif new_end < old_end:  # and whatever was committed ahead of the old end
@@ -336,7 +387,7 @@ class ReservedKVStore(KVStore):
 
     def release_all(self) -> None:
         """Hand every page back while keeping the size (a swap tier nobody uses)."""
-        self._join_ahead()
+        self._join_ahead(cancel=True)
         self._release(0, max(self._end_bytes(self.num_blocks), self._ahead_target))
         self._ahead_end = self._ahead_target = 0
 
@@ -345,7 +396,7 @@ class ReservedKVStore(KVStore):
         new_num = max(1, tokens // new_block_size)
         if new_num * new_block_size > self.capacity_tokens:
             raise KVStoreGrowError(f"block size {new_block_size} does not fit the reservation")
-        self._join_ahead()
+        self._join_ahead(cancel=True)
         old_end = self._end_bytes(self.num_blocks)
         if self._ahead_target > old_end:  # the pages committed for the old block size's growth
             self._release(old_end, self._ahead_target)
@@ -529,9 +580,18 @@ class KVCacheStorage:
         """Blocks below min(old, new) keep their KV; raises KVStoreGrowError (unchanged) when growth fails."""
         self.device_store.resize(num_blocks)
 
-    def commit_ahead(self, num_blocks: int) -> bool:
-        """The device store's commit_ahead: True when a growth to ``num_blocks`` costs no page commits now."""
-        return self.device_store.commit_ahead(num_blocks)
+    def commit_ahead(self, num_blocks: int, on_done: Callable[[], None] | None = None) -> bool:
+        """The device store's commit_ahead: True when a growth to ``num_blocks`` costs no page commits now;
+        ``on_done`` is called once, when the commit it starts ends (at once if it starts none)."""
+        return self.device_store.commit_ahead(num_blocks, on_done)
+
+    @property
+    def commit_in_flight(self) -> bool:
+        return self.device_store.commit_in_flight
+
+    @property
+    def committed_ahead_blocks(self) -> int:
+        return self.device_store.committed_ahead_blocks
 
     def copy_blocks(self, moves: list[tuple[int, int]]) -> None:
         """Copy moved blocks' KV (old id -> new id): compaction's only copy."""
