@@ -244,20 +244,20 @@ class PoolController:
         """A waiting request lacks ``num_short`` blocks while others run: grow as for any allocation, but
         not by waiting on a background commit (the running requests' step goes on without the newcomer,
         and the pages are in a step or two later)."""
-        if self.policy is None or self.clock() < self._grow_blocked_until:
-            return False
-        if self._take_committed_ahead(num_short):
-            return True
-        if self.storage.commit_in_flight:
+        if self.storage.commit_in_flight and self.policy is not None and not self._covered_ahead(num_short):
             return False
         return self.grow_for_allocation(num_short)
 
+    def _covered_ahead(self, num_short: int) -> int:
+        """The pool size a background commit has made resident (within the budget) when it covers
+        ``num_short`` more blocks, else 0."""
+        ahead = min(self.storage.committed_ahead_blocks, max(self.policy.max_blocks, self.kv.num_blocks))
+        return ahead if ahead >= self.kv.num_blocks + num_short else 0
+
     def _take_committed_ahead(self, num_short: int) -> bool:
         """Grow onto the blocks a background commit has made resident, if they cover ``num_short``."""
-        ahead = min(self.storage.committed_ahead_blocks, max(self.policy.max_blocks, self.kv.num_blocks))
-        if ahead < self.kv.num_blocks + num_short:
-            return False
-        return self._resize(ahead, "grow on demand")
+        ahead = self._covered_ahead(num_short)
+        return bool(ahead) and self._resize(ahead, "grow on demand")
 
     def shrink(self, target: int, reason: str) -> int:
         """Keep the most valuable cached prefixes that fit below ``target`` beside the used blocks, move
