@@ -585,6 +585,7 @@ def test_with_every_core_in_the_step_a_background_commit_is_lent_one(make_llm, r
     assert lent_while_committing and all(n == 1 for n in lent_while_committing)
     assert cores.lent_cores() == 0  # every core came back
     assert any("committed in the background" in r.message for r in caplog.records)
+    assert llm.engine.pool.num_background_commits >= 1
 
     lent_while_committing.clear()
     monkeypatch.setattr(pool_controller, "intra_op_threads", lambda: 1)

@@ -31,7 +31,8 @@ def test_engine_snapshot_is_exported_under_vllm_names():
                         kv_cache_pool_bytes=2048, kv_cache_pool_blocks=8, kv_cache_block_size=16,
                         kv_cache_budget_bytes=4096, memory_utilization=0.25, prompt_tokens=70,
                         generation_tokens=30, kv_cache_used_blocks=4, kv_cache_cached_blocks=3,
-                        kv_cache_resizes=6, kv_cache_grow_failures=1, num_swap_ins=2)
+                        kv_cache_resizes=6, kv_cache_grow_failures=1, num_swap_ins=2,
+                        kv_cache_background_commits=4)
     m = ServerMetrics()
     m.attach_engine("tiny", lambda: stats, {"block_size": "16"})
     v = samples(m)
@@ -44,6 +45,7 @@ def test_engine_snapshot_is_exported_under_vllm_names():
                 "vllm:kv_cache_block_size_choices_count": 1, "vllm:kv_cache_block_size_choices_sum": 16,
                 "vllm:kv_cache_used_blocks": 4, "vllm:kv_cache_cached_blocks": 3,
                 "vllm:kv_cache_resizes_total": 6, "vllm:kv_cache_grow_failures_total": 1,
+                "vllm:kv_cache_background_commits_total": 4,
                 "vllm:num_swap_ins_total": 2, "vllm:cache_config_info": 1}
     for name, want in expected.items():
         assert value(v, name, model_name="tiny") == want, name

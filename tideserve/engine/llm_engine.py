@@ -514,6 +514,7 @@ class LLMEngine:
             kv_cache_used_blocks=self.pool.num_used_blocks(),
             kv_cache_cached_blocks=self.pool.num_cached_blocks(),
             kv_cache_resizes=self.pool.num_resizes,
+            kv_cache_background_commits=self.pool.num_background_commits,
             kv_cache_grow_failures=self.pool.num_grow_failures,
             num_swap_ins=self.scheduler.num_swap_ins,
             swap_pool_usage=swap.usage() if swap else 0.0,

@@ -70,6 +70,7 @@ class PoolController:
         self.num_resizes = 0
         self.num_compactions = 0
         self.num_grow_failures = 0
+        self.num_background_commits = 0  # growths onto pages a background thread committed
         self.resize_seconds = 0.0  # time spent resizing (the store's commits and releases)
         self.block_size_changes: list[int] = [kv.block_size]
         self._last_pressure_check = -math.inf
@@ -183,6 +184,7 @@ class PoolController:
         elapsed = time.perf_counter() - start
         self.resize_seconds += elapsed
         self.num_resizes += 1
+        self.num_background_commits += committed_before
         changed = abs(target - before) * self.bytes_per_block
         done = ("committed in the background" if committed_before else
                 f"{'committed' if target > before else 'released'} in {elapsed * 1e3:.1f} ms")

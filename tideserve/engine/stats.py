@@ -25,6 +25,7 @@ class EngineStats:
     kv_cache_used_blocks: int = 0  # blocks held by requests
     kv_cache_cached_blocks: int = 0  # free blocks still holding a cached prefix
     kv_cache_resizes: int = 0  # counter: pool grows and shrinks
+    kv_cache_background_commits: int = 0  # counter: growths whose pages a background thread committed
     kv_cache_grow_failures: int = 0  # counter: growths refused by the device (out of memory)
     num_swap_ins: int = 0  # counter: preempted requests resumed by copying their KV back
     swap_pool_usage: float = 0.0  # 0..1

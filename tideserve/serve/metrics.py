@@ -64,6 +64,8 @@ _COUNTERS = (
     ("vllm:num_swap_ins", "Preempted requests resumed by copying their KV back from the host tier.",
      "num_swap_ins"),
     ("vllm:kv_cache_resizes", "Elastic pool grows and shrinks.", "kv_cache_resizes"),
+    ("vllm:kv_cache_background_commits", "Pool growths whose pages a background thread committed first.",
+     "kv_cache_background_commits"),
     ("vllm:kv_cache_grow_failures", "Pool growths the device refused (out of memory); the pool backed off.",
      "kv_cache_grow_failures"),
     ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
