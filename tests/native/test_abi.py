@@ -15,7 +15,7 @@ from tideserve import native
 HEADER = Path(native.__file__).with_name("tideserve_native.h")
 # A prototype or definition at the start of a line: return type, ts_ name, parameter list.
 PROTOTYPE = re.compile(r"^(?:const\s+)?(\w+)\s*\*?\s*(ts_\w+)\(([^)]*)\)", re.MULTILINE)
-RESTYPES = {"void": None, "int": ctypes.c_int, "uint32_t": ctypes.c_uint32}
+RESTYPES = {"void": None, "int": ctypes.c_int, "uint32_t": ctypes.c_uint32, "int64_t": ctypes.c_int64}
 
 
 def _declarations(text: str) -> dict[str, tuple[str, int]]:

@@ -134,15 +134,63 @@ def int_tiles(request):
         yield request.param
 
 
+@pytest.fixture
+def small_tile_chunks():
+    """Chunks of rows the tiles sweep set to 128 KiB of activations (under 190 rows of 512 values), so 403
+    rows take three chunks whatever this CPU's L2 makes the default."""
+    previous = quant.set_tile_chunk_bytes(128 * 1024)
+    yield
+    quant.set_tile_chunk_bytes(previous)
+
+
 @pytest.mark.parametrize(("qtype", "layout"), [*((q, "rows") for q in FORMATS), *((q, "x8") for q in X8_FORMATS)])
 @pytest.mark.parametrize("rows", [1, 3, 5, 6, 8, 15, 16, 37, 70, 403])
-def test_integer_tiles_equal_the_scalar_path(qtype, layout, rows, int_tiles):
+def test_integer_tiles_equal_the_scalar_path(qtype, layout, rows, int_tiles, small_tile_chunks):
     """Panels of 16 weight rows (100 rows: the last panel is partly empty, half of it an interleaved group
     in the x8 layout), micro tiles of 4 rows of x on AVX2 and 8 on AVX-512 (every remainder, 1 to 7),
     every format's int16 chain and Q6_K's per-half scales; 403 rows take three chunks of rows the panels
-    sweep (a chunk's activations fit 128 KiB: under 190 rows of 512 values), each panel decoded once per
-    chunk."""
+    sweep, each panel decoded once per chunk."""
     assert_matches_the_scalar_path(qtype, rows, seed=2, layout=layout)
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q6_k", "q8_0"])
+def test_integer_tiles_give_the_same_product_for_every_chunk_of_rows(qtype, int_tiles):
+    """The chunk of rows only orders the work (a panel decoded once per chunk): one chunk of 600 rows, the
+    default sized from L2, and chunks of 8 rows give the same bits."""
+    data, _ = weight(qtype, n=100, seed=6)
+    x = torch.randn(600, 512, generator=torch.Generator().manual_seed(7)) * 3
+    mat = quant.make_qmat([(qtype, data)], 512, None)
+    default = quant.qmatmul(x, mat)
+    got = {}
+    for chunk in (1 << 30, 8 * (512 + 12 * 16)):
+        previous = quant.set_tile_chunk_bytes(chunk)
+        try:
+            assert quant.tile_chunk_bytes() == chunk
+            got[chunk] = quant.qmatmul(x, mat)
+        finally:
+            quant.set_tile_chunk_bytes(previous)
+    for product in got.values():
+        assert torch.equal(product, default)
+
+
+def test_the_tiles_chunk_of_rows_is_half_the_l2():
+    """Without an override the chunk is half the core's L2 as the C library reports it (64 KiB to 2 MiB),
+    or 128 KiB where it reports none; an override of 0 restores it."""
+    if not quant.available():
+        pytest.skip("no native kernels")
+    import ctypes
+
+    l2 = ctypes.CDLL(None).sysconf(191)  # glibc's _SC_LEVEL2_CACHE_SIZE (Python's os.sysconf lacks the name)
+    want = min(max(l2 // 2, 64 * 1024), 2 * 1024 * 1024) if l2 > 0 else 128 * 1024
+    previous = quant.set_tile_chunk_bytes(0)
+    try:
+        assert quant.tile_chunk_bytes() == want
+        quant.set_tile_chunk_bytes(12345)
+        assert quant.tile_chunk_bytes() == 12345
+        quant.set_tile_chunk_bytes(0)
+        assert quant.tile_chunk_bytes() == want
+    finally:
+        quant.set_tile_chunk_bytes(previous)
 
 
 @pytest.fixture(params=INT_PATHS)

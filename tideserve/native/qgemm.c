@@ -32,11 +32,13 @@
  * A layer may hold several segments of different formats (a fused q|k|v whose v rows are Q8_0 while q
  * and k are Q5_0, as llama.cpp's Q4_K_M mixes them); each writes its own range of output columns.
  */
+#define _GNU_SOURCE /* sysconf(_SC_LEVEL2_CACHE_SIZE) under -std=c11 */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "tideserve_native.h" /* includes qgemm_formats.h */
 #include "ts_simd.h"          /* ts_exp */
@@ -87,6 +89,41 @@ static int gemv_max_rows(int isa, int64_t type) {
 }
 static int ts_tile_min_rows_override = 0; /* 0: each path's own threshold */
 static int ts_gemv_enabled = 1;           /* AVX2's matrix-vector kernel below the tiles (tests turn it off) */
+
+/* The integer tiles sweep a batch's rows in chunks whose int8 activations (with their scales) stay in L2
+ * while every panel of a thread passes over them, each panel decoded once per chunk. Half the core's L2
+ * leaves the other half to the panels and the output rows. A fixed 128 KiB was measured best in 256-bit
+ * tiles over whole 2,048-row steps (twelfth round of docs/benchmarks.md); with 512-bit tiles and 512-token
+ * slabs, a chunk of 128 KiB cut a slab in four and each panel was decoded four times: half of a 1 MiB L2
+ * made a Zen 5's prefill 3-6% faster (twentieth round). Without a figure from the C library, 128 KiB. */
+#define TS_TILE_CHUNK_FALLBACK (128 * 1024)
+#define TS_TILE_CHUNK_MIN (64 * 1024)
+#define TS_TILE_CHUNK_MAX (2 * 1024 * 1024)
+static int64_t ts_tile_chunk_override = 0; /* 0: from the L2 size */
+
+static int64_t ts_tile_chunk_from_l2(void) {
+    static int64_t chunk = 0; /* every thread computes the same value: a race here is benign */
+    if (chunk == 0) {
+        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        int64_t bytes = l2 > 0 ? (int64_t)l2 / 2 : TS_TILE_CHUNK_FALLBACK;
+        bytes = bytes < TS_TILE_CHUNK_MIN ? TS_TILE_CHUNK_MIN : bytes > TS_TILE_CHUNK_MAX ? TS_TILE_CHUNK_MAX : bytes;
+        chunk = bytes;
+    }
+    return chunk;
+}
+
+/* Activation bytes per chunk of rows the integer tiles sweep (ts_qgemm_set_tile_chunk_bytes overrides it). */
+int64_t ts_qgemm_tile_chunk_bytes(void) {
+    return ts_tile_chunk_override > 0 ? ts_tile_chunk_override : ts_tile_chunk_from_l2();
+}
+
+/* Overrides the chunk of rows the integer tiles sweep, in activation bytes; 0 restores the L2-sized default.
+ * Returns the previous override (tests and benchmarks: results are the same for every chunk). */
+int64_t ts_qgemm_set_tile_chunk_bytes(int64_t bytes) {
+    const int64_t previous = ts_tile_chunk_override;
+    ts_tile_chunk_override = bytes < 0 ? 0 : bytes;
+    return previous;
+}
 /* How far ahead of the row being multiplied the weight stream is prefetched, in bytes. A row kernel does
  * a few dozen instructions per 32-value block, so with the hardware prefetchers alone only a handful of
  * cache lines are in flight and a decode step runs at the L3's latency, not its bandwidth (measured: a

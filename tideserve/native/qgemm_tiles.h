@@ -23,9 +23,6 @@
 #define TS_TILE_ROWS_MAX 8 /* the most rows of x a micro tile holds (TS_SIMD_TILE_ROWS per build) */
 /* r rows, or the build's micro tile if fewer: a remainder case a build with smaller tiles never reaches */
 #define TS_TILE_MIN(r) ((r) < TS_SIMD_TILE_ROWS ? (r) : TS_SIMD_TILE_ROWS)
-#ifndef TS_TILE_CHUNK_BYTES
-#define TS_TILE_CHUNK_BYTES (128 * 1024) /* activation bytes per chunk of rows the panels sweep */
-#endif
 
 /* One panel, decoded. Block b, step g (values 4g .. 4g + 3 of the block), column half h: 32 bytes whose
  * 4c + i is that value's code in output column 8h + c. */
@@ -454,7 +451,7 @@ static int TS_SIMD(tiles_matmul_share)(const ts_qmat *w, const ts_act *a, int64_
      * sweeps them; a panel is decoded once per chunk. One sweep over 2048 rows of 576 values (1.6 MB)
      * spilled L2 and ran the prefill's products at 0.6-0.7 of the rate a 256-row batch reaches. */
     const int64_t row_bytes = k + 12 * kb; /* codes, d, and the two sums per block */
-    int64_t chunk = TS_TILE_CHUNK_BYTES / row_bytes / TS_SIMD_TILE_ROWS * TS_SIMD_TILE_ROWS;
+    int64_t chunk = ts_qgemm_tile_chunk_bytes() / row_bytes / TS_SIMD_TILE_ROWS * TS_SIMD_TILE_ROWS;
     if (chunk < TS_SIMD_TILE_ROWS) chunk = TS_SIMD_TILE_ROWS;
     for (int64_t m0 = 0; ok && m0 < m; m0 += chunk) {
         const int64_t m1 = m - m0 < chunk ? m : m0 + chunk;

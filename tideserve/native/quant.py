@@ -79,6 +79,10 @@ def _lib() -> ctypes.CDLL | None:
     lib.ts_qgemm_set_tile_min_rows.argtypes = [cint]
     lib.ts_qgemm_set_gemv.restype = cint
     lib.ts_qgemm_set_gemv.argtypes = [cint]
+    lib.ts_qgemm_tile_chunk_bytes.restype = i64
+    lib.ts_qgemm_tile_chunk_bytes.argtypes = []
+    lib.ts_qgemm_set_tile_chunk_bytes.restype = i64
+    lib.ts_qgemm_set_tile_chunk_bytes.argtypes = [i64]
     forced = os.environ.get("TIDESERVE_QGEMM_ISA", "").strip().lower()
     if forced:
         if forced not in ISA_NAMES:
@@ -175,6 +179,25 @@ def set_tile_min_rows(rows: int) -> int:
     if lib is None:
         raise RuntimeError("the native kernels are not available")
     return lib.ts_qgemm_set_tile_min_rows(rows)
+
+
+def tile_chunk_bytes() -> int:
+    """Activation bytes per chunk of rows the integer tiles sweep, each panel decoded once per chunk: half
+    the core's L2 unless ``set_tile_chunk_bytes`` overrides it."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the native kernels are not available")
+    return int(lib.ts_qgemm_tile_chunk_bytes())
+
+
+def set_tile_chunk_bytes(num_bytes: int) -> int:
+    """Override the integer tiles' chunk of rows (in activation bytes); 0 restores the L2-sized default.
+    Returns the previous override (0: none). The product is the same for every chunk: for tests and
+    benchmarks."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the native kernels are not available")
+    return int(lib.ts_qgemm_set_tile_chunk_bytes(num_bytes))
 
 
 def preferred_layout(qtype: str) -> str:

@@ -135,6 +135,8 @@ int ts_qgemm_isa(void);                      /* the best this CPU and build have
 int ts_qgemm_set_isa(int cap);               /* cap the path (tests); returns the previous cap */
 int ts_qgemm_set_tile_min_rows(int rows);    /* rows from which tiles replace row kernels (0: per path); returns previous */
 int ts_qgemm_set_gemv(int enabled);          /* AVX2 matrix-vector kernel below the tiles on/off; returns previous */
+int64_t ts_qgemm_tile_chunk_bytes(void);     /* activation bytes per chunk of rows the integer tiles sweep */
+int64_t ts_qgemm_set_tile_chunk_bytes(int64_t bytes); /* override it (0: half the L2); returns previous */
 int ts_qgemm_active_isa(void);               /* the path taken now */
 int ts_qgemm_kernel_for(int64_t m, int64_t type); /* 0 row kernels, 1 AVX2 tiles, 2 AMX tiles: m rows, a format */
 /* out[m, n] = act(x)[m, k] @ w^T (+ bias); act 1: x is [m, 2k] (gate | up) and silu(gate) * up is used.
