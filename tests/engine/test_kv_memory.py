@@ -620,6 +620,73 @@ def test_admission_takes_pages_committed_ahead_and_does_not_wait_for_the_rest(ma
     assert pool.grow_for_allocation(short) is True and resized[-1] > n + 10
 
 
+def test_an_allocation_inside_a_commit_under_way_grows_by_what_it_needs(make_llm, monkeypatch):
+    """While a background commit is under way towards enough blocks, an allocation short of blocks grows
+    the pool by what it lacks (or onto what is resident already, if more), so the store waits for those
+    pages only; past the commit's goal it grows as the policy says."""
+    from tideserve.worker.kv_store import KVCacheStorage
+
+    llm = make_llm(dtype="float32", enable_prefix_caching=False, max_model_len=512)
+    pool = llm.engine.pool
+    n = pool.kv.num_blocks
+    ahead = {"resident": n, "goal": n + 40, "in_flight": True}
+    monkeypatch.setattr(KVCacheStorage, "committed_ahead_blocks", property(lambda self: ahead["resident"]))
+    monkeypatch.setattr(KVCacheStorage, "commit_goal_blocks", property(lambda self: ahead["goal"]))
+    monkeypatch.setattr(KVCacheStorage, "commit_in_flight", property(lambda self: ahead["in_flight"]))
+    monkeypatch.setattr(pool.policy, "grow_target", lambda num_blocks, *args: num_blocks + 100)  # the policy's
+    resized = []
+    real_resize = KVCacheStorage.resize
+    monkeypatch.setattr(KVCacheStorage, "resize", lambda self, b: (resized.append(b), real_resize(self, b)))
+    assert pool.grow_for_allocation(3) is True and resized == [n + 3]
+    ahead["resident"] = n + 10
+    assert pool.grow_for_allocation(20) is True and resized[-1] == n + 3 + 20  # past what is resident
+    ahead["goal"] = pool.kv.num_blocks  # the commit's goal is reached: the policy's growth
+    assert pool.grow_for_allocation(2) is True and resized[-1] == n + 3 + 20 + 100
+
+
+def test_a_bursts_first_allocation_commits_what_the_requests_hold_in_the_background(make_llm, reference,
+                                                                                      monkeypatch):
+    """With requests waiting that will hold many blocks, the first allocation short of blocks starts a
+    background commit towards what they hold (lent a core), and grows the pool only by what it lacks now;
+    the burst's answers are the reference's, and every core comes back."""
+    from tideserve.engine import pool_controller
+    from tideserve.native import cores
+    from tideserve.worker.kv_store import KVCacheStorage, ReservedKVStore
+
+    monkeypatch.setattr(pool_controller, "COMMIT_AHEAD_MIN_BYTES", 0)
+    monkeypatch.setattr(pool_controller, "host_core_free", lambda: False)
+    monkeypatch.setattr(pool_controller, "intra_op_threads", lambda: 2)
+    goals, lent = [], []
+    real_commit_ahead = KVCacheStorage.commit_ahead
+
+    def commit_ahead(self, num_blocks, on_done=None):
+        goals.append(num_blocks)
+        lent.append(cores.lent_cores())
+        return real_commit_ahead(self, num_blocks, on_done)
+
+    monkeypatch.setattr(KVCacheStorage, "commit_ahead", commit_ahead)
+    llm = make_llm(dtype="float32", enable_prefix_caching=False, max_model_len=512)
+    assert isinstance(llm.engine.pool.storage.device_store, ReservedKVStore)
+    pool = llm.engine.pool
+    n = pool.kv.num_blocks
+    for ids in chats(llm) * 4:
+        llm.engine.add_request(ids, GREEDY, prompt_token_ids=ids)
+    known = pool.known_blocks()
+    assert known > n + 1
+    resized = []
+    real_resize = KVCacheStorage.resize
+    monkeypatch.setattr(KVCacheStorage, "resize", lambda self, b: (resized.append(b), real_resize(self, b)))
+    assert pool.grow_for_allocation(1) is True
+    assert goals and goals[0] >= known and lent[0] == 1  # on to what the requests hold, a core lent
+    assert resized[0] < goals[0]  # this growth did not wait for the whole commit
+    outs = []
+    while llm.engine.has_unfinished_requests():
+        outs += [o for o in llm.engine.step() if o.finished]
+    assert sorted(token_lists(outs)) == sorted(reference * 4)
+    pool.storage.device_store._join_ahead()
+    assert cores.lent_cores() == 0
+
+
 def test_a_core_is_free_only_when_the_step_leaves_one(monkeypatch):
     from tideserve.engine import pool_controller
 

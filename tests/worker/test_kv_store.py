@@ -341,6 +341,63 @@ def test_a_growth_takes_the_blocks_committed_so_far_while_the_background_commit_
     assert_pattern(store, range(10))
 
 
+def test_a_growth_past_the_committed_part_waits_only_for_the_pages_it_needs(monkeypatch):
+    """A growth inside a background commit's goal but past what it has made resident waits until the
+    thread has committed that far, not for the whole commit; it commits nothing itself, and the thread
+    goes on to its goal afterwards."""
+    import threading
+
+    import tideserve.worker.kv_store as kv_store
+
+    monkeypatch.setattr(kv_store, "AHEAD_CHUNK_BYTES", 2 * LAYOUT.num_layers * 64 * 1024)  # 64 KiB per region
+    regions = 2 * LAYOUT.num_layers
+    real = kv_store._libc_madvise()
+    allowed, calls = [3 * regions], []  # the thread may make this many calls, then waits for more
+    more = threading.Condition()
+
+    def madvise(addr, length, advice):
+        with more:
+            assert more.wait_for(lambda: len(calls) < allowed[0], 30)
+            calls.append(length)
+        return real(addr, length, advice)
+
+    monkeypatch.setattr(kv_store, "_libc_madvise", lambda: madvise)
+    store = ReservedKVStore(LAYOUT, BS, num_blocks=10, reserve_bytes=512 * MiB)
+    fill_pattern(store, range(10))
+    assert store.commit_goal_blocks == 10  # nothing under way
+    assert store.commit_ahead(1000) is False
+    assert store.commit_goal_blocks >= 1000
+    for _ in range(3000):
+        if len(calls) >= 3 * regions and store.committed_ahead_blocks > 10:
+            break
+        store._ahead_thread.join(0.01)
+    ready = store.committed_ahead_blocks
+    target = ready + 3  # in the fourth chunk (64 KiB per region holds 128 tokens: 8 blocks)
+    committed = []
+    real_commit = store._commit
+    monkeypatch.setattr(store, "_commit", lambda lo, hi: (committed.append(max(0, hi - lo)), real_commit(lo, hi)))
+    grower = threading.Thread(target=store.resize, args=(target,))
+    grower.start()
+    grower.join(0.3)
+    assert grower.is_alive() and store.num_blocks == 10  # waiting for the fourth chunk
+    with more:
+        allowed[0] = 5 * regions  # two more chunks, then the thread waits again
+        more.notify_all()
+    grower.join(30)
+    assert not grower.is_alive() and store.num_blocks == target
+    assert store.commit_in_flight and len(calls) <= 5 * regions  # the rest of the commit still to come
+    assert sum(committed) == 0
+    assert_pattern(store, range(10))
+    with more:
+        allowed[0] = 1 << 30
+        more.notify_all()
+    store._ahead_thread.join(30)
+    assert store.committed_ahead_blocks >= 1000 and store.commit_goal_blocks == store.committed_ahead_blocks
+    store.resize(1000)
+    assert sum(committed) == 0 and mapping_rss(store) >= 1000 * BLOCK
+    assert_pattern(store, range(10))
+
+
 def test_a_shrink_stops_the_background_commit_and_hands_its_pages_back(monkeypatch):
     import tideserve.worker.kv_store as kv_store
 

@@ -231,7 +231,11 @@ class PoolController:
     def grow_for_allocation(self, num_short: int = 1) -> bool:
         """The scheduler lacks ``num_short`` free blocks: grow if the budget and the machine allow (else
         it preempts or waits). Blocks whose pages a background commit has made resident already are
-        taken first, all of them (they cost nothing more)."""
+        taken first, all of them (they cost nothing more). When the requests already in the engine will
+        hold a large growth's worth more (a burst's first admissions), their pages are committed in the
+        background from here on, and this growth waits only for the pages it needs: on a VM whose host
+        takes freed memory back, a burst's first growths on the engine's thread were 0.3-0.5 s in which
+        neither core computed (docs/benchmarks.md, twentieth round)."""
         if self.policy is None or self.clock() < self._grow_blocked_until:
             return False
         if self._take_committed_ahead(num_short):
@@ -240,6 +244,13 @@ class PoolController:
                                          self._reachable_blocks, self.demand_blocks)
         if target is None:
             return False
+        need = self.kv.num_blocks + max(1, num_short)
+        if not self.storage.commit_in_flight:
+            ahead = self._ahead_target(target)
+            if (ahead - self.kv.num_blocks) * self.bytes_per_block >= COMMIT_AHEAD_MIN_BYTES:
+                self._commit_ahead(ahead)
+        if self.storage.commit_in_flight and self.storage.commit_goal_blocks >= need:
+            target = min(target, max(need, self.storage.committed_ahead_blocks))
         return self._resize(target, "grow on demand")
 
     def grow_to_admit(self, num_short: int = 1) -> bool:

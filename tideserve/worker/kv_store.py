@@ -153,6 +153,12 @@ class KVStore(ABC):
         """The largest pool whose pages are committed already (a resize to it commits nothing)."""
         return self.num_blocks
 
+    @property
+    def commit_goal_blocks(self) -> int:
+        """The largest pool a background commit under way will have made resident (a growth up to it waits
+        only for the part it needs); ``committed_ahead_blocks`` when none is."""
+        return self.committed_ahead_blocks
+
     @abstractmethod
     def reshape_blocks(self, new_block_size: int) -> int:
         """Read the pool with another block size; only while no block holds live KV. Returns the new
@@ -219,6 +225,8 @@ class ReservedKVStore(KVStore):
         self._ahead_target = 0
         self._ahead_failed = False
         self._ahead_cancel = threading.Event()
+        self._ahead_progress = threading.Condition()  # notified as each chunk is done, and when the thread ends
+        self._ahead_done = True  # whether the latest thread has ended (set under _ahead_progress)
         elem = raw.new_empty((), dtype=layout.dtype).element_size()
         self._regions = raw[:, :_round_down(self.region_bytes, elem)].view(layout.dtype)
         self.capacity_tokens = self.region_bytes // layout.token_bytes
@@ -276,6 +284,7 @@ class ReservedKVStore(KVStore):
                 return True
             self._ahead_target = max(self._ahead_target, end)
             self._ahead_cancel.clear()
+            self._ahead_done = False
             self._ahead_thread = threading.Thread(target=self._commit_range, args=(start, end, on_done),
                                                   name="kv-commit-ahead", daemon=True)
             self._ahead_thread.start()
@@ -293,6 +302,12 @@ class ReservedKVStore(KVStore):
     def committed_ahead_blocks(self) -> int:
         return max(self.num_blocks, self._ahead_end // (self.block_size * self.layout.token_bytes))
 
+    @property
+    def commit_goal_blocks(self) -> int:
+        if not self.commit_in_flight:
+            return self.committed_ahead_blocks
+        return max(self.num_blocks, self._ahead_target // (self.block_size * self.layout.token_bytes))
+
     def _commit_range(self, start: int, end: int, on_done: Callable[[], None] | None = None) -> None:
         """The background half of commit_ahead: every region's [start, end), a chunk of every region at a
         time; each chunk done moves ``_ahead_end``. Stops early when asked (a shrink or a block-size
@@ -309,10 +324,21 @@ class ReservedKVStore(KVStore):
                                                   MADV_POPULATE_WRITE) != 0:
                         self._ahead_failed = True  # resize commits the rest itself and reports the kernel's answer
                         return
-                self._ahead_end = hi
+                with self._ahead_progress:
+                    self._ahead_end = hi
+                    self._ahead_progress.notify_all()
         finally:
+            with self._ahead_progress:
+                self._ahead_done = True
+                self._ahead_progress.notify_all()
             if on_done is not None:
                 on_done()
+
+    def _wait_ahead(self, end: int) -> None:
+        """Wait until the background commit has made bytes up to ``end`` resident, or has ended (done,
+        stopped or failed): a growth inside its goal needs those pages, not the whole commit."""
+        with self._ahead_progress:
+            self._ahead_progress.wait_for(lambda: self._ahead_end >= end or self._ahead_done)
 
     def _join_ahead(self, cancel: bool = False) -> None:
         if self._ahead_thread is not None:
@@ -371,8 +397,11 @@ class ReservedKVStore(KVStore):
         if num_blocks > self.capacity_blocks:
             raise KVStoreGrowError(f"{num_blocks} blocks exceed the reservation of {self.capacity_blocks}")
         old_end, new_end = self._end_bytes(self.num_blocks), self._end_bytes(num_blocks)
-        # A growth within what the background thread has committed so far leaves it running; any other
-        # resize waits for it (a shrink stops it first: its pages go back with the tail).
+        # A growth within what the background thread has committed so far leaves it running, and one within
+        # the thread's goal first waits for the part it needs; any other resize waits for the whole commit
+        # (a shrink stops it first: its pages go back with the tail).
+        if old_end < new_end <= self._ahead_target and self.commit_in_flight:
+            self._wait_ahead(new_end)
         if not (old_end < new_end <= self._ahead_end):
             self._join_ahead(cancel=new_end < old_end)
             self._ahead_failed = False
@@ -592,6 +621,10 @@ class KVCacheStorage:
     @property
     def committed_ahead_blocks(self) -> int:
         return self.device_store.committed_ahead_blocks
+
+    @property
+    def commit_goal_blocks(self) -> int:
+        return self.device_store.commit_goal_blocks
 
     def copy_blocks(self, moves: list[tuple[int, int]]) -> None:
         """Copy moved blocks' KV (old id -> new id): compaction's only copy."""
