@@ -143,6 +143,44 @@ def small_tile_chunks():
     quant.set_tile_chunk_bytes(previous)
 
 
+def test_a_quantized_weight_keeps_the_memory_it_points_into():
+    """The struct the kernels read holds the weight and bias by address; built from temporaries that the
+    caller drops (and whose memory the next allocations would reuse), it still multiplies the same."""
+    import gc
+
+    data, _ = weight("q4_1", n=64, k=256, seed=11)
+    bias = torch.randn(64)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(12))
+    want = quant.qmatmul(x, quant.make_qmat([("q4_1", data)], 256, bias))
+    mat = quant.make_qmat([("q4_1", data.clone())], 256, bias.clone())
+    gc.collect()
+    litter = [torch.full_like(data, 0xFF) for _ in range(8)] + [torch.full_like(bias, float("nan")) for _ in range(8)]
+    assert torch.equal(quant.qmatmul(x, mat), want)
+    del litter
+
+
+def test_every_path_quantizes_x_to_the_same_bits(isa):
+    """A matmul's input is rounded to 8 bits per block of 32 (scale = the block's largest magnitude / 127,
+    codes rounded to nearest even, each 16-value half's code sum times the scale) bit for bit alike on
+    every path, and as numpy computes it in float32; a zero block, values at a rounding tie and the
+    block's extreme included."""
+    x = torch.randn(37, 576, generator=torch.Generator().manual_seed(3)) * 3
+    x[0, :32] = 0.0  # a zero block: scale 0, codes 0
+    x[1, :32] = torch.arange(32) - 15.5  # amax 15.5: x / (15.5 / 127) lands on ties (.5) for some values
+    x[2, 64:96] *= 1e6  # large magnitudes
+    q, scale, sums = quant.quantize_rows(x)
+    xb = x.numpy().reshape(37, -1, 32)
+    d = (np.abs(xb).max(axis=2) / np.float32(127)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    codes = np.rint(xb * inv[..., None]).astype(np.int32)
+    half_sums = codes.reshape(37, -1, 2, 16).sum(axis=3).astype(np.float32) * d[..., None]
+    assert np.array_equal(q.numpy().reshape(37, -1, 32), codes.astype(np.int8))
+    assert np.array_equal(scale.numpy().reshape(37, -1), d)
+    assert np.array_equal(sums.numpy().reshape(37, -1, 2), half_sums)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.quantize_rows(torch.zeros(2, 40))
+
+
 @pytest.mark.parametrize(("qtype", "layout"), [*((q, "rows") for q in FORMATS), *((q, "x8") for q in X8_FORMATS)])
 @pytest.mark.parametrize("rows", [1, 3, 5, 6, 8, 15, 16, 37, 70, 403])
 def test_integer_tiles_equal_the_scalar_path(qtype, layout, rows, int_tiles, small_tile_chunks):

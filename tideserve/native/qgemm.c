@@ -232,6 +232,16 @@ static void quantize_row_q8(const float *x, int64_t k, int8_t *q, float *scale, 
     }
 }
 
+/* Rows of x quantized as every matmul over block-quantized weights quantizes them (the tests compare the
+ * ISA paths of quantize_row_q8 bit for bit): q [m, k] codes, scale [m, k / 32], sums [m, 2 k / 32] (each
+ * 16-value half's code sum times the block's scale). Returns 0, or -1 when k is not a multiple of 32. */
+int ts_qgemm_quantize_rows_f32(const float *x, int64_t m, int64_t k, int8_t *q, float *scale, float *sums) {
+    if (k % TS_QBLOCK != 0 || m < 0) return -1;
+    const int64_t kb = k / TS_QBLOCK;
+    for (int64_t i = 0; i < m; i++) quantize_row_q8(x + i * k, k, q + i * k, scale + i * kb, sums + 2 * i * kb);
+    return 0;
+}
+
 /* silu(gate) * up for one row whose first k values are the gate and next k the up projection. ts_exp's
  * polynomial (about 2 ulp) in vectors where the CPU has them: libm's expf, a call per value, was 5% of a
  * prefill, and a scalar loop with the polynomial's clamps branches on every value. */

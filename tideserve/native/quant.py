@@ -181,6 +181,23 @@ def set_tile_min_rows(rows: int) -> int:
     return lib.ts_qgemm_set_tile_min_rows(rows)
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [m, k] (float32, k a multiple of 32) as the kernels quantize a matmul's input on the path in
+    force: int8 codes [m, k], each block's scale [m, k / 32] and each 16-value half's code sum times that
+    scale [m, k / 16]. For tests: every ISA path must give the same bits."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the native kernels are not available")
+    x = x.contiguous().float()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    scale = torch.empty(m, k // 32)
+    sums = torch.empty(m, k // 16)
+    if lib.ts_qgemm_quantize_rows_f32(x.data_ptr(), m, k, q.data_ptr(), scale.data_ptr(), sums.data_ptr()) != 0:
+        raise ValueError(f"k must be a multiple of 32, got {k}")
+    return q, scale, sums
+
+
 def tile_chunk_bytes() -> int:
     """Activation bytes per chunk of rows the integer tiles sweep, each panel decoded once per chunk: half
     the core's L2 unless ``set_tile_chunk_bytes`` overrides it."""
@@ -227,8 +244,8 @@ def relayout(qtype: str, data: torch.Tensor, in_features: int, to: str) -> torch
 def make_qmat(segments: list[tuple[str, torch.Tensor]], in_features: int, bias: torch.Tensor | None,
               layouts: list[str] | None = None) -> QMat:
     """The kernel's description of a weight whose rows are ``segments`` ((qtype, uint8 [rows, row_bytes])
-    in output order), each in its layout (default: the file's rows). The tensors must outlive the returned
-    struct."""
+    in output order), each in its layout (default: the file's rows). The struct holds the tensors' memory
+    by address, so it keeps references to them: a caller that drops its own cannot leave it dangling."""
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise ValueError(f"a quantized weight has 1 to {MAX_SEGMENTS} segments, got {len(segments)}")
     layouts = layouts or ["rows"] * len(segments)
@@ -239,6 +256,7 @@ def make_qmat(segments: list[tuple[str, torch.Tensor]], in_features: int, bias: 
     mat.bias = None if bias is None else bias.data_ptr()
     mat.n = sum(d.shape[0] for _, d in segments)
     mat.k = in_features
+    mat._keep = (tuple(data for _, data in segments), bias)  # the memory the pointers above point into
     return mat
 
 
