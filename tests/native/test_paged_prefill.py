@@ -66,14 +66,16 @@ def run_kernel(q, k_cache, v_cache, tables, starts, lens, computed, scale, num_t
 
 
 TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 3e-6}, torch.bfloat16: {"rtol": 2**-7, "atol": 1e-5}}
-# The AMX form (bfloat16 caches, head_dim a multiple of 32) rounds queries and probabilities to
-# bfloat16 for its tiles: errors of a bfloat16 rounding of the output's scale (measured: mean 2.5e-4, max
-# 0.009 on these cases' outputs of mean magnitude 0.13; a wrong pairing or tile order is off by 0.1 and more).
+# The bfloat16 forms (bfloat16 caches, head_dim a multiple of 32: AMX tiles, and vdpbf16ps on AVX-512 BF16
+# CPUs) round queries and probabilities to bfloat16 for their products: errors of a bfloat16 rounding of
+# the output's scale (measured: mean 2.5e-4, max 0.009 on these cases' outputs of mean magnitude 0.13; a
+# wrong pairing or tile order is off by 0.1 and more).
 AMX_TOLERANCE = {"rtol": 2**-7, "atol": 1.5e-2}
 
 
 def amx_form(isa: str, kv_dtype: torch.dtype, head_dim: int) -> bool:
-    return isa == "amx" and kv_dtype == torch.bfloat16 and head_dim % 32 == 0
+    """Whether prefill attention takes a bfloat16 form at level ``isa``."""
+    return isa in ("avx512bf16", "amx") and kv_dtype == torch.bfloat16 and head_dim % 32 == 0
 
 
 def tolerance(isa: str, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> dict[str, float]:
@@ -111,30 +113,33 @@ def test_every_path_matches_float64_and_the_scalar_reference(isa, on_scalar, cas
 
 
 @needs_kernel
-@pytest.mark.skipif(native.load_library() is None or "amx" not in native.supported_isas(),
-                    reason="this CPU or build has no amx path")
+@pytest.mark.parametrize("level", ["avx512bf16", "amx"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn],
                          ids=["kv-f32", "kv-bf16", "kv-fp8"])
-def test_the_amx_form_runs_over_a_bf16_cache_only(kv_dtype, request):
-    """At the amx level a bfloat16 cache takes the tiles (float32 queries rounded to bfloat16: not the
-    AVX-512 form's numbers, and closer to float64 attention over the rounded queries than to the unrounded
-    ones); float32 and fp8 caches keep the AVX-512 form's float32 arithmetic bit for bit."""
+def test_the_bf16_forms_run_over_a_bf16_cache_only(kv_dtype, level, request):
+    """At the avx512bf16 level (vdpbf16ps) and the amx level (tiles) a bfloat16 cache takes a bfloat16 form
+    (float32 queries rounded to bfloat16: not the AVX-512 form's numbers, and closer to float64 attention
+    over the rounded queries than to the unrounded ones); float32 and fp8 caches keep the AVX-512 form's
+    float32 arithmetic bit for bit."""
+    if native.load_library() is None or level not in native.supported_isas():
+        pytest.skip(f"this CPU or build has no {level} path")
     request.addfinalizer(lambda: native.set_isa("auto"))
     q, k_cache, v_cache, tables, starts, lens, computed = make_case([(0, 305), (40, 31)], 9, 3, 64, 16, seed=5,
                                                                     kv_dtype=kv_dtype)
     scale = 0.125
     outs = {}
-    for level in ("avx512bf16", "amx"):
-        assert native.set_isa(level) == level
-        outs[level] = run_kernel(q, k_cache, v_cache, tables, starts, lens, computed, scale)
+    for name in ("avx512", level):
+        assert native.set_isa(name) == name
+        outs[name] = run_kernel(q, k_cache, v_cache, tables, starts, lens, computed, scale)
+    assert native.prefill_uses_tiles(kv_dtype, 64) == (kv_dtype == torch.bfloat16)
     if kv_dtype != torch.bfloat16:
-        assert torch.equal(outs["amx"], outs["avx512bf16"])
+        assert torch.equal(outs[level], outs["avx512"])
         return
-    assert not torch.equal(outs["amx"], outs["avx512bf16"])
+    assert not torch.equal(outs[level], outs["avx512"])
     exact = reference(q, k_cache.float(), v_cache.float(), tables, starts, lens, computed, scale)
     rounded = reference(q.bfloat16().float(), k_cache.float(), v_cache.float(), tables, starts, lens, computed, scale)
-    assert (outs["amx"] - rounded).abs().mean() < (outs["amx"] - exact).abs().mean()
-    torch.testing.assert_close(outs["amx"], rounded, rtol=2**-7, atol=1e-2)
+    assert (outs[level] - rounded).abs().mean() < (outs[level] - exact).abs().mean()
+    torch.testing.assert_close(outs[level], rounded, rtol=2**-7, atol=1e-2)
 
 
 @needs_kernel

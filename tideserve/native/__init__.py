@@ -303,13 +303,23 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t
 
 
 def prefill_uses_tiles(kv_dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether prefill attention over keys and values of ``kv_dtype`` runs on AMX tiles at the level in use:
-    a bfloat16 cache with head_dim a multiple of 32, where the CPU has AMX. The tiles take bfloat16 queries
-    and probabilities, so there a float32 model's fresh prompts are read from the cache too, as every later
-    decode step reads them, rather than from their float32 rows."""
+    """Whether prefill attention over keys and values of ``kv_dtype`` takes a bfloat16 form at the level in
+    use: a bfloat16 cache with head_dim a multiple of 32, on AMX tiles where the CPU has them, else through
+    vdpbf16ps where it has AVX-512 BF16. Those forms take bfloat16 queries and probabilities, so there a
+    float32 model's fresh prompts are read from the cache too, as every later decode step reads them, rather
+    than from their float32 rows."""
     lib = load_library()
     return (lib is not None and kv_dtype in CACHE_DTYPE_CODES
             and bool(lib.ts_paged_prefill_tiles(CACHE_DTYPE_CODES[kv_dtype], head_dim)))
+
+
+def prefill_form(kv_dtype: torch.dtype, head_dim: int) -> str | None:
+    """The bfloat16 form prefill attention takes at the level in use ("amx tiles" or "vdpbf16ps"), or None
+    for the float32 form."""
+    lib = load_library()
+    if lib is None or kv_dtype not in CACHE_DTYPE_CODES:
+        return None
+    return {1: "vdpbf16ps", 2: "amx tiles"}.get(int(lib.ts_paged_prefill_tiles(CACHE_DTYPE_CODES[kv_dtype], head_dim)))
 
 
 def _plain_f32(*tensors: torch.Tensor | None) -> bool:

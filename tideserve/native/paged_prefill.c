@@ -40,6 +40,10 @@
 #include "tideserve_native.h"
 #include "ts_simd.h"
 
+#if defined(TS_HAVE_AMX) || defined(TS_HAVE_AVX512BF16)
+#define TS_PREFILL_PAIRS 1 /* the bfloat16 forms (AMX tiles, vdpbf16ps) and their packing */
+#endif
+
 #define KEY_TILE 32      /* keys per tile: scores of one tile stay in L1 next to its widened K/V */
 #define ROWS_PER_ITEM 32 /* query rows (tokens x grouped heads) per work item */
 #define LANE_ROWS 32     /* query rows per pass of the AVX-512 path: two vectors of 16 */
@@ -366,15 +370,7 @@ static void pv_avx512(const float *st, int64_t nk, int64_t dim, const float *con
     }
 }
 
-#ifdef TS_HAVE_AMX
-/* Where the AMX form runs: bfloat16 caches (rounding the queries and probabilities to bfloat16 adds an
- * error of the cache's own size; a float32 cache keeps the AVX-512 form's float32 arithmetic, and an fp8
- * cache too: widening its codes to bfloat16 cost what the tiles saved, measured), head_dim a multiple of a
- * tile row's 32 values. */
-static int amx_form(const prefill_args *a, int isa) {
-    return isa >= TS_ISA_AMX && a->kv_dtype == TS_DTYPE_BF16 && a->head_dim % 32 == 0;
-}
-
+#ifdef TS_PREFILL_PAIRS
 /* The scaled float32 query rows of w->rows (empty lanes zero) as B tiles: tile (qg, ks) row p holds the
  * bfloat16 pairs (q[16 qg + m][32 ks + 2p], q[16 qg + m][32 ks + 2p + 1]) for its 16 rows m, which is the
  * rows' pairs transposed. */
@@ -423,6 +419,98 @@ static void gather_tile_amx(const prefill_args *a, scratch *w, const int64_t *ta
     }
 }
 
+/* The probabilities of keys 0 .. nk - 1 (zero past them, up to the tile's 32) rounded to bfloat16 pairs of
+ * keys: w->pb[qg][r][m] = (p[2r][16 qg + m], p[2r + 1][16 qg + m]). */
+static void pack_probabilities_bf16(scratch *w, int64_t groups, int64_t nk) {
+    static const uint16_t interleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i order = _mm512_loadu_si512(interleave);
+    for (int64_t qg = 0; qg < groups; qg++)
+        for (int64_t r = 0; r < 16; r++) {
+            const __m512 x = 2 * r < nk ? _mm512_loadu_ps(w->st + 2 * r * LANE_ROWS + 16 * qg) : _mm512_setzero_ps();
+            const __m512 y = 2 * r + 1 < nk ? _mm512_loadu_ps(w->st + (2 * r + 1) * LANE_ROWS + 16 * qg) : _mm512_setzero_ps();
+            _mm512_storeu_si512(w->pb + qg * 256 + r * 16,
+                                _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(y, x)));
+        }
+}
+
+#ifdef TS_HAVE_AVX512BF16
+/* Where the vdpbf16ps form runs: as the AMX form (a bfloat16 cache, head_dim a multiple of 32), on
+ * AVX-512 BF16 CPUs without AMX tiles: the same packed queries, keys, values and probabilities, each
+ * product a vdpbf16ps of a broadcast key (or value) pair against 16 rows' pairs. Half the instructions of
+ * the float32 form's multiply-adds, with the AMX form's rounding (docs/benchmarks.md, twentieth round). */
+static int dpbf16_form(const prefill_args *a, int isa) {
+    return isa >= TS_ISA_AVX512_BF16 && a->kv_dtype == TS_DTYPE_BF16 && a->head_dim % 32 == 0;
+}
+
+/* st[j][16 qg + m] = k[j] . q[16 qg + m] for the tile's keys (8 at a time; past nk they are zero rows), in
+ * the layout scores_avx512 writes. */
+static void scores_dpbf16(scratch *w, int64_t dim, int64_t groups, int64_t nk) {
+    const int64_t half = dim / 2, ksteps = dim / 32;
+    for (int64_t j0 = 0; j0 < nk; j0 += 8) {
+        __m512 acc[8][2];
+        for (int i = 0; i < 8; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+        for (int64_t pr = 0; pr < half; pr++) {
+            const int64_t at = (pr / 16) * 256 + (pr % 16) * 16;
+            const __m512bh q0 = (__m512bh)_mm512_loadu_si512(w->qb + at);
+            const __m512bh q1 = (__m512bh)_mm512_loadu_si512(w->qb + (groups > 1 ? ksteps * 256 : 0) + at);
+            for (int i = 0; i < 8; i++) {
+                int32_t pair;
+                memcpy(&pair, w->kb + (j0 + i) * dim + 2 * pr, sizeof pair);
+                const __m512bh kp = (__m512bh)_mm512_set1_epi32(pair);
+                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], q0, kp);
+                if (groups > 1) acc[i][1] = _mm512_dpbf16_ps(acc[i][1], q1, kp);
+            }
+        }
+        for (int i = 0; i < 8; i++) {
+            _mm512_storeu_ps(w->st + (j0 + i) * LANE_ROWS, acc[i][0]);
+            if (groups > 1) _mm512_storeu_ps(w->st + (j0 + i) * LANE_ROWS + 16, acc[i][1]);
+        }
+    }
+}
+
+/* As pv_avx512 over the probabilities rounded to bfloat16 pairs of keys (w->pb) and the values' key pairs
+ * (w->vt), eight output columns of both row vectors at a time. */
+static void pv_dpbf16(scratch *w, int64_t dim, int64_t groups, int64_t nk, __m512 alpha0, __m512 alpha1) {
+    pack_probabilities_bf16(w, groups, nk);
+    const int64_t pairs = (nk + 1) / 2;
+    for (int64_t d0 = 0; d0 < dim; d0 += 8) {
+        __m512 acc[8][2];
+        for (int i = 0; i < 8; i++) {
+            float *od = w->ot + (d0 + i) * LANE_ROWS;
+            acc[i][0] = _mm512_mul_ps(_mm512_loadu_ps(od), alpha0);
+            acc[i][1] = groups > 1 ? _mm512_mul_ps(_mm512_loadu_ps(od + 16), alpha1) : _mm512_setzero_ps();
+        }
+        const uint32_t *vt = w->vt + (d0 / 16) * 256 + (d0 % 16) * 16; /* column d0 + i, key pair r: vt[16 i + r] */
+        for (int64_t r = 0; r < pairs; r++) {
+            const __m512bh p0 = (__m512bh)_mm512_loadu_si512(w->pb + r * 16);
+            const __m512bh p1 = (__m512bh)_mm512_loadu_si512(w->pb + (groups > 1 ? 256 : 0) + r * 16);
+            for (int i = 0; i < 8; i++) {
+                const __m512bh vp = (__m512bh)_mm512_set1_epi32((int32_t)vt[16 * i + r]);
+                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], p0, vp);
+                if (groups > 1) acc[i][1] = _mm512_dpbf16_ps(acc[i][1], p1, vp);
+            }
+        }
+        for (int i = 0; i < 8; i++) {
+            float *od = w->ot + (d0 + i) * LANE_ROWS;
+            _mm512_storeu_ps(od, acc[i][0]);
+            if (groups > 1) _mm512_storeu_ps(od + 16, acc[i][1]);
+        }
+    }
+}
+
+#endif /* TS_HAVE_AVX512BF16 */
+#endif /* TS_PREFILL_PAIRS */
+
+#ifdef TS_HAVE_AMX
+/* Where the AMX form runs: bfloat16 caches (rounding the queries and probabilities to bfloat16 adds an
+ * error of the cache's own size; a float32 cache keeps the AVX-512 form's float32 arithmetic, and an fp8
+ * cache too: widening its codes to bfloat16 cost what the tiles saved, measured), head_dim a multiple of a
+ * tile row's 32 values. */
+static int amx_form(const prefill_args *a, int isa) {
+    return isa >= TS_ISA_AMX && a->kv_dtype == TS_DTYPE_BF16 && a->head_dim % 32 == 0;
+}
+
 /* st[j][16 qg + m] = k[j] . q[16 qg + m] for the tile's keys, 16 keys by 16 rows per tile product (tiles 0:
  * keys, 1-2: queries, 4-5: scores), in the layout scores_avx512 writes. */
 static void scores_amx(scratch *w, int64_t dim, int64_t groups, int64_t nk) {
@@ -447,16 +535,7 @@ static void scores_amx(scratch *w, int64_t dim, int64_t groups, int64_t nk) {
 /* As pv_avx512: ot = ot * alpha + V^T P^T over the tile's keys (tiles 3: V^T, 6-7: probabilities, 4-5: ot),
  * the probabilities of keys 0 .. nk - 1 (zero past them) rounded to bfloat16 pairs of keys. */
 static void pv_amx(scratch *w, int64_t dim, int64_t groups, int64_t nk, __m512 alpha0, __m512 alpha1) {
-    static const uint16_t interleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i order = _mm512_loadu_si512(interleave);
-    for (int64_t qg = 0; qg < groups; qg++)
-        for (int64_t r = 0; r < 16; r++) {
-            const __m512 x = 2 * r < nk ? _mm512_loadu_ps(w->st + 2 * r * LANE_ROWS + 16 * qg) : _mm512_setzero_ps();
-            const __m512 y = 2 * r + 1 < nk ? _mm512_loadu_ps(w->st + (2 * r + 1) * LANE_ROWS + 16 * qg) : _mm512_setzero_ps();
-            _mm512_storeu_si512(w->pb + qg * 256 + r * 16,
-                                _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(y, x)));
-        }
+    pack_probabilities_bf16(w, groups, nk);
     const __m512 one = _mm512_set1_ps(1.0f);
     if (_mm512_cmp_ps_mask(alpha0, one, _CMP_NEQ_UQ) || (groups > 1 && _mm512_cmp_ps_mask(alpha1, one, _CMP_NEQ_UQ)))
         for (int64_t d = 0; d < dim; d++) {
@@ -482,6 +561,21 @@ static void pv_amx(scratch *w, int64_t dim, int64_t groups, int64_t nk, __m512 a
 }
 #endif /* TS_HAVE_AMX */
 
+#ifdef TS_PREFILL_PAIRS
+/* Which form an item takes: 2 the AMX tiles, 1 vdpbf16ps, 0 the float32 form. */
+static int pairs_form(const prefill_args *a, int isa) {
+#ifdef TS_HAVE_AMX
+    if (amx_form(a, isa)) return 2;
+#endif
+#ifdef TS_HAVE_AVX512BF16
+    if (dpbf16_form(a, isa)) return 1;
+#endif
+    (void)a;
+    (void)isa;
+    return 0;
+}
+#endif
+
 /* Rows r0 .. r0 + n - 1 (n <= LANE_ROWS) of the item of run_item, row r being token r / group of the item
  * and head r % group of KV head g; lanes n .. LANE_ROWS stay empty (zero queries, no key visible). */
 static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t span, int64_t g, int64_t first,
@@ -489,8 +583,8 @@ static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t 
     const int64_t dim = a->head_dim, group = a->num_heads / a->num_kv_heads;
     const int64_t row0 = a->query_start[span] + first, pos0 = a->computed[span] + first;
     const int blocks16 = dim % 16 == 0; /* transpose 16 x 16 blocks in registers, else element by element */
-#ifdef TS_HAVE_AMX
-    const int amx = amx_form(a, isa);
+#ifdef TS_PREFILL_PAIRS
+    const int paired = pairs_form(a, isa);
     const int64_t groups = (n + 15) / 16; /* 16-row query tiles in use */
 #endif
     int32_t sees[LANE_ROWS]; /* the last key position each lane's row attends; -1 for an empty lane */
@@ -509,8 +603,8 @@ static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t 
         if (!blocks16)
             for (int64_t d = 0; d < dim; d++) w->qt[d * LANE_ROWS + i] = qi[d];
     }
-#ifdef TS_HAVE_AMX
-    if (amx)
+#ifdef TS_PREFILL_PAIRS
+    if (paired)
         pack_queries_amx(w, dim, groups);
     else
 #endif
@@ -525,10 +619,15 @@ static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t 
     const int64_t last = pos0 + (r0 + n - 1) / group; /* the last key the last row sees */
     for (int64_t kb = 0; kb <= last; kb += KEY_TILE) {
         const int64_t nk = last - kb + 1 < KEY_TILE ? last - kb + 1 : KEY_TILE;
-#ifdef TS_HAVE_AMX
-        if (amx) {
+#ifdef TS_PREFILL_PAIRS
+        if (paired) {
             gather_tile_amx(a, w, table, g, kb, nk);
-            scores_amx(w, dim, groups, nk);
+#ifdef TS_HAVE_AMX
+            if (paired == 2) scores_amx(w, dim, groups, nk);
+#endif
+#ifdef TS_HAVE_AVX512BF16
+            if (paired == 1) scores_dpbf16(w, dim, groups, nk);
+#endif
         } else
 #endif
         {
@@ -560,8 +659,13 @@ static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t 
         m0 = mx0;
         m1 = mx1;
 #ifdef TS_HAVE_AMX
-        if (amx)
+        if (paired == 2)
             pv_amx(w, dim, groups, nk, alpha0, alpha1);
+        else
+#endif
+#ifdef TS_HAVE_AVX512BF16
+        if (paired == 1)
+            pv_dpbf16(w, dim, groups, nk, alpha0, alpha1);
         else
 #endif
             pv_avx512(w->st, nk, dim, w->vrow, alpha0, alpha1, w->ot);
@@ -675,9 +779,9 @@ static void run_item(const prefill_args *a, int isa, scratch *w, int64_t span, i
 }
 
 int ts_paged_prefill_tiles(int kv_dtype, int64_t head_dim) {
-#ifdef TS_HAVE_AMX
+#ifdef TS_PREFILL_PAIRS
     const prefill_args probe = {.kv_dtype = kv_dtype, .head_dim = head_dim};
-    return head_dim > 0 && amx_form(&probe, ts_isa_level());
+    return head_dim > 0 ? pairs_form(&probe, ts_isa_level()) : 0;
 #else
     (void)kv_dtype;
     (void)head_dim;
@@ -722,26 +826,32 @@ int ts_paged_prefill(const void *q, int64_t q_stride, int q_dtype, const void *k
                                      3 * head_dim * LANE_ROWS + (KEY_TILE + KEY_BLOCK) * LANE_ROWS) *
                             sizeof(float));
         int64_t *valid = malloc((size_t)rows * sizeof(int64_t));
-        uint8_t *tiles = NULL; /* the AMX path's buffers, 64-byte aligned */
-#ifdef TS_HAVE_AMX
-        const int amx = amx_form(&a, isa);
+        uint8_t *tiles = NULL; /* the bfloat16 forms' buffers, 64-byte aligned */
+        int amx = 0;
+#ifdef TS_PREFILL_PAIRS
+        const int paired = pairs_form(&a, isa);
+        amx = paired == 2;
         const int64_t pair_cols = head_dim / 2 > 16 ? head_dim / 2 : 16;
         const size_t tile_bytes = sizeof(uint16_t) * (size_t)(2 * KEY_TILE * head_dim) +
                                   sizeof(uint32_t) * (size_t)((LANE_ROWS / 16) * (head_dim / 32) * 256 +
                                                               (head_dim / 16) * 256 + (LANE_ROWS / 16) * 256 +
                                                               16 * pair_cols);
-        if (amx) tiles = aligned_alloc(64, (tile_bytes + 63) / 64 * 64);
-        if (amx && tiles) {
+        if (paired) tiles = aligned_alloc(64, (tile_bytes + 63) / 64 * 64);
+        if (paired && tiles) {
             w.kb = (uint16_t *)tiles;
             w.vb = w.kb + KEY_TILE * head_dim;
             w.qb = (uint32_t *)(w.vb + KEY_TILE * head_dim);
             w.vt = w.qb + (LANE_ROWS / 16) * (head_dim / 32) * 256;
             w.pb = w.vt + (head_dim / 16) * 256;
             w.pairs = w.pb + (LANE_ROWS / 16) * 256;
-            const ts_tilecfg cfg = ts_tilecfg_16x64(8);
-            _tile_loadconfig(&cfg);
+#ifdef TS_HAVE_AMX
+            if (amx) {
+                const ts_tilecfg cfg = ts_tilecfg_16x64(8);
+                _tile_loadconfig(&cfg);
+            }
+#endif
         }
-        if (amx && !tiles) failed = 1;
+        if (paired && !tiles) failed = 1;
 #endif
         if (!buf || !valid) {
             failed = 1;
@@ -774,8 +884,9 @@ int ts_paged_prefill(const void *q, int64_t q_stride, int q_dtype, const void *k
             run_item(&a, isa, &w, s, g, first, count);
         }
 #ifdef TS_HAVE_AMX
-        if (tiles) _tile_release();
+        if (tiles && amx) _tile_release();
 #endif
+        (void)amx;
         free(tiles);
         free(buf);
         free(valid);

@@ -97,7 +97,8 @@ class CpuNativeBackend(AttentionBackend):
 
     def describe(self) -> str:
         level = native.isa() or "scalar"
-        prefill = "; prefill on amx tiles" if native.prefill_uses_tiles(self.kv_dtype, self.head_dim) else ""
+        form = native.prefill_form(self.kv_dtype, self.head_dim)
+        prefill = f"; prefill on {form}" if form else ""
         return f"{self.name} (native kernel, {native.kernel_isa(level)}{prefill})"
 
     def build_metadata(self, layout: BatchLayout) -> CpuNativeMetadata:
@@ -110,7 +111,7 @@ class CpuNativeBackend(AttentionBackend):
         rows = np.arange(n, len(layout.query_lens))
         if len(rows):
             own_rows = layout.num_computed[rows] == 0
-            # the cache holds exactly this step's k/v, or the AMX tiles (bfloat16 caches) round them so anyway:
+            # the cache holds exactly this step's k/v, or the bfloat16 forms (bfloat16 caches) round them so anyway:
             # read everything there
             if self.kv_dtype == self.dtype or native.prefill_uses_tiles(self.kv_dtype, self.head_dim):
                 own_rows[:] = False
