@@ -245,10 +245,8 @@ class PoolController:
         if target is None:
             return False
         need = self.kv.num_blocks + max(1, num_short)
-        if not self.storage.commit_in_flight:
-            ahead = self._ahead_target(target)
-            if (ahead - self.kv.num_blocks) * self.bytes_per_block >= COMMIT_AHEAD_MIN_BYTES:
-                self._commit_ahead(ahead)
+        if not self.storage.commit_in_flight:  # _commit_ahead leaves a growth under 16 MiB to this thread
+            self._commit_ahead(self._ahead_target(target))
         if self.storage.commit_in_flight and self.storage.commit_goal_blocks >= need:
             target = min(target, max(need, self.storage.committed_ahead_blocks))
         return self._resize(target, "grow on demand")
