@@ -9,8 +9,8 @@ from types import ModuleType
 
 import gguf
 import pytest
+
 from tideserve import LLM, SamplingParams
-from tideserve.model.loader import load_model
 from tideserve.tokenizer.tokenizer import load_tokenizer
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "checking_models.py"
@@ -32,8 +32,8 @@ def test_a_small_model_of_each_family_loads_with_the_embedded_tokenizer(family, 
                  kv_heads=2 if family.startswith("qwen2") else 4)
     path = script.write_f16_model(shape, tmp_path / "tiny-f16.gguf")
 
-    loaded = load_model(str(path), "float32", "cpu", "none")
-    arch = loaded.model.arch
+    llm = LLM(model=str(path), dtype="float32", max_num_seqs=1, max_model_len=256)
+    arch = llm.engine.arch
     assert (arch.hidden_size, arch.num_hidden_layers, arch.num_attention_heads, arch.num_key_value_heads,
             arch.intermediate_size) == (64, 2, 4, shape["kv_heads"], 128)
     assert arch.architecture == ("Qwen2ForCausalLM" if family.startswith("qwen2") else "LlamaForCausalLM")
@@ -45,6 +45,5 @@ def test_a_small_model_of_each_family_loads_with_the_embedded_tokenizer(family, 
     assert ours.encode(text) == embedded.encode(text)
     assert ours.eos_token_id == embedded.eos_token_id
 
-    llm = LLM(model=str(path), dtype="float32", max_num_seqs=1, max_model_len=256)
     out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
