@@ -117,6 +117,21 @@ int64_t ts_qgemm_tile_chunk_bytes(void) {
     return ts_tile_chunk_override > 0 ? ts_tile_chunk_override : ts_tile_chunk_from_l2();
 }
 
+/* Rows per chunk for activations of ``row_bytes`` each: the L2's share, but at least ``min_rows`` unless a
+ * caller overrode the bytes (tests shrink chunks to reach the multi-chunk paths), in whole micro tiles.
+ * The floor is there because a panel is decoded once per chunk: its decode costs in proportion to k and
+ * so does every row's product, so what it adds is ~1 / rows whatever k is, while the L2 share alone gives
+ * wide matrices few rows (46 at k = 8,192 under a 1 MiB L2: a down projection's panels decoded 7 times in a
+ * 305-token prefill). On a Zen 5 EPYC a floor of 512 rows made k = 8,192 products 30-35% faster (Q4_K,
+ * Q6_K, Q4_1, Q8_0) and k = 2,048 ones 3-6% faster at 2,048 rows, though the chunk then outgrows L2
+ * (twenty-second round of docs/benchmarks.md). */
+static int64_t ts_qgemm_tile_chunk_rows(int64_t row_bytes, int64_t tile_rows, int64_t min_rows) {
+    int64_t rows = ts_qgemm_tile_chunk_bytes() / row_bytes;
+    if (ts_tile_chunk_override == 0 && rows < min_rows) rows = min_rows;
+    rows = rows / tile_rows * tile_rows;
+    return rows < tile_rows ? tile_rows : rows;
+}
+
 /* Overrides the chunk of rows the integer tiles sweep, in activation bytes; 0 restores the L2-sized default.
  * Returns the previous override (tests and benchmarks: results are the same for every chunk). */
 int64_t ts_qgemm_set_tile_chunk_bytes(int64_t bytes) {
@@ -324,12 +339,14 @@ static const ts_qseg *ts_panel_segment(const ts_qmat *w, int64_t p, int64_t widt
 #define TS_SIMD(name) name##_avx2
 #define TS_SIMD_VNNI 0
 #define TS_SIMD_TILE_ROWS 4 /* 16 vector registers: 4 rows of x per micro tile (2-5 measured, 4 best) */
+#define TS_SIMD_CHUNK_MIN_ROWS 0 /* the L2 share alone: 128 KiB measured best on an AVX2 EPYC (twelfth round) */
 #include "qgemm_simd.h"
 #include "qgemm_tiles.h"
 #include "qgemm_gemv.h"
 #undef TS_SIMD
 #undef TS_SIMD_VNNI
 #undef TS_SIMD_TILE_ROWS
+#undef TS_SIMD_CHUNK_MIN_ROWS
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -338,12 +355,14 @@ static const ts_qseg *ts_panel_segment(const ts_qmat *w, int64_t p, int64_t widt
 #define TS_SIMD_VNNI 1
 #define TS_SIMD_TILE_ROWS 8 /* 512-bit tiles: 2 registers a row; 8 rows 3% over 6 on a Zen 5 EPYC (the 256-bit
                                * form took 4 a row and spilled at 8) */
+#define TS_SIMD_CHUNK_MIN_ROWS 512 /* ts_qgemm_tile_chunk_rows */
 #include "qgemm_simd.h"
 #include "qgemm_tiles.h"
 #include "qgemm_gemv.h"
 #undef TS_SIMD
 #undef TS_SIMD_VNNI
 #undef TS_SIMD_TILE_ROWS
+#undef TS_SIMD_CHUNK_MIN_ROWS
 #pragma GCC pop_options
 #endif
 

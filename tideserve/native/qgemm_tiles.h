@@ -291,10 +291,12 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int t
     const int8_t *xq = a->tq + group * kb * 256;
     const float *xd = a->td + group * kb * 8, *xs = a->ts + group * kb * 24;
     for (int64_t b = 0; b < kb; b++) {
+#pragma GCC unroll 2
         for (int half = 0; half < halves; half++) {
             const int g_lo = half * 8 / halves, g_hi = (half + 1) * 8 / halves;
             __m512i wide[TS_TILE_ROWS_MAX];
             for (int r = 0; r < R; r++) wide[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
             for (int g = g_lo; g < g_hi; g++) {
                 const __m512i w = _mm512_loadu_si512((const void *)(p->codes + (b * 8 + g) * 64));
                 for (int r = 0; r < R; r++) {
@@ -449,10 +451,11 @@ static int TS_SIMD(tiles_matmul_share)(const ts_qmat *w, const ts_act *a, int64_
                    (copy_bytes == 0 || p.copies != NULL);
     /* Rows go in chunks whose int8 activations and scales stay in L2 while every panel of this thread
      * sweeps them; a panel is decoded once per chunk. One sweep over 2048 rows of 576 values (1.6 MB)
-     * spilled L2 and ran the prefill's products at 0.6-0.7 of the rate a 256-row batch reaches. */
+     * spilled L2 and ran the prefill's products at 0.6-0.7 of the rate a 256-row batch reaches; the VNNI
+     * build keeps at least 512 rows a chunk so that wide matrices do not decode their panels over and over
+     * (ts_qgemm_tile_chunk_rows). */
     const int64_t row_bytes = k + 12 * kb; /* codes, d, and the two sums per block */
-    int64_t chunk = ts_qgemm_tile_chunk_bytes() / row_bytes / TS_SIMD_TILE_ROWS * TS_SIMD_TILE_ROWS;
-    if (chunk < TS_SIMD_TILE_ROWS) chunk = TS_SIMD_TILE_ROWS;
+    const int64_t chunk = ts_qgemm_tile_chunk_rows(row_bytes, TS_SIMD_TILE_ROWS, TS_SIMD_CHUNK_MIN_ROWS);
     for (int64_t m0 = 0; ok && m0 < m; m0 += chunk) {
         const int64_t m1 = m - m0 < chunk ? m : m0 + chunk;
         for (int64_t i = lo; ok && i < hi; i++) {
