@@ -185,9 +185,10 @@ def test_every_path_quantizes_x_to_the_same_bits(isa):
 @pytest.mark.parametrize("rows", [1, 3, 5, 6, 8, 15, 16, 37, 70, 403])
 def test_integer_tiles_equal_the_scalar_path(qtype, layout, rows, int_tiles, small_tile_chunks):
     """Panels of 16 weight rows (100 rows: the last panel is partly empty, half of it an interleaved group
-    in the x8 layout), micro tiles of 4 rows of x on AVX2 and 8 on AVX-512 (every remainder, 1 to 7),
-    every format's int16 chain and Q6_K's per-half scales; 403 rows take three chunks of rows the panels
-    sweep, each panel decoded once per chunk."""
+    in the x8 layout), micro tiles of 4 rows of x on AVX2 and of 6 rows by two panels on AVX-512 (every
+    remainder of rows, 1 to 5, and a thread's odd panel alone), every format's int16 chain and Q6_K's
+    per-half scales; 403 rows take several chunks of rows the panels sweep, each panel decoded once per
+    chunk."""
     assert_matches_the_scalar_path(qtype, rows, seed=2, layout=layout)
 
 

@@ -158,10 +158,12 @@ enum { TS_K_ROWS = 0, TS_K_AVX2_TILES = 1, TS_K_AMX_TILES = 2, TS_K_AVX2_GEMV = 
 
 /* x quantized per block of 32: q int8 [m][k], d [m][kb] (x = d * q), s [m][kb][2] = d * (sum of q over
  * each 16-value half), for the offsets' terms.
- * The AVX-512 tiles read the same values regrouped 8 rows at a time (NULL elsewhere): tq [m/8][kb][8 steps]
- * [8 rows][4 codes], td [m/8][kb][8 rows] (d) and ts [m/8][kb][3][8 rows] (s's two halves, then their sum as
- * the tiles used to add it). A micro tile then finds every row's codes and scales at constant offsets
- * from one pointer: with 8 row pointers, the registers ran out and the sums were added per tile. */
+ * The AVX-512 tiles read the same values regrouped TS_ACT_GROUP rows at a time (their micro tile's height;
+ * NULL elsewhere): tq [m/G][kb][8 steps][G rows][4 codes], td [m/G][kb][G rows] (d) and ts [m/G][kb][3][G rows]
+ * (s's two halves, then their sum as the tiles used to add it). A micro tile then finds every row's codes
+ * and scales at constant offsets from one pointer: with a pointer per row, the registers ran out and the
+ * sums were added per tile. */
+#define TS_ACT_GROUP 6
 typedef struct {
     int8_t *q;
     float *d, *s;
@@ -170,19 +172,19 @@ typedef struct {
     float *td, *ts;
 } ts_act;
 
-/* Row i of a (quantized) into the tiles' 8-row groups. */
+/* Row i of a (quantized) into the tiles' groups of TS_ACT_GROUP rows. */
 static void regroup_row(ts_act *a, int64_t i) {
-    const int64_t kb = a->kb, group = i / 8, r = i % 8;
+    const int64_t kb = a->kb, group = i / TS_ACT_GROUP, r = i % TS_ACT_GROUP;
     const int8_t *q = a->q + i * a->k;
     for (int64_t b = 0; b < kb; b++) {
-        int8_t *dst = a->tq + (group * kb + b) * 256 + 4 * r;
-        for (int g = 0; g < 8; g++) memcpy(dst + 32 * g, q + b * TS_QBLOCK + 4 * g, 4);
+        int8_t *dst = a->tq + (group * kb + b) * (8 * 4 * TS_ACT_GROUP) + 4 * r;
+        for (int g = 0; g < 8; g++) memcpy(dst + 4 * TS_ACT_GROUP * g, q + b * TS_QBLOCK + 4 * g, 4);
         const float *s = a->s + 2 * (i * kb + b);
-        float *ts = a->ts + (group * kb + b) * 24 + r;
-        a->td[(group * kb + b) * 8 + r] = a->d[i * kb + b];
+        float *ts = a->ts + (group * kb + b) * (3 * TS_ACT_GROUP) + r;
+        a->td[(group * kb + b) * TS_ACT_GROUP + r] = a->d[i * kb + b];
         ts[0] = s[0];
-        ts[8] = s[1];
-        ts[16] = s[0] + s[1];
+        ts[TS_ACT_GROUP] = s[1];
+        ts[2 * TS_ACT_GROUP] = s[0] + s[1];
     }
 }
 
@@ -339,6 +341,7 @@ static const ts_qseg *ts_panel_segment(const ts_qmat *w, int64_t p, int64_t widt
 #define TS_SIMD(name) name##_avx2
 #define TS_SIMD_VNNI 0
 #define TS_SIMD_TILE_ROWS 4 /* 16 vector registers: 4 rows of x per micro tile (2-5 measured, 4 best) */
+#define TS_SIMD_TILE_PANELS 1 /* panels (16 weight rows each) per micro tile */
 #define TS_SIMD_CHUNK_MIN_ROWS 0 /* the L2 share alone: 128 KiB measured best on an AVX2 EPYC (twelfth round) */
 #include "qgemm_simd.h"
 #include "qgemm_tiles.h"
@@ -346,6 +349,7 @@ static const ts_qseg *ts_panel_segment(const ts_qmat *w, int64_t p, int64_t widt
 #undef TS_SIMD
 #undef TS_SIMD_VNNI
 #undef TS_SIMD_TILE_ROWS
+#undef TS_SIMD_TILE_PANELS
 #undef TS_SIMD_CHUNK_MIN_ROWS
 #pragma GCC pop_options
 
@@ -353,8 +357,8 @@ static const ts_qseg *ts_panel_segment(const ts_qmat *w, int64_t p, int64_t widt
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 #define TS_SIMD(name) name##_avx512
 #define TS_SIMD_VNNI 1
-#define TS_SIMD_TILE_ROWS 8 /* 512-bit tiles: 2 registers a row; 8 rows 3% over 6 on a Zen 5 EPYC (the 256-bit
-                               * form took 4 a row and spilled at 8) */
+#define TS_SIMD_TILE_ROWS TS_ACT_GROUP /* 6 rows of x by 2 panels (32 weight rows): see tile_rows */
+#define TS_SIMD_TILE_PANELS 2
 #define TS_SIMD_CHUNK_MIN_ROWS 512 /* ts_qgemm_tile_chunk_rows */
 #include "qgemm_simd.h"
 #include "qgemm_tiles.h"
@@ -362,6 +366,7 @@ static const ts_qseg *ts_panel_segment(const ts_qmat *w, int64_t p, int64_t widt
 #undef TS_SIMD
 #undef TS_SIMD_VNNI
 #undef TS_SIMD_TILE_ROWS
+#undef TS_SIMD_TILE_PANELS
 #undef TS_SIMD_CHUNK_MIN_ROWS
 #pragma GCC pop_options
 #endif
@@ -759,7 +764,7 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
 #endif
     const int64_t k = w->k, kb = k / TS_QBLOCK;
     const int regroup = tiles && isa == TS_QG_AVX512;
-    const int64_t grouped_rows = (m + 7) / 8 * 8;
+    const int64_t grouped_rows = (m + TS_ACT_GROUP - 1) / TS_ACT_GROUP * TS_ACT_GROUP;
     ts_act a = {malloc((size_t)(m * k)), malloc(sizeof(float) * (size_t)(m * kb)),
                 malloc(sizeof(float) * (size_t)(2 * m * kb)), k, kb,
                 regroup ? malloc((size_t)(grouped_rows * k)) : NULL,

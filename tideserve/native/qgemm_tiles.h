@@ -21,6 +21,8 @@
 #define TS_TILES_SHARED
 #define TS_TILE_COLS 16 /* weight rows (output columns) per panel: two vectors of 8 */
 #define TS_TILE_ROWS_MAX 8 /* the most rows of x a micro tile holds (TS_SIMD_TILE_ROWS per build) */
+#define TS_TILE_PANELS_MAX 2 /* the most panels a micro tile multiplies at once (TS_SIMD_TILE_PANELS per build) */
+#define TS_TILE_RES_COLS (TS_TILE_PANELS_MAX * TS_TILE_COLS) /* a micro tile's result row */
 /* r rows, or the build's micro tile if fewer: a remainder case a build with smaller tiles never reaches */
 #define TS_TILE_MIN(r) ((r) < TS_SIMD_TILE_ROWS ? (r) : TS_SIMD_TILE_ROWS)
 
@@ -277,51 +279,70 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel)(con
 }
 
 #if TS_SIMD_VNNI
-/* res[r][c] = dot(x row r0 + r, panel column c) for r < R, in 512-bit vectors: a step's 64 bytes of panel
- * (4 codes of all 16 columns) are one vector, so each row takes one vpdpbusd per step where the 256-bit
- * form takes two. CPUs with full-width AVX-512 (Zen 5, Intel's) run it at twice the products per cycle;
- * Zen 4 splits it in two halves, as before. The arithmetic and the float order are the 256-bit form's. */
-static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int type, const int R, const ts_tile_panel *p,
-                                                            int64_t kb, const ts_act *a, int64_t r0,
-                                                            float res[TS_TILE_ROWS_MAX][TS_TILE_COLS]) {
+/* res[r][16 j + c] = dot(x row r0 + r, column c of panel p[j]) for r < R, j < P, in 512-bit vectors: a
+ * step's 64 bytes of a panel (4 codes of all 16 columns) are one vector, so each row takes one vpdpbusd
+ * per panel and step. Rows r0 .. r0 + R - 1 lie in one TS_ACT_GROUP (r0 is a multiple of it).
+ *
+ * Why 6 rows by 2 panels: a tile of 8 rows by one panel loads 9 vectors (one of weights, 8 broadcasts of x)
+ * for 8 vpdpbusd, and a Zen 5 core loads two 512-bit vectors a cycle while it retires two vpdpbusd: in a
+ * micro-benchmark of the loop alone that tile reached 1.45 TOPS on 2 cores, against 2.1 for 6 rows by 2
+ * panels (8 loads for 12 vpdpbusd), the core's vpdpbusd peak; with each block's float epilogue, 1.17
+ * against 1.53 (twenty-second round of docs/benchmarks.md). 12 integer and 12 float accumulators, two
+ * weight vectors and a broadcast fit the 32 registers. CPUs that split 512-bit operations in two (Zen 4)
+ * are bound by the vpdpbusd themselves either way. The arithmetic and float order are the 256-bit form's. */
+static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int type, const int R, const int P,
+                                                            const ts_tile_panel *const *p, int64_t kb,
+                                                            const ts_act *a, int64_t r0,
+                                                            float res[TS_TILE_ROWS_MAX][TS_TILE_RES_COLS]) {
+    enum { G = TS_SIMD_TILE_ROWS }; /* the activations' group (TS_ACT_GROUP) */
     const int halves = TS_SIMD(tile_halves)(type);
-    __m512 acc[TS_TILE_ROWS_MAX];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const int64_t group = r0 / 8; /* r0 is a multiple of 8: chunks and tiles step by 8 rows */
-    const int8_t *xq = a->tq + group * kb * 256;
-    const float *xd = a->td + group * kb * 8, *xs = a->ts + group * kb * 24;
+    __m512 acc[TS_TILE_ROWS_MAX][TS_TILE_PANELS_MAX];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < P; j++) acc[r][j] = _mm512_setzero_ps();
+    const int64_t group = r0 / G;
+    const int8_t *xq = a->tq + group * kb * (8 * 4 * G);
+    const float *xd = a->td + group * kb * G, *xs = a->ts + group * kb * (3 * G);
     for (int64_t b = 0; b < kb; b++) {
 #pragma GCC unroll 2
         for (int half = 0; half < halves; half++) {
             const int g_lo = half * 8 / halves, g_hi = (half + 1) * 8 / halves;
-            __m512i wide[TS_TILE_ROWS_MAX];
-            for (int r = 0; r < R; r++) wide[r] = _mm512_setzero_si512();
+            __m512i wide[TS_TILE_ROWS_MAX][TS_TILE_PANELS_MAX];
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < P; j++) wide[r][j] = _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int g = g_lo; g < g_hi; g++) {
-                const __m512i w = _mm512_loadu_si512((const void *)(p->codes + (b * 8 + g) * 64));
+                __m512i w[TS_TILE_PANELS_MAX];
+                for (int j = 0; j < P; j++) w[j] = _mm512_loadu_si512((const void *)(p[j]->codes + (b * 8 + g) * 64));
                 for (int r = 0; r < R; r++) {
                     int32_t four;
-                    memcpy(&four, xq + b * 256 + 32 * g + 4 * r, 4);
-                    wide[r] = _mm512_dpbusd_epi32(wide[r], w, _mm512_set1_epi32(four));
+                    memcpy(&four, xq + b * (8 * 4 * G) + 4 * G * g + 4 * r, 4);
+                    const __m512i x4 = _mm512_set1_epi32(four);
+                    for (int j = 0; j < P; j++) wide[r][j] = _mm512_dpbusd_epi32(wide[r][j], w[j], x4);
                 }
             }
-            const __m512 scale = _mm512_loadu_ps(p->scale + (b * halves + half) * TS_TILE_COLS);
-            const __m512 offset = _mm512_loadu_ps(p->offset + (b * halves + half) * TS_TILE_COLS);
-            const float *sums = xs + b * 24 + (halves == 2 ? half : 2) * 8; /* a half's sum, or the block's */
-            for (int r = 0; r < R; r++) {
-                const __m512 dots = _mm512_mul_ps(_mm512_cvtepi32_ps(wide[r]), _mm512_set1_ps(xd[b * 8 + r]));
-                acc[r] = _mm512_fmadd_ps(dots, scale, acc[r]);
-                acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r]), acc[r]);
+            const float *sums = xs + b * (3 * G) + (halves == 2 ? half : 2) * G; /* a half's sum, or the block's */
+            for (int j = 0; j < P; j++) {
+                const __m512 scale = _mm512_loadu_ps(p[j]->scale + (b * halves + half) * TS_TILE_COLS);
+                const __m512 offset = _mm512_loadu_ps(p[j]->offset + (b * halves + half) * TS_TILE_COLS);
+                for (int r = 0; r < R; r++) {
+                    const __m512 dots = _mm512_mul_ps(_mm512_cvtepi32_ps(wide[r][j]), _mm512_set1_ps(xd[b * G + r]));
+                    acc[r][j] = _mm512_fmadd_ps(dots, scale, acc[r][j]);
+                    acc[r][j] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r]), acc[r][j]);
+                }
             }
         }
     }
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(res[r], acc[r]);
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < P; j++) _mm512_storeu_ps(res[r] + TS_TILE_COLS * j, acc[r][j]);
 }
 #else
 /* res[r][c] = dot(x row r0 + r, panel column c) for r < R. */
-static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int type, const int R, const ts_tile_panel *p,
-                                                            int64_t kb, const ts_act *a, int64_t r0,
-                                                            float res[TS_TILE_ROWS_MAX][TS_TILE_COLS]) {
+static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int type, const int R, const int P,
+                                                            const ts_tile_panel *const *panels, int64_t kb,
+                                                            const ts_act *a, int64_t r0,
+                                                            float res[TS_TILE_ROWS_MAX][TS_TILE_RES_COLS]) {
+    (void)P; /* one panel a tile (TS_SIMD_TILE_PANELS) */
+    const ts_tile_panel *p = panels[0];
     const int halves = TS_SIMD(tile_halves)(type);
     const int chain = TS_SIMD_VNNI ? 8 / halves : TS_SIMD(tile_chain)(type); /* VNNI: no int16 steps */
     const int signed_codes = type == TS_Q8_0 && !TS_SIMD_VNNI, has_offset = type != TS_Q8_0 || TS_SIMD_VNNI;
@@ -404,51 +425,70 @@ static void TS_SIMD(tile_decode_panel_any)(const ts_qseg *seg, int64_t n0, int64
 #undef TS_CASE
 }
 
-/* The micro tile for format ``type`` and ``rows`` (1 .. TS_SIMD_TILE_ROWS) rows, each combination its own loop. */
-static void TS_SIMD(tile_rows_any)(int type, int rows, const ts_tile_panel *p, int64_t kb, const ts_act *a, int64_t r0,
-                          float res[TS_TILE_ROWS_MAX][TS_TILE_COLS]) {
+/* The micro tile for format ``type``, ``rows`` (1 .. TS_SIMD_TILE_ROWS) rows and ``count`` panels (1 or
+ * TS_SIMD_TILE_PANELS), each combination its own loop. */
+static void TS_SIMD(tile_rows_any)(int type, int rows, int count, const ts_tile_panel *const *p, int64_t kb,
+                                   const ts_act *a, int64_t r0, float res[TS_TILE_ROWS_MAX][TS_TILE_RES_COLS]) {
+#define TS_ROWS(T, P)                                                                   \
+    switch (rows) {                                                                     \
+    case 1: TS_SIMD(tile_rows)(T, 1, P, p, kb, a, r0, res); break;                      \
+    case 2: TS_SIMD(tile_rows)(T, 2, P, p, kb, a, r0, res); break;                      \
+    case 3: TS_SIMD(tile_rows)(T, 3, P, p, kb, a, r0, res); break;                      \
+    case 4: TS_SIMD(tile_rows)(T, TS_TILE_MIN(4), P, p, kb, a, r0, res); break;         \
+    case 5: TS_SIMD(tile_rows)(T, TS_TILE_MIN(5), P, p, kb, a, r0, res); break;         \
+    case 6: TS_SIMD(tile_rows)(T, TS_TILE_MIN(6), P, p, kb, a, r0, res); break;         \
+    case 7: TS_SIMD(tile_rows)(T, TS_TILE_MIN(7), P, p, kb, a, r0, res); break;         \
+    default: TS_SIMD(tile_rows)(T, TS_SIMD_TILE_ROWS, P, p, kb, a, r0, res); break;     \
+    }
 #define TS_CASE(T)                                                  \
     case T:                                                         \
-        switch (rows) {                                             \
-        case 1: TS_SIMD(tile_rows)(T, 1, p, kb, a, r0, res); break;          \
-        case 2: TS_SIMD(tile_rows)(T, 2, p, kb, a, r0, res); break;          \
-        case 3: TS_SIMD(tile_rows)(T, 3, p, kb, a, r0, res); break;          \
-        case 4: TS_SIMD(tile_rows)(T, 4, p, kb, a, r0, res); break;          \
-        case 5: TS_SIMD(tile_rows)(T, 5, p, kb, a, r0, res); break;          \
-        case 6: TS_SIMD(tile_rows)(T, TS_TILE_MIN(6), p, kb, a, r0, res); break; \
-        case 7: TS_SIMD(tile_rows)(T, TS_TILE_MIN(7), p, kb, a, r0, res); break; \
-        default: TS_SIMD(tile_rows)(T, TS_SIMD_TILE_ROWS, p, kb, a, r0, res); break; \
-        }                                                           \
+        if (count == TS_SIMD_TILE_PANELS) { TS_ROWS(T, TS_SIMD_TILE_PANELS) } else { TS_ROWS(T, 1) } \
         break;
     switch (type) {
         TS_FOR_EACH_QTYPE(TS_CASE)
     default: break;
     }
 #undef TS_CASE
+#undef TS_ROWS
+}
+
+/* Starts bringing panel i's weight rows (contiguous in its segment) towards L2. */
+static inline void TS_SIMD(tile_prefetch_panel)(const ts_qmat *w, int64_t i) {
+    int64_t first, col0;
+    const ts_qseg *seg = ts_panel_segment(w, i, TS_TILE_COLS, &first, &col0);
+    const int64_t bytes = ts_qrow_bytes(seg->type, w->k);
+    const int64_t rows = seg->n - first * TS_TILE_COLS < TS_TILE_COLS ? seg->n - first * TS_TILE_COLS : TS_TILE_COLS;
+    const char *start = (const char *)seg->data + first * TS_TILE_COLS * bytes;
+    for (int64_t off = 0; off < rows * bytes; off += 64) __builtin_prefetch(start + off, 0, 2);
 }
 
 /* This thread's share of out = x W^T (+ bias) through the tiles, x already quantized into ``a``. Called by
- * every thread of the team (each takes a static, contiguous range of panels); returns -1 when its scratch
- * memory cannot be had. */
+ * every thread of the team (each takes a static, contiguous range of panels, up to TS_SIMD_TILE_PANELS of
+ * them at a time where they share a format); returns -1 when its scratch memory cannot be had. */
 static int TS_SIMD(tiles_matmul_share)(const ts_qmat *w, const ts_act *a, int64_t m, float *out, int64_t out_stride) {
     const int64_t k = w->k, kb = k / TS_QBLOCK;
     const int64_t panels = ts_panel_count(w, TS_TILE_COLS);
     const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
     const int64_t lo = panels * tid / nth, hi = panels * (tid + 1) / nth;
     if (lo >= hi) return 0;
-    ts_tile_panel p;
-    p.codes = malloc((size_t)(kb * 512));
-    p.signs = TS_SIMD_VNNI ? NULL : malloc((size_t)(kb * 512)); /* Q8_0's signs: AVX2 only (tile_store_q8) */
-    p.scale = malloc(sizeof(float) * (size_t)(kb * 2 * TS_TILE_COLS));
-    p.offset = malloc(sizeof(float) * (size_t)(kb * 2 * TS_TILE_COLS));
     int64_t copy_bytes = 0;
     for (int64_t s = 0; s < w->num_segs; s++) {
         const int64_t bytes = ts_qrow_bytes(w->seg[s].type, k);
         if (w->seg[s].layout == TS_LAYOUT_X8 && bytes > copy_bytes) copy_bytes = bytes;
     }
-    p.copies = copy_bytes ? malloc((size_t)(TS_TILE_COLS * copy_bytes)) : NULL;
-    const int ok = p.codes != NULL && (TS_SIMD_VNNI || p.signs != NULL) && p.scale != NULL && p.offset != NULL &&
-                   (copy_bytes == 0 || p.copies != NULL);
+    ts_tile_panel p[TS_SIMD_TILE_PANELS];
+    const ts_tile_panel *group[TS_SIMD_TILE_PANELS];
+    int ok = 1;
+    for (int j = 0; j < TS_SIMD_TILE_PANELS; j++) {
+        p[j].codes = malloc((size_t)(kb * 512));
+        p[j].signs = TS_SIMD_VNNI ? NULL : malloc((size_t)(kb * 512)); /* Q8_0's signs: AVX2 only (tile_store_q8) */
+        p[j].scale = malloc(sizeof(float) * (size_t)(kb * 2 * TS_TILE_COLS));
+        p[j].offset = malloc(sizeof(float) * (size_t)(kb * 2 * TS_TILE_COLS));
+        p[j].copies = copy_bytes ? malloc((size_t)(TS_TILE_COLS * copy_bytes)) : NULL;
+        ok = ok && p[j].codes != NULL && (TS_SIMD_VNNI || p[j].signs != NULL) && p[j].scale != NULL &&
+             p[j].offset != NULL && (copy_bytes == 0 || p[j].copies != NULL);
+        group[j] = &p[j];
+    }
     /* Rows go in chunks whose int8 activations and scales stay in L2 while every panel of this thread
      * sweeps them; a panel is decoded once per chunk. One sweep over 2048 rows of 576 values (1.6 MB)
      * spilled L2 and ran the prefill's products at 0.6-0.7 of the rate a 256-row batch reaches; the VNNI
@@ -458,38 +498,44 @@ static int TS_SIMD(tiles_matmul_share)(const ts_qmat *w, const ts_act *a, int64_
     const int64_t chunk = ts_qgemm_tile_chunk_rows(row_bytes, TS_SIMD_TILE_ROWS, TS_SIMD_CHUNK_MIN_ROWS);
     for (int64_t m0 = 0; ok && m0 < m; m0 += chunk) {
         const int64_t m1 = m - m0 < chunk ? m : m0 + chunk;
-        for (int64_t i = lo; ok && i < hi; i++) {
-            int64_t first, col0;
-            const ts_qseg *seg = ts_panel_segment(w, i, TS_TILE_COLS, &first, &col0);
-            const int64_t n0 = first * TS_TILE_COLS;
-            if (i + 1 < hi) { /* the next panel's rows (contiguous) towards L2 while this one is multiplied */
-                int64_t next_first, next_col0;
-                const ts_qseg *next = ts_panel_segment(w, i + 1, TS_TILE_COLS, &next_first, &next_col0);
-                const int64_t bytes = ts_qrow_bytes(next->type, k);
-                const int64_t rows = next->n - next_first * TS_TILE_COLS < TS_TILE_COLS ? next->n - next_first * TS_TILE_COLS
-                                                                                        : TS_TILE_COLS;
-                const char *start = (const char *)next->data + next_first * TS_TILE_COLS * bytes;
-                for (int64_t off = 0; off < rows * bytes; off += 64) __builtin_prefetch(start + off, 0, 2);
+        for (int64_t i = lo; ok && i < hi;) {
+            /* Up to TS_SIMD_TILE_PANELS consecutive panels of one format, decoded side by side. */
+            int count = 0, type = -1;
+            int64_t dst_col[TS_SIMD_TILE_PANELS], valid[TS_SIMD_TILE_PANELS];
+            float add[TS_SIMD_TILE_PANELS][TS_TILE_COLS];
+            while (count < TS_SIMD_TILE_PANELS && i < hi) {
+                int64_t first, col0;
+                const ts_qseg *seg = ts_panel_segment(w, i, TS_TILE_COLS, &first, &col0);
+                if (count > 0 && (int)seg->type != type) break;
+                type = (int)seg->type;
+                const int64_t n0 = first * TS_TILE_COLS;
+                if (i + 1 < hi) TS_SIMD(tile_prefetch_panel)(w, i + 1); /* while this one is decoded and used */
+                TS_SIMD(tile_decode_panel_any)(seg, n0, k, &p[count]);
+                dst_col[count] = col0 + n0;
+                valid[count] = seg->n - n0 < TS_TILE_COLS ? seg->n - n0 : TS_TILE_COLS;
+                for (int64_t c = 0; c < valid[count]; c++)
+                    add[count][c] = w->bias != NULL ? w->bias[col0 + n0 + c] : 0.0f;
+                count++;
+                i++;
             }
-            TS_SIMD(tile_decode_panel_any)(seg, n0, k, &p);
-            const int64_t valid = seg->n - n0 < TS_TILE_COLS ? seg->n - n0 : TS_TILE_COLS;
-            float add[TS_TILE_COLS];
-            for (int64_t c = 0; c < valid; c++) add[c] = w->bias != NULL ? w->bias[col0 + n0 + c] : 0.0f;
             for (int64_t r0 = m0; r0 < m1; r0 += TS_SIMD_TILE_ROWS) {
                 const int rows = (int)(m1 - r0 < TS_SIMD_TILE_ROWS ? m1 - r0 : TS_SIMD_TILE_ROWS);
-                float res[TS_TILE_ROWS_MAX][TS_TILE_COLS];
-                TS_SIMD(tile_rows_any)((int)seg->type, rows, &p, kb, a, r0, res);
-                for (int r = 0; r < rows; r++) {
-                    float *dst = out + (r0 + r) * out_stride + col0 + n0;
-                    for (int64_t c = 0; c < valid; c++) dst[c] = res[r][c] + add[c];
-                }
+                float res[TS_TILE_ROWS_MAX][TS_TILE_RES_COLS];
+                TS_SIMD(tile_rows_any)(type, rows, count, group, kb, a, r0, res);
+                for (int j = 0; j < count; j++)
+                    for (int r = 0; r < rows; r++) {
+                        float *dst = out + (r0 + r) * out_stride + dst_col[j];
+                        for (int64_t c = 0; c < valid[j]; c++) dst[c] = res[r][TS_TILE_COLS * j + c] + add[j][c];
+                    }
             }
         }
     }
-    free(p.codes);
-    free(p.signs);
-    free(p.scale);
-    free(p.offset);
-    free(p.copies);
+    for (int j = 0; j < TS_SIMD_TILE_PANELS; j++) {
+        free(p[j].codes);
+        free(p[j].signs);
+        free(p[j].scale);
+        free(p[j].offset);
+        free(p[j].copies);
+    }
     return ok ? 0 : -1;
 }
