@@ -9,6 +9,7 @@ new requests get 503, in-flight ones finish (up to ``shutdown_timeout``), then t
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import threading
@@ -286,9 +287,25 @@ class DrainingServer(uvicorn.Server):
         return self.should_exit
 
 
+def _with_frozen_heap(factory: EngineFactory) -> EngineFactory:
+    """``factory``, then the objects start-up left (the model's modules, the tokenizer's vocabulary and
+    merges, the GGUF metadata's leftovers) moved out of the cyclic collector's sight with ``gc.freeze``.
+    A full collection otherwise walks all of them: 2-3% of a 1.7B model's prefill went to the collector,
+    none after the freeze. Only for a server process, which holds one engine for its whole life: frozen
+    objects are never collected, so a process that builds and drops engines would keep their cycles."""
+
+    def build() -> AsyncEngine:
+        engine = factory()
+        gc.collect()
+        gc.freeze()
+        return engine
+
+    return build
+
+
 def run_server(config: ServerConfig, engine_factory: EngineFactory) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit code (1 if the model failed to load)."""
-    app = build_app(config, engine_factory=engine_factory)
+    app = build_app(config, engine_factory=_with_frozen_heap(engine_factory))
     state: ServerState = app.state.tideserve
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_config=None, access_log=False,
                                log_level=config.uvicorn_log_level, timeout_graceful_shutdown=5,
