@@ -22,6 +22,32 @@ static inline __m256i TS_SIMD(nibbles)(const uint8_t *p) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), _mm_and_si128(packed, mask));
 }
 
+/* A Q4_K / Q5_K unit's eight 6-bit scales and mins (unpacked with word masks, llama.cpp's trick) times
+ * its d and -dmin: sub-block j's scale and offset in lane j. */
+static inline __attribute__((always_inline)) void TS_SIMD(k4_unit_scales)(const uint8_t *u, __m256 *scale,
+                                                                         __m256 *offset) {
+    uint32_t w[4];
+    memcpy(w, u + 4, 12);
+    w[3] = ((w[2] >> 4) & 0x0f0f0f0f) | (((w[1] >> 6) & 0x03030303) << 4);
+    const uint32_t mins_low = w[1] & 0x3f3f3f3f;
+    w[1] = (w[2] & 0x0f0f0f0f) | (((w[0] >> 6) & 0x03030303) << 4);
+    w[2] = mins_low;
+    w[0] &= 0x3f3f3f3f; /* bytes of w[0..1]: scales 0-7; of w[2..3]: mins 0-7 */
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2))));
+    *scale = _mm256_mul_ps(sc, _mm256_set1_ps(_cvtsh_ss(ts_load_u16(u))));
+    *offset = _mm256_mul_ps(mn, _mm256_set1_ps(-_cvtsh_ss(ts_load_u16(u + 2))));
+}
+
+/* A Q6_K unit's sixteen 8-bit scales times its d: the scale of 16-value part k in lane k of lo (k < 8)
+ * or hi (k - 8); each offset is -32 times its scale. */
+static inline __attribute__((always_inline)) void TS_SIMD(q6k_unit_scales)(const uint8_t *u, __m256 *lo, __m256 *hi) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(ts_load_u16(u + 208)));
+    const __m128i scales = _mm_loadu_si128((const __m128i *)(u + 192));
+    *lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales)));
+    *hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8))));
+}
+
 /* Block b of a row: its 32 codes, and the scale and offset of each 16-value half. For K-quants the unit's
  * scales are decoded when b enters a new unit (sc, mn keep them between calls). */
 static inline __attribute__((always_inline)) __m256i TS_SIMD(decode)(int type, const uint8_t *row, int64_t b,
@@ -60,18 +86,11 @@ static inline __attribute__((always_inline)) __m256i TS_SIMD(decode)(int type, c
         const int64_t bytes = type == TS_Q4_K ? 144 : 176;
         const uint8_t *u = row + (b / 8) * bytes;
         const int j = (int)(b % 8);
-        if (j == 0) { /* the unit's eight 6-bit scales and mins, unpacked with word masks (llama.cpp's trick) */
-            uint32_t w[4];
-            memcpy(w, u + 4, 12);
-            w[3] = ((w[2] >> 4) & 0x0f0f0f0f) | (((w[1] >> 6) & 0x03030303) << 4);
-            const uint32_t mins_low = w[1] & 0x3f3f3f3f;
-            w[1] = (w[2] & 0x0f0f0f0f) | (((w[0] >> 6) & 0x03030303) << 4);
-            w[2] = mins_low;
-            w[0] &= 0x3f3f3f3f; /* bytes of w[0..1]: scales 0-7; of w[2..3]: mins 0-7 */
-            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)w)));
-            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2))));
-            _mm256_storeu_ps(unit_s, _mm256_mul_ps(sc, _mm256_set1_ps(_cvtsh_ss(ts_load_u16(u)))));
-            _mm256_storeu_ps(unit_o, _mm256_mul_ps(mn, _mm256_set1_ps(-_cvtsh_ss(ts_load_u16(u + 2)))));
+        if (j == 0) { /* the unit's scales and offsets, kept for its other blocks */
+            __m256 scale, offset;
+            TS_SIMD(k4_unit_scales)(u, &scale, &offset);
+            _mm256_storeu_ps(unit_s, scale);
+            _mm256_storeu_ps(unit_o, offset);
         }
         s[0] = s[1] = unit_s[j];
         o[0] = o[1] = unit_o[j];
@@ -89,10 +108,8 @@ static inline __attribute__((always_inline)) __m256i TS_SIMD(decode)(int type, c
         const uint8_t *u = row + (b / 8) * 210;
         const int j = (int)(b % 8), half = j / 4, t = j % 4;
         if (j == 0) {
-            const __m256 d = _mm256_set1_ps(_cvtsh_ss(ts_load_u16(u + 208)));
-            const __m128i scales = _mm_loadu_si128((const __m128i *)(u + 192));
-            const __m256 lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales)));
-            const __m256 hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8))));
+            __m256 lo, hi;
+            TS_SIMD(q6k_unit_scales)(u, &lo, &hi);
             _mm256_storeu_ps(unit_s, lo);
             _mm256_storeu_ps(unit_s + 8, hi);
             _mm256_storeu_ps(unit_o, _mm256_mul_ps(lo, _mm256_set1_ps(-32.0f)));

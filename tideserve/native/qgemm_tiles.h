@@ -35,6 +35,19 @@ typedef struct {
     float *offset;   /* [kb][halves][16] */
     uint8_t *copies; /* [16][row_bytes] where a layer has interleaved rows: them in the file's layout */
 } ts_tile_panel;
+
+/* The weight bytes of the panels a thread decodes next, brought towards L2 a slice per micro tile during
+ * the last tiles before them: issued all at once they came in while the chunk's activations streamed
+ * through L2 and were evicted before the decode (which then waited on memory at every row's load). */
+typedef struct {
+    const char *at[TS_TILE_PANELS_MAX];
+    int64_t bytes[TS_TILE_PANELS_MAX];
+    int count, current;
+    int64_t done;
+} ts_tile_prefetch;
+
+/* Activation bytes the last tiles before a decode may stream: the next panels are fetched over them. */
+#define TS_TILE_PREFETCH_TAIL_BYTES (192 * 1024)
 #endif
 
 /* Steps of 4 values whose vpmaddubsw results (each at most 2 x largest code x 127) add up in int16. */
@@ -238,6 +251,99 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel_gath
     }
 }
 
+/* Weight rows [n0, n0 + 16), all present, of a K-quant as stored (``stride`` bytes a row): 8 rows' 32-byte
+ * runs of packed codes are loaded together and transposed as 32-bit words once for every two sub-blocks
+ * (Q4_K, Q5_K: a run holds sub-block 2p in its low nibbles, 2p + 1 in its high ones; Q6_K: two runs of
+ * low bits and one of high bits make four sub-blocks), and each row's unit scales are transposed into the
+ * panel's [block][column] order 8 at a time. Decoding block by block and row by row, then transposing the
+ * codes, loaded and transposed every run twice (four times for Q6_K's high bits) and stored each scale on
+ * its own: it was 11% of a 1.7B Q4_K_M model's prefill. Same codes and scales, bit for bit. */
+static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel_k)(const int type, const uint8_t *rows,
+                                                                      int64_t row_bytes, int64_t kb,
+                                                                      ts_tile_panel *p) {
+    const int64_t unit_bytes = ts_qunit_bytes(type), units = kb / 8;
+    const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03), one = _mm256_set1_epi8(0x01);
+    for (int64_t un = 0; un < units; un++) {
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *unit = rows + 8 * h * row_bytes + un * unit_bytes; /* row c's at unit + c * row_bytes */
+            __m256i v[8];
+#define TS_ROWS8_RUN(offset)                                                                                   \
+    do {                                                                                                       \
+        for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_si256((const __m256i *)(unit + c * row_bytes + (offset))); \
+        TS_SIMD(tile_transpose8x8)(v);                                                                         \
+    } while (0)
+#define TS_CODES_AT(block, g) (p->codes + ((((block)) * 8 + (g)) * 2 + h) * 32)
+            if (type == TS_Q6_K) {
+                __m256 lo[8], hi[8];
+                for (int c = 0; c < 8; c++) TS_SIMD(q6k_unit_scales)(unit + c * row_bytes, &lo[c], &hi[c]);
+                TS_SIMD(tile_transpose8x8)((__m256i *)lo);
+                TS_SIMD(tile_transpose8x8)((__m256i *)hi);
+                for (int k = 0; k < 8; k++) { /* 16-value part k of the unit: block 8 un + k / 2, half k % 2 */
+                    float *at = p->scale + (16 * un + k) * TS_TILE_COLS + 8 * h;
+                    _mm256_storeu_ps(at, lo[k]);
+                    _mm256_storeu_ps(at + 8 * TS_TILE_COLS, hi[k]);
+                    float *off = p->offset + (16 * un + k) * TS_TILE_COLS + 8 * h;
+                    _mm256_storeu_ps(off, _mm256_mul_ps(lo[k], _mm256_set1_ps(-32.0f)));
+                    _mm256_storeu_ps(off + 8 * TS_TILE_COLS, _mm256_mul_ps(hi[k], _mm256_set1_ps(-32.0f)));
+                }
+                for (int half = 0; half < 2; half++) { /* sub-blocks 4 half + t, t < 4 */
+                    __m256i a[8], b[8];
+                    TS_ROWS8_RUN(64 * half);
+                    for (int g = 0; g < 8; g++) a[g] = v[g];
+                    TS_ROWS8_RUN(64 * half + 32);
+                    for (int g = 0; g < 8; g++) b[g] = v[g];
+                    TS_ROWS8_RUN(128 + 32 * half);
+                    for (int g = 0; g < 8; g++) {
+                        const __m256i high = v[g];
+                        const int64_t block = 8 * un + 4 * half;
+                        _mm256_storeu_si256((__m256i *)TS_CODES_AT(block, g),
+                                            _mm256_or_si256(_mm256_and_si256(a[g], low4),
+                                                            _mm256_slli_epi16(_mm256_and_si256(high, low2), 4)));
+                        _mm256_storeu_si256((__m256i *)TS_CODES_AT(block + 1, g),
+                                            _mm256_or_si256(_mm256_and_si256(b[g], low4),
+                                                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2), low2), 4)));
+                        _mm256_storeu_si256((__m256i *)TS_CODES_AT(block + 2, g),
+                                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a[g], 4), low4),
+                                                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 4), low2), 4)));
+                        _mm256_storeu_si256((__m256i *)TS_CODES_AT(block + 3, g),
+                                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b[g], 4), low4),
+                                                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 6), low2), 4)));
+                    }
+                }
+            } else { /* Q4_K, Q5_K */
+                __m256 sc[8], mn[8];
+                for (int c = 0; c < 8; c++) TS_SIMD(k4_unit_scales)(unit + c * row_bytes, &sc[c], &mn[c]);
+                TS_SIMD(tile_transpose8x8)((__m256i *)sc);
+                TS_SIMD(tile_transpose8x8)((__m256i *)mn);
+                for (int j = 0; j < 8; j++) {
+                    _mm256_storeu_ps(p->scale + (8 * un + j) * TS_TILE_COLS + 8 * h, sc[j]);
+                    _mm256_storeu_ps(p->offset + (8 * un + j) * TS_TILE_COLS + 8 * h, mn[j]);
+                }
+                const int five = type == TS_Q5_K, qs_at = five ? 48 : 16;
+                __m256i fifth[8];
+                if (five) {
+                    TS_ROWS8_RUN(16); /* bit j of byte v: value v's fifth bit in sub-block j */
+                    for (int g = 0; g < 8; g++) fifth[g] = v[g];
+                }
+                for (int pair = 0; pair < 4; pair++) {
+                    TS_ROWS8_RUN(qs_at + 32 * pair);
+                    for (int g = 0; g < 8; g++) {
+                        __m256i lo = _mm256_and_si256(v[g], low4), hi = _mm256_and_si256(_mm256_srli_epi16(v[g], 4), low4);
+                        if (five) {
+                            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(fifth[g], 2 * pair), one), 4));
+                            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(fifth[g], 2 * pair + 1), one), 4));
+                        }
+                        _mm256_storeu_si256((__m256i *)TS_CODES_AT(8 * un + 2 * pair, g), lo);
+                        _mm256_storeu_si256((__m256i *)TS_CODES_AT(8 * un + 2 * pair + 1, g), hi);
+                    }
+                }
+            }
+#undef TS_CODES_AT
+#undef TS_ROWS8_RUN
+        }
+    }
+}
+
 /* Weight rows [n0, n0 + 16) of a segment (rows past its end decode to zeros) into a panel. */
 static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel)(const int type, const ts_qseg *seg, int64_t n0,
                                                                     int64_t k, ts_tile_panel *p) {
@@ -245,6 +351,10 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel)(con
     const int64_t valid = seg->n - n0 < TS_TILE_COLS ? seg->n - n0 : TS_TILE_COLS;
     if (valid == TS_TILE_COLS && (TS_SIMD(rows8_nibble_format)(type) || type == TS_Q8_0)) {
         TS_SIMD(tile_decode_panel_gathered)(type, seg->layout == TS_LAYOUT_X8, seg->data + n0 * row_bytes, row_bytes, kb, p);
+        return;
+    }
+    if (valid == TS_TILE_COLS && (type == TS_Q4_K || type == TS_Q5_K || type == TS_Q6_K) && seg->layout == TS_LAYOUT_ROWS) {
+        TS_SIMD(tile_decode_panel_k)(type, seg->data + n0 * row_bytes, row_bytes, kb, p);
         return;
     }
     /* Each row as stored; an interleaved group's rows are copied back to the file's layout first (a panel
@@ -452,14 +562,33 @@ static void TS_SIMD(tile_rows_any)(int type, int rows, int count, const ts_tile_
 #undef TS_ROWS
 }
 
-/* Starts bringing panel i's weight rows (contiguous in its segment) towards L2. */
-static inline void TS_SIMD(tile_prefetch_panel)(const ts_qmat *w, int64_t i) {
-    int64_t first, col0;
-    const ts_qseg *seg = ts_panel_segment(w, i, TS_TILE_COLS, &first, &col0);
-    const int64_t bytes = ts_qrow_bytes(seg->type, w->k);
-    const int64_t rows = seg->n - first * TS_TILE_COLS < TS_TILE_COLS ? seg->n - first * TS_TILE_COLS : TS_TILE_COLS;
-    const char *start = (const char *)seg->data + first * TS_TILE_COLS * bytes;
-    for (int64_t off = 0; off < rows * bytes; off += 64) __builtin_prefetch(start + off, 0, 2);
+/* Plans panels [i, i + count) (those below hi) for prefetching. */
+static inline void TS_SIMD(tile_prefetch_plan)(const ts_qmat *w, int64_t i, int count, int64_t hi, ts_tile_prefetch *f) {
+    f->count = f->current = 0;
+    f->done = 0;
+    for (int j = 0; j < count && i + j < hi; j++) {
+        int64_t first, col0;
+        const ts_qseg *seg = ts_panel_segment(w, i + j, TS_TILE_COLS, &first, &col0);
+        const int64_t bytes = ts_qrow_bytes(seg->type, w->k);
+        const int64_t rows = seg->n - first * TS_TILE_COLS < TS_TILE_COLS ? seg->n - first * TS_TILE_COLS : TS_TILE_COLS;
+        f->at[f->count] = (const char *)seg->data + first * TS_TILE_COLS * bytes;
+        f->bytes[f->count++] = rows * bytes;
+    }
+}
+
+/* Prefetches the plan's next ``budget`` bytes (all that is left with budget < 0). */
+static inline void TS_SIMD(tile_prefetch_some)(ts_tile_prefetch *f, int64_t budget) {
+    while (f->current < f->count && budget != 0) {
+        const int64_t left = f->bytes[f->current] - f->done;
+        const int64_t take = budget < 0 || budget > left ? left : budget;
+        for (int64_t off = 0; off < take; off += 64) __builtin_prefetch(f->at[f->current] + f->done + off, 0, 2);
+        f->done += take;
+        if (budget > 0) budget -= take;
+        if (f->done >= f->bytes[f->current]) {
+            f->current++;
+            f->done = 0;
+        }
+    }
 }
 
 /* This thread's share of out = x W^T (+ bias) through the tiles, x already quantized into ``a``. Called by
@@ -509,12 +638,6 @@ static int TS_SIMD(tiles_matmul_share)(const ts_qmat *w, const ts_act *a, int64_
                 if (count > 0 && (int)seg->type != type) break;
                 type = (int)seg->type;
                 const int64_t n0 = first * TS_TILE_COLS;
-                /* The panel TS_SIMD_TILE_PANELS on, towards L2 while these are decoded and multiplied:
-                 * the one right after is decoded next, before its lines would arrive (Q4_1 3,072 x 576 at
-                 * 16 and 64 rows of x: 0.45 and 0.60 TOPS with the next panel prefetched, 0.68 and 1.09). */
-                if (i + TS_SIMD_TILE_PANELS < hi) TS_SIMD(tile_prefetch_panel)(w, i + TS_SIMD_TILE_PANELS);
-                if (i == lo) /* the first ones have no one before them to bring them in */
-                    for (int64_t j = i + 1; j < i + TS_SIMD_TILE_PANELS && j < hi; j++) TS_SIMD(tile_prefetch_panel)(w, j);
                 TS_SIMD(tile_decode_panel_any)(seg, n0, k, &p[count]);
                 dst_col[count] = col0 + n0;
                 valid[count] = seg->n - n0 < TS_TILE_COLS ? seg->n - n0 : TS_TILE_COLS;
@@ -523,9 +646,21 @@ static int TS_SIMD(tiles_matmul_share)(const ts_qmat *w, const ts_act *a, int64_
                 count++;
                 i++;
             }
-            for (int64_t r0 = m0; r0 < m1; r0 += TS_SIMD_TILE_ROWS) {
+            /* The panels decoded next (this chunk's, or the next chunk's first), fetched over the last
+             * tiles: a slice each, so that they arrive after most of the chunk's activations went by. */
+            ts_tile_prefetch next;
+            TS_SIMD(tile_prefetch_plan)(w, i < hi ? i : lo, TS_SIMD_TILE_PANELS, i < hi || m1 < m ? hi : lo, &next);
+            int64_t next_bytes = 0;
+            for (int j = 0; j < next.count; j++) next_bytes += next.bytes[j];
+            int64_t tail_tiles = TS_TILE_PREFETCH_TAIL_BYTES / (row_bytes * TS_SIMD_TILE_ROWS);
+            tail_tiles = tail_tiles < 1 ? 1 : tail_tiles;
+            const int64_t tiles = (m1 - m0 + TS_SIMD_TILE_ROWS - 1) / TS_SIMD_TILE_ROWS;
+            const int64_t first_tail = tiles > tail_tiles ? tiles - tail_tiles : 0;
+            const int64_t slice = (next_bytes / (tiles - first_tail) + 63) / 64 * 64 + 64;
+            for (int64_t r0 = m0, t = 0; r0 < m1; r0 += TS_SIMD_TILE_ROWS, t++) {
                 const int rows = (int)(m1 - r0 < TS_SIMD_TILE_ROWS ? m1 - r0 : TS_SIMD_TILE_ROWS);
                 float res[TS_TILE_ROWS_MAX][TS_TILE_RES_COLS];
+                if (t >= first_tail) TS_SIMD(tile_prefetch_some)(&next, slice);
                 TS_SIMD(tile_rows_any)(type, rows, count, group, kb, a, r0, res);
                 for (int j = 0; j < count; j++)
                     for (int r = 0; r < rows; r++) {
