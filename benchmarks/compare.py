@@ -255,8 +255,50 @@ def _ms(stats: dict[str, Any], key: str) -> str:
     return "-" if v is None else f"{v:.0f}"
 
 
+def median_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (workload, concurrency, engine): over several rounds, the round with the median output
+    tok/s (the lower middle one of an even count), so every column of a cell comes from one real run."""
+    cells: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        cells.setdefault((r["workload"], r["concurrency"], r["engine"]), []).append(r)
+    picked = []
+    for runs in cells.values():
+        runs = sorted(runs, key=lambda r: r["metrics"]["output_throughput"])
+        picked.append(runs[(len(runs) - 1) // 2])
+    return picked
+
+
+def build_rounds_table(rows: list[dict[str, Any]]) -> str:
+    """Every round's output tok/s per cell, and each round's ratio of an HTTP peer to tideserve-serve (and
+    an in-process one to tideserve-offline), with their median and spread; empty for a single round."""
+    rounds = sorted({r.get("round", 1) for r in rows})
+    if len(rounds) < 2:
+        return ""
+    tps = {(r["workload"], r["concurrency"], r["engine"], r.get("round", 1)): r["metrics"]["output_throughput"]
+           for r in rows}
+    lines = ["Every round (output tok/s; the ratio is the peer's over tideserve's in the same round):", "",
+             "| workload | conc. | engine | " + " | ".join(f"round {n}" for n in rounds)
+             + " | ratio per round | median ratio |",
+             "|---|---:|---|" + "---:|" * len(rounds) + "---|---:|"]
+    order = {e: i for i, e in enumerate(ENGINES)}
+    cells = sorted({(w, c, e) for w, c, e, _ in tps},
+                   key=lambda k: (WORKLOADS.index(k[0]), k[1], order[k[2]]))
+    for w, c, e in cells:
+        base = "tideserve-serve" if e in HTTP_ENGINES else "tideserve-offline"
+        values = [tps.get((w, c, e, n)) for n in rounds]
+        ratios = [v / tps[(w, c, base, n)] for v, n in zip(values, rounds)
+                  if v is not None and tps.get((w, c, base, n))]
+        ratio_text = ", ".join(f"{x:.2f}x" for x in ratios) if e != base else "-"
+        median = f"{sorted(ratios)[(len(ratios) - 1) // 2]:.2f}x" if ratios and e != base else "-"
+        lines.append(f"| {w} | {c} | {e} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in values)
+                     + f" | {ratio_text} | {median} |")
+    return "\n".join(lines)
+
+
 def build_table(rows: list[dict[str, Any]]) -> str:
-    """One markdown table: every engine at every workload and concurrency, with the ratio to tideserve."""
+    """One markdown table: every engine at every workload and concurrency, with the ratio to tideserve
+    (over several rounds, each cell's median round: median_rows)."""
+    rows = median_rows(rows)
     ref = {(r["workload"], r["concurrency"], r["engine"]): r["metrics"]["output_throughput"] for r in rows}
     header = ("| workload | conc. | engine | output tok/s | vs tideserve | TTFT p50 (ms) | TTFT p99 (ms) "
               "| E2E p50 (ms) | E2E p99 (ms) | TPOT p50 (ms) | server peak RSS (MiB) | ok / failed |\n"
@@ -338,6 +380,10 @@ def write_report(args: argparse.Namespace, rows: list, notes: list[str], workloa
             "Machine and versions: " + ", ".join(f"{k} {v}" for k, v in env.items()), "",
             "Machine summary: " + machine.markdown(args.machine), "",
             "Workloads:", *shapes, "", DEFINITIONS, "", build_table(rows), ""]
+    rounds_table = build_rounds_table(rows)
+    if rounds_table:
+        text += [f"{args.rounds} rounds, engines in alternating order; the table above shows each cell's median "
+                 "round.", "", rounds_table, ""]
     if notes:
         text += ["Notes:", *[f"- {n}" for n in notes], ""]
     if args.commands:
@@ -387,8 +433,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--llama-server", default=None, help="path of a llama-server binary (default: PATH)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny workloads, concurrency 1,4: a smoke run")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every engine this many times, in alternating order; the table shows each cell's "
+                         "median round and a second table every round's throughput and ratio")
     ap.add_argument("--out", default=None, help="markdown output (default docs/compare-<date>.md)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -436,17 +488,23 @@ def main(argv: list[str] | None = None) -> int:
         ("tideserve-serve", lambda: run_tideserve_serve(args, workloads, levels, rows, notes)),
         ("llama-server", lambda: run_llama_server(args, workloads, levels, rows, notes)),
     ]
-    for name, step in steps:
-        wanted = {"hf-static", "hf-cb"} & set(engines) if name == "hf" else name in engines
-        if not wanted:
-            continue
-        try:
-            step()
-            gc.collect()  # free one engine's weights before the next loads
-        except Exception as exc:  # one broken peer must not lose the others' numbers
-            logger.exception("%s failed", name)
-            first_line = str(exc).splitlines()[0] if str(exc) else ""
-            notes.append(f"{name} failed: {type(exc).__name__}: {first_line}")
+    for round_no in range(args.rounds):
+        # Every other round runs the engines in the opposite order, so a drift of the host (memory
+        # bandwidth on a shared VM moves by 2x over minutes) does not always favour the same engine.
+        for name, step in steps if round_no % 2 == 0 else steps[::-1]:
+            wanted = {"hf-static", "hf-cb"} & set(engines) if name == "hf" else name in engines
+            if not wanted:
+                continue
+            start = len(rows)
+            try:
+                step()
+                gc.collect()  # free one engine's weights before the next loads
+            except Exception as exc:  # one broken peer must not lose the others' numbers
+                logger.exception("%s failed", name)
+                first_line = str(exc).splitlines()[0] if str(exc) else ""
+                notes.append(f"{name} failed (round {round_no + 1}): {type(exc).__name__}: {first_line}")
+            for r in rows[start:]:
+                r["round"] = round_no + 1
 
     merge_rows(args.merge, rows, notes)
     out = Path(args.out) if args.out else Path("docs") / f"compare-{time.strftime('%Y%m%d-%H%M')}.md"
@@ -459,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment() | {k: str(v) for k, v in args.versions.items()},
         "levels": levels, "notes": notes, "rows": rows}, indent=2, default=str))
     if rows:
-        draw_chart(rows, names, out.with_suffix(".png"))
+        draw_chart(median_rows(rows), names, out.with_suffix(".png"))
     print(report)
     print(f"wrote {out}, {out.with_suffix('.json')}" + (f", {out.with_suffix('.png')}" if rows else ""))
     return 0 if rows else 1
