@@ -33,6 +33,7 @@ import gc
 import json
 import logging
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -289,7 +290,7 @@ def build_rounds_table(rows: list[dict[str, Any]]) -> str:
         ratios = [v / tps[(w, c, base, n)] for v, n in zip(values, rounds)
                   if v is not None and tps.get((w, c, base, n))]
         ratio_text = ", ".join(f"{x:.2f}x" for x in ratios) if e != base else "-"
-        median = f"{sorted(ratios)[(len(ratios) - 1) // 2]:.2f}x" if ratios and e != base else "-"
+        median = f"{statistics.median(ratios):.2f}x" if ratios and e != base else "-"
         lines.append(f"| {w} | {c} | {e} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in values)
                      + f" | {ratio_text} | {median} |")
     return "\n".join(lines)

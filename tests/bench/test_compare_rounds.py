@@ -46,6 +46,7 @@ def test_each_cell_is_its_median_round_and_every_round_has_its_own_ratio():
     rounds = compare.build_rounds_table(rows)
     assert "| fixed | 1 | llama-server | 22.0 | 21.0 | 19.0 | 0.73x, 0.88x, 0.58x | 0.73x |" in rounds
     assert compare.build_rounds_table(rows[:2]) == ""  # one round: no second table
+    assert "| 0.73x, 0.88x | 0.80x |" in compare.build_rounds_table(rows[:4])  # an even count: the middle two's mean
 
 
 def test_rounds_must_be_positive():
