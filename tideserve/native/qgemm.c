@@ -160,9 +160,12 @@ enum { TS_K_ROWS = 0, TS_K_AVX2_TILES = 1, TS_K_AMX_TILES = 2, TS_K_AVX2_GEMV = 
  * each 16-value half), for the offsets' terms.
  * The AVX-512 tiles read the same values regrouped TS_ACT_GROUP rows at a time (their micro tile's height;
  * NULL elsewhere): tq [m/G][kb][8 steps][G rows][4 codes], td [m/G][kb][G rows] (d) and ts [m/G][kb][3][G rows]
- * (s's two halves, then their sum as the tiles used to add it). A micro tile then finds every row's codes
- * and scales at constant offsets from one pointer: with a pointer per row, the registers ran out and the
- * sums were added per tile. */
+ * (s's two halves, then their sum as the tiles used to add it), and, for a weight with Q6_K rows, tb
+ * [m/G][kb][2 halves][G rows]: -32 times the sum of q over each 16-value half, Q6_K's offset (value =
+ * scale * (code - 32)) as an integer, which the tiles start that format's integer sums from instead of
+ * adding the offset in float. A micro tile then
+ * finds every row's codes and scales at constant offsets from one pointer: with a pointer per row, the
+ * registers ran out and the sums were added per tile. */
 #define TS_ACT_GROUP 6
 typedef struct {
     int8_t *q;
@@ -170,6 +173,7 @@ typedef struct {
     int64_t k, kb;
     int8_t *tq;
     float *td, *ts;
+    int32_t *tb;
 } ts_act;
 
 /* Row i of a (quantized) into the tiles' groups of TS_ACT_GROUP rows. */
@@ -182,6 +186,12 @@ static void regroup_row(ts_act *a, int64_t i) {
         const float *s = a->s + 2 * (i * kb + b);
         float *ts = a->ts + (group * kb + b) * (3 * TS_ACT_GROUP) + r;
         a->td[(group * kb + b) * TS_ACT_GROUP + r] = a->d[i * kb + b];
+        int32_t *tb = a->tb != NULL ? a->tb + (group * kb + b) * (2 * TS_ACT_GROUP) + r : NULL;
+        for (int half = 0; tb != NULL && half < 2; half++) {
+            int32_t sum = 0;
+            for (int v = 0; v < 16; v++) sum += q[b * TS_QBLOCK + 16 * half + v];
+            tb[half * TS_ACT_GROUP] = -32 * sum;
+        }
         ts[0] = s[0];
         ts[TS_ACT_GROUP] = s[1];
         ts[2 * TS_ACT_GROUP] = s[0] + s[1];
@@ -765,11 +775,14 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
     const int64_t k = w->k, kb = k / TS_QBLOCK;
     const int regroup = tiles && isa == TS_QG_AVX512;
     const int64_t grouped_rows = (m + TS_ACT_GROUP - 1) / TS_ACT_GROUP * TS_ACT_GROUP;
+    int has_q6k = 0; /* tb, Q6_K's integer offsets, only where a segment needs them */
+    for (int64_t s = 0; s < w->num_segs; s++) has_q6k |= w->seg[s].type == TS_Q6_K;
     ts_act a = {malloc((size_t)(m * k)), malloc(sizeof(float) * (size_t)(m * kb)),
                 malloc(sizeof(float) * (size_t)(2 * m * kb)), k, kb,
                 regroup ? malloc((size_t)(grouped_rows * k)) : NULL,
                 regroup ? malloc(sizeof(float) * (size_t)(grouped_rows * kb)) : NULL,
-                regroup ? malloc(sizeof(float) * (size_t)(3 * grouped_rows * kb)) : NULL};
+                regroup ? malloc(sizeof(float) * (size_t)(3 * grouped_rows * kb)) : NULL,
+                regroup && has_q6k ? malloc(sizeof(int32_t) * (size_t)(2 * grouped_rows * kb)) : NULL};
     float *activated = act ? malloc(sizeof(float) * (size_t)(m * k)) : NULL;
     /* per thread, one row in the file's layout: the row kernels' copy of an interleaved group's row */
     int64_t scratch_bytes = 0;
@@ -779,13 +792,14 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
     }
     uint8_t *scratch_rows = scratch_bytes ? malloc((size_t)(scratch_bytes * (num_threads > 1 ? num_threads : 1))) : NULL;
     if (a.q == NULL || a.d == NULL || a.s == NULL || (act && activated == NULL) || (scratch_bytes && scratch_rows == NULL) ||
-        (regroup && (a.tq == NULL || a.td == NULL || a.ts == NULL))) {
+        (regroup && (a.tq == NULL || a.td == NULL || a.ts == NULL || (has_q6k && a.tb == NULL)))) {
         free(a.q);
         free(a.d);
         free(a.s);
         free(a.tq);
         free(a.td);
         free(a.ts);
+        free(a.tb);
         free(activated);
         free(scratch_rows);
         return -1;
@@ -861,6 +875,7 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
     free(a.tq);
     free(a.td);
     free(a.ts);
+    free(a.tb);
     free(activated);
     free(scratch_rows);
     return failed ? -1 : 0;

@@ -412,13 +412,21 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int t
     const int64_t group = r0 / G;
     const int8_t *xq = a->tq + group * kb * (8 * 4 * G);
     const float *xd = a->td + group * kb * G, *xs = a->ts + group * kb * (3 * G);
+    const int32_t *xb = a->tb != NULL ? a->tb + group * kb * (2 * G) : NULL; /* set where a Q6_K segment is */
+    /* Q6_K's offset (-32 x scale) enters as an integer: each half's sums start from -32 x the half's sum of
+     * x's codes, and the float epilogue has no offset term (6 operations a block and row instead of 8:
+     * the format's tiles were bound by them). */
+    const int integer_offset = type == TS_Q6_K;
     for (int64_t b = 0; b < kb; b++) {
 #pragma GCC unroll 2
         for (int half = 0; half < halves; half++) {
             const int g_lo = half * 8 / halves, g_hi = (half + 1) * 8 / halves;
             __m512i wide[TS_TILE_ROWS_MAX][TS_TILE_PANELS_MAX];
-            for (int r = 0; r < R; r++)
-                for (int j = 0; j < P; j++) wide[r][j] = _mm512_setzero_si512();
+            for (int r = 0; r < R; r++) {
+                const __m512i start = integer_offset ? _mm512_set1_epi32(xb[b * (2 * G) + half * G + r])
+                                                     : _mm512_setzero_si512();
+                for (int j = 0; j < P; j++) wide[r][j] = start;
+            }
 #pragma GCC unroll 8
             for (int g = g_lo; g < g_hi; g++) {
                 __m512i w[TS_TILE_PANELS_MAX];
@@ -437,7 +445,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int t
                 for (int r = 0; r < R; r++) {
                     const __m512 dots = _mm512_mul_ps(_mm512_cvtepi32_ps(wide[r][j]), _mm512_set1_ps(xd[b * G + r]));
                     acc[r][j] = _mm512_fmadd_ps(dots, scale, acc[r][j]);
-                    acc[r][j] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r]), acc[r][j]);
+                    if (!integer_offset) acc[r][j] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r]), acc[r][j]);
                 }
             }
         }
