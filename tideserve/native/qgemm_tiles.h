@@ -181,13 +181,18 @@ static inline __attribute__((always_inline)) void TS_SIMD(rows8_nibble_codes)(co
 /* The signed codes of Q8_0 block ``block`` of 8 rows (``stride`` bytes apart, or one interleaved block with
  * x8): w[g] lane c holds codes 4g .. 4g + 3 of row c, the order both the tiles and the matrix-vector kernel
  * read them in. */
+/* v[j] lane c = 32-bit word j of the 32 bytes at p + c * stride, for rows c < 8 and words j < 8. */
+static inline __attribute__((always_inline)) void TS_SIMD(rows8_words8)(const uint8_t *p, int64_t stride, __m256i v[8]) {
+    for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_si256((const __m256i *)(p + c * stride));
+    TS_SIMD(tile_transpose8x8)(v);
+}
+
 static inline __attribute__((always_inline)) void TS_SIMD(rows8_q8_codes)(const int x8, const uint8_t *block,
                                                                  int64_t stride, __m256i w[8]) {
     if (x8) {
         for (int g = 0; g < 8; g++) w[g] = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * g));
     } else {
-        for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_si256((const __m256i *)(block + c * stride + 2));
-        TS_SIMD(tile_transpose8x8)(w);
+        TS_SIMD(rows8_words8)(block + 2, stride, w);
     }
 }
 
@@ -266,12 +271,6 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel_k)(c
     for (int64_t un = 0; un < units; un++) {
         for (int h = 0; h < 2; h++) {
             const uint8_t *unit = rows + 8 * h * row_bytes + un * unit_bytes; /* row c's at unit + c * row_bytes */
-            __m256i v[8];
-#define TS_ROWS8_RUN(offset)                                                                                   \
-    do {                                                                                                       \
-        for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_si256((const __m256i *)(unit + c * row_bytes + (offset))); \
-        TS_SIMD(tile_transpose8x8)(v);                                                                         \
-    } while (0)
 #define TS_CODES_AT(block, g) (p->codes + ((((block)) * 8 + (g)) * 2 + h) * 32)
             if (type == TS_Q6_K) {
                 __m256 lo[8], hi[8];
@@ -287,12 +286,10 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel_k)(c
                     _mm256_storeu_ps(off + 8 * TS_TILE_COLS, _mm256_mul_ps(hi[k], _mm256_set1_ps(-32.0f)));
                 }
                 for (int half = 0; half < 2; half++) { /* sub-blocks 4 half + t, t < 4 */
-                    __m256i a[8], b[8];
-                    TS_ROWS8_RUN(64 * half);
-                    for (int g = 0; g < 8; g++) a[g] = v[g];
-                    TS_ROWS8_RUN(64 * half + 32);
-                    for (int g = 0; g < 8; g++) b[g] = v[g];
-                    TS_ROWS8_RUN(128 + 32 * half);
+                    __m256i a[8], b[8], v[8];
+                    TS_SIMD(rows8_words8)(unit + 64 * half, row_bytes, a);
+                    TS_SIMD(rows8_words8)(unit + 64 * half + 32, row_bytes, b);
+                    TS_SIMD(rows8_words8)(unit + 128 + 32 * half, row_bytes, v);
                     for (int g = 0; g < 8; g++) {
                         const __m256i high = v[g];
                         const int64_t block = 8 * un + 4 * half;
@@ -320,13 +317,10 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel_k)(c
                     _mm256_storeu_ps(p->offset + (8 * un + j) * TS_TILE_COLS + 8 * h, mn[j]);
                 }
                 const int five = type == TS_Q5_K, qs_at = five ? 48 : 16;
-                __m256i fifth[8];
-                if (five) {
-                    TS_ROWS8_RUN(16); /* bit j of byte v: value v's fifth bit in sub-block j */
-                    for (int g = 0; g < 8; g++) fifth[g] = v[g];
-                }
+                __m256i fifth[8], v[8];
+                if (five) TS_SIMD(rows8_words8)(unit + 16, row_bytes, fifth); /* bit j of byte v: value v's fifth bit in sub-block j */
                 for (int pair = 0; pair < 4; pair++) {
-                    TS_ROWS8_RUN(qs_at + 32 * pair);
+                    TS_SIMD(rows8_words8)(unit + qs_at + 32 * pair, row_bytes, v);
                     for (int g = 0; g < 8; g++) {
                         __m256i lo = _mm256_and_si256(v[g], low4), hi = _mm256_and_si256(_mm256_srli_epi16(v[g], 4), low4);
                         if (five) {
@@ -339,7 +333,6 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel_k)(c
                 }
             }
 #undef TS_CODES_AT
-#undef TS_ROWS8_RUN
         }
     }
 }
