@@ -25,7 +25,7 @@ FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]
 GEMV_FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"]  # the formats AVX2's matrix-vector kernel takes
 ROW_PATHS = ["avx2", "avx512"]
 INT_PATHS = ["avx2", "avx512"]  # the integer tiles and matrix-vector kernel: AVX2's byte products, or VNNI's
-X8_FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]  # the formats with an interleaved layout
+X8_FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"]  # the formats with an interleaved layout
 
 
 def need(path: str) -> None:
@@ -310,8 +310,8 @@ def test_the_interleaved_layout_round_trips(qtype, n):
     assert grouped == 0 or not torch.equal(x8[:grouped], data[:grouped])
     if qtype not in ("q5_0", "q5_1"):  # the same bytes moved (Q5's fifth bits also move within their word)
         assert torch.equal(x8[:grouped].flatten().sort().values, data[:grouped].flatten().sort().values)
-    with pytest.raises(ValueError, match="q4_k has no interleaved layout"):
-        quant.relayout("q4_k", weight("q4_k", n=8, k=256)[0], 256, "x8")
+    with pytest.raises(ValueError, match="q5_k has no interleaved layout"):
+        quant.relayout("q5_k", weight("q5_k", n=8, k=256)[0], 256, "x8")
 
 
 @pytest.mark.parametrize("path", ["scalar", "avx2-rows", "avx2-gemv", "avx2-tiles", "avx512", "avx512-gemv",
@@ -341,20 +341,20 @@ def test_every_path_reads_the_interleaved_layout_as_the_file_rows(path, qtype, r
 
 @pytest.mark.parametrize("path", ["scalar", "avx2", "avx512", "amx"])
 def test_a_quantized_weight_keeps_the_layout_this_cpu_reads_fastest(path):
-    """On AVX2 and AVX-512 VNNI (without AMX, whose tiles read rows as stored) the legacy formats and Q8_0
-    are interleaved at load and the K-quants stay as stored; either way file_segments, deepcopy, embed and
-    dequantize see the file's rows."""
+    """On AVX2 and AVX-512 VNNI (without AMX, whose tiles read rows as stored) the legacy formats, Q8_0,
+    Q4_K and Q6_K are interleaved at load and Q5_K stays as stored; either way file_segments, deepcopy,
+    embed and dequantize see the file's rows."""
     import copy
 
     need(path)
     gen = torch.Generator().manual_seed(11)
-    kinds = (("q5_0", 45), ("q8_0", 19), ("q4_k", 16))
+    kinds = (("q5_0", 45), ("q4_k", 16), ("q5_k", 8), ("q6_k", 24))
     shards = [quantized_pair(torch.randn(n, 256, generator=gen), qtype) for qtype, n in kinds]
     with quant.forced_isa(path) as isa:
         w = QuantWeight([(qtype, data) for (qtype, _), (data, _) in zip(kinds, shards)], 256)
         x = torch.randn(3, 256, generator=gen)
         got = w(x)
-    want = ["x8", "x8", "rows"] if isa in ("avx2", "avx512") else ["rows"] * 3
+    want = ["x8", "x8", "rows", "x8"] if isa in ("avx2", "avx512") else ["rows"] * 4
     assert w.layouts == want
     for (qtype, data), (_, (blocks, _)) in zip(w.file_segments(), zip(kinds, shards)):
         assert torch.equal(data, blocks)
@@ -364,9 +364,9 @@ def test_a_quantized_weight_keeps_the_layout_this_cpu_reads_fastest(path):
     assert twin.layouts == w.layouts
     with quant.forced_isa(isa):
         assert torch.equal(twin(x), got)
-    table = QuantWeight([("q8_0", shards[1][0])], 256)
-    ids = torch.tensor([[0, 18], [9, 7]])
-    torch.testing.assert_close(table.embed(ids), shards[1][1][ids], rtol=0, atol=0)
+    table = QuantWeight([("q6_k", shards[3][0])], 256)
+    ids = torch.tensor([[0, 18], [9, 23]])
+    torch.testing.assert_close(table.embed(ids), shards[3][1][ids], rtol=0, atol=0)
 
 
 def test_batch_sizes_pick_the_measured_kernel():

@@ -104,7 +104,7 @@ static inline uint16_t ts_load_u16(const uint8_t *p) {
     return v;
 }
 
-/* The interleaved layout (TS_LAYOUT_X8) of the legacy formats and Q8_0.
+/* The interleaved layout (TS_LAYOUT_X8) of the legacy formats, Q8_0, Q4_K and Q6_K.
  *
  * Why: AVX2's matrix-vector kernel and tiles read 8 weight rows at once, one vector lane per row, and
  * gathering those lanes from 8 rows as stored costs about a third of their instructions (loads, inserts,
@@ -114,7 +114,13 @@ static inline uint16_t ts_load_u16(const uint8_t *p) {
  * block (at offset o in the file's block) starts at 8 * o and holds the 8 rows' copies of it, row c's
  * 4-byte word i at 8 * o + 32 * i + 4 * c (an fp16 field: row c's at 8 * o + 2 * c). Q5's 32 fifth bits
  * are reordered too (ts_x8_qh), so that a shift and a mask put them next to each group of 4 codes. Rows past
- * the last whole group stay as in the file. Every other reader goes through ts_x8_row. */
+ * the last whole group stay as in the file. Every other reader goes through ts_x8_row.
+ *
+ * The K-quants' block here is their unit of 256 values. Stored as rows, Q4_K's and Q6_K's 32-byte runs of
+ * codes were transposed 8 rows at a time (three shuffles a vector) by every reader: that was a fifth of the
+ * Q4_K matrix-vector kernel's instructions, which then ran below what one core's memory gives (Zen 5, one
+ * core, weights in cache: Q4_K 26 -> 36 GB/s, Q6_K 25 -> 32 GB/s interleaved; docs/benchmarks.md). Q5_K has
+ * no matrix-vector kernel and stays as stored. */
 static inline int ts_x8_fields(int64_t type, int offsets[4], int sizes[4]) {
     switch (type) {
     case TS_Q4_0: offsets[0] = 0; sizes[0] = 2; offsets[1] = 2; sizes[1] = 16; return 2;
@@ -125,6 +131,14 @@ static inline int ts_x8_fields(int64_t type, int offsets[4], int sizes[4]) {
         offsets[3] = 8; sizes[3] = 16;
         return 4;
     case TS_Q8_0: offsets[0] = 0; sizes[0] = 2; offsets[1] = 2; sizes[1] = 32; return 2;
+    case TS_Q4_K: /* d, dmin, the 12 bytes of 6-bit scales and mins, 128 bytes of codes */
+        offsets[0] = 0; sizes[0] = 2; offsets[1] = 2; sizes[1] = 2; offsets[2] = 4; sizes[2] = 12;
+        offsets[3] = 16; sizes[3] = 128;
+        return 4;
+    case TS_Q6_K: /* low nibbles, high bits, 16 int8 scales, d */
+        offsets[0] = 0; sizes[0] = 128; offsets[1] = 128; sizes[1] = 64; offsets[2] = 192; sizes[2] = 16;
+        offsets[3] = 208; sizes[3] = 2;
+        return 4;
     default: return 0;
     }
 }

@@ -115,10 +115,11 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group)(const int 
 }
 
 /* gemv_group over Q4_K. Per unit of 256 values, the 8 rows' d and dmin and 6-bit scales and mins are
- * gathered as stored and unpacked with the scalar decoder's word masks, lane by lane; the codes of
- * sub-blocks 2p and 2p + 1 are the low and high nibbles of the same 32 bytes per row, so one 8 x 8
- * transpose serves both. */
-static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k)(const int type, const int R, const uint8_t *rows,
+ * gathered (or, interleaved, loaded) and unpacked with the scalar decoder's word masks, lane by lane; the
+ * codes of sub-blocks 2p and 2p + 1 are the low and high nibbles of the same 32 bytes per row, so one 8 x 8
+ * transpose serves both, and the interleaved layout (x8) stores them transposed already. */
+static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k)(const int type, const int x8, const int R,
+                                                                 const uint8_t *rows,
                                                                  int64_t row_bytes, int64_t kb, const ts_act *a,
                                                                  int64_t r0, const uint8_t *next, int64_t next_bytes,
                                                                  float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
@@ -130,12 +131,17 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k)(const 
     __m256 acc[TS_GEMV_ROWS], acc_offset[TS_GEMV_ROWS];
     for (int r = 0; r < R; r++) acc[r] = acc_offset[r] = _mm256_setzero_ps();
     for (int64_t u = 0; u < kb / 8; u++) {
-        const uint8_t *unit = rows + u * 144;
+        const uint8_t *unit = rows + u * 144 * (x8 ? 8 : 1);
         __m256 d, dmin;
-        TS_SIMD(rows8_halves)(unit, row_bytes, &d, &dmin);
+        __m256i w[4]; /* the 12 scale bytes as words w[0..2] */
+        if (x8) {
+            TS_SIMD(rows8_halves_x8)(unit, &d, &dmin);
+            for (int i = 0; i < 3; i++) w[i] = _mm256_loadu_si256((const __m256i *)(unit + 32 + 32 * i));
+        } else {
+            TS_SIMD(rows8_halves)(unit, row_bytes, &d, &dmin);
+            TS_SIMD(rows8_words4)(unit + 4, row_bytes, w);
+        }
         dmin = _mm256_sub_ps(_mm256_setzero_ps(), dmin);
-        __m256i w[4];
-        TS_SIMD(rows8_words4)(unit + 4, row_bytes, w); /* the 12 scale bytes as words w[0..2] */
         const __m256i high_bits0 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w[0], 6), low2), 4);
         const __m256i high_bits1 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w[1], 6), low2), 4);
         const __m256i sc[2] = {_mm256_and_si256(w[0], low6), _mm256_or_si256(_mm256_and_si256(w[2], low4), high_bits0)};
@@ -145,10 +151,12 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k)(const 
             const int64_t pair = u * 4 + p;
             for (int64_t l = pair * lines / pairs; l < (pair + 1) * lines / pairs; l++)
                 __builtin_prefetch(next + 64 * l, 0, 3);
-            __m256i t[8];
-            for (int c = 0; c < 8; c++)
-                t[c] = _mm256_loadu_si256((const __m256i *)(unit + c * row_bytes + 16 + 32 * p));
-            TS_SIMD(tile_transpose8x8)(t); /* t[g] lane c: bytes 4g .. 4g + 3 of row c's 32 */
+            __m256i t[8]; /* t[g] lane c: bytes 4g .. 4g + 3 of row c's 32 */
+            if (x8) {
+                for (int g = 0; g < 8; g++) t[g] = _mm256_loadu_si256((const __m256i *)(unit + 128 + 256 * p + 32 * g));
+            } else {
+                TS_SIMD(rows8_words8)(unit + 16 + 32 * p, row_bytes, t);
+            }
             for (int h = 0; h < 2; h++) {
                 const int j = 2 * p + h; /* the sub-block: scale byte j % 4 of sc[j / 4] */
                 const __m128i shift = _mm_cvtsi32_si128(8 * (j % 4));
@@ -190,7 +198,8 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k)(const 
 /* gemv_group over Q6_K. Per half of a 256-value unit, the 8 rows' 32-byte runs of low nibbles (two) and of
  * high bits (one) are each transposed once and serve its four sub-blocks; every 16 values have their own
  * int8 scale, and the offset -32 s is folded into the float step. */
-static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const int type, const int R, const uint8_t *rows,
+static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const int type, const int x8, const int R,
+                                                                 const uint8_t *rows,
                                                                  int64_t row_bytes, int64_t kb, const ts_act *a,
                                                                  int64_t r0, const uint8_t *next, int64_t next_bytes,
                                                                  float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
@@ -201,26 +210,35 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const 
     __m256 acc[TS_GEMV_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t u = 0; u < kb / 8; u++) {
-        const uint8_t *unit = rows + u * 210;
-        __m256i tail[4], scales[4];
-        TS_SIMD(rows8_words4)(unit + 194, row_bytes, tail); /* tail[3]: bytes 206-209, d in the upper half */
-        const __m256i d16 = _mm256_packus_epi32(_mm256_srli_epi32(tail[3], 16), _mm256_setzero_si256());
-        const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(d16, 0x08)));
-        TS_SIMD(rows8_words4)(unit + 192, row_bytes, scales); /* scales[i] lane c: row c's int8 scales 4i .. 4i + 3 */
+        const uint8_t *unit = rows + u * 210 * (x8 ? 8 : 1);
+        __m256i scales[4]; /* scales[i] lane c: row c's int8 scales 4i .. 4i + 3 */
+        __m256 d;
+        if (x8) { /* the fields at 8 x their offsets: codes' low nibbles, high bits, scales, d */
+            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 1664)));
+            for (int i = 0; i < 4; i++) scales[i] = _mm256_loadu_si256((const __m256i *)(unit + 1536 + 32 * i));
+        } else {
+            __m256i tail[4];
+            TS_SIMD(rows8_words4)(unit + 194, row_bytes, tail); /* tail[3]: bytes 206-209, d in the upper half */
+            const __m256i d16 = _mm256_packus_epi32(_mm256_srli_epi32(tail[3], 16), _mm256_setzero_si256());
+            d = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(d16, 0x08)));
+            TS_SIMD(rows8_words4)(unit + 192, row_bytes, scales);
+        }
         for (int n = 0; n < 2; n++) {
             const int64_t half = u * 2 + n;
             for (int64_t l = half * lines / halves; l < (half + 1) * lines / halves; l++)
                 __builtin_prefetch(next + 64 * l, 0, 3);
-            __m256i ql[2][8], qh[8];
-            for (int c = 0; c < 8; c++) {
-                const uint8_t *row = unit + c * row_bytes;
-                ql[0][c] = _mm256_loadu_si256((const __m256i *)(row + 64 * n));
-                ql[1][c] = _mm256_loadu_si256((const __m256i *)(row + 64 * n + 32));
-                qh[c] = _mm256_loadu_si256((const __m256i *)(row + 128 + 32 * n));
+            __m256i ql[2][8], qh[8]; /* [g] lane c: bytes 4g .. 4g + 3 of row c's runs */
+            if (x8) {
+                for (int g = 0; g < 8; g++) {
+                    ql[0][g] = _mm256_loadu_si256((const __m256i *)(unit + 32 * (16 * n + g)));
+                    ql[1][g] = _mm256_loadu_si256((const __m256i *)(unit + 32 * (16 * n + 8 + g)));
+                    qh[g] = _mm256_loadu_si256((const __m256i *)(unit + 1024 + 32 * (8 * n + g)));
+                }
+            } else {
+                TS_SIMD(rows8_words8)(unit + 64 * n, row_bytes, ql[0]);
+                TS_SIMD(rows8_words8)(unit + 64 * n + 32, row_bytes, ql[1]);
+                TS_SIMD(rows8_words8)(unit + 128 + 32 * n, row_bytes, qh);
             }
-            TS_SIMD(tile_transpose8x8)(ql[0]);
-            TS_SIMD(tile_transpose8x8)(ql[1]);
-            TS_SIMD(tile_transpose8x8)(qh);
             for (int t = 0; t < 4; t++) { /* sub-block j = 4n + t: ql run t % 2, nibble t / 2, qh bits 2t */
                 const int j = 4 * n + t;
                 __m256i codes[8];
@@ -292,8 +310,14 @@ static void TS_SIMD(gemv_group_any)(int type, int x8, int rows_of_x, const uint8
         TS_GEMV_LEGACY(TS_Q5_0)
         TS_GEMV_LEGACY(TS_Q5_1)
         TS_GEMV_LEGACY(TS_Q8_0)
-    case TS_Q4_K: TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q4k), TS_Q4_K) break;
-    case TS_Q6_K: TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q6k), TS_Q6_K) break;
+    case TS_Q4_K:
+        if (x8) { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q4k), TS_Q4_K, 1) }
+        else { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q4k), TS_Q4_K, 0) }
+        break;
+    case TS_Q6_K:
+        if (x8) { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q6k), TS_Q6_K, 1) }
+        else { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q6k), TS_Q6_K, 0) }
+        break;
     default: break; /* gemv_has_format was asked first */
     }
 #undef TS_GEMV_LEGACY

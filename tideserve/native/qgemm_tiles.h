@@ -187,6 +187,43 @@ static inline __attribute__((always_inline)) void TS_SIMD(rows8_words8)(const ui
     TS_SIMD(tile_transpose8x8)(v);
 }
 
+/* An interleaved Q4_K unit's scales and offsets for 8 rows: sc[j] lane c = d x scale j of row c, mn[j] lane c =
+ * -dmin x min j, the values k4_unit_scales gives per row (the same word masks, lane by lane). */
+static inline __attribute__((always_inline)) void TS_SIMD(k4_x8_unit_scales)(const uint8_t *unit, __m256 sc[8],
+                                                                    __m256 mn[8]) {
+    __m256 d, dmin;
+    TS_SIMD(rows8_halves_x8)(unit, &d, &dmin);
+    dmin = _mm256_xor_ps(dmin, _mm256_set1_ps(-0.0f));
+    const __m256i w0 = _mm256_loadu_si256((const __m256i *)(unit + 32));
+    const __m256i w1 = _mm256_loadu_si256((const __m256i *)(unit + 64));
+    const __m256i w2 = _mm256_loadu_si256((const __m256i *)(unit + 96));
+    const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m4 = _mm256_set1_epi32(0x0f0f0f0f),
+                  m2 = _mm256_set1_epi32(0x03030303), byte = _mm256_set1_epi32(0xff);
+    const __m256i words[4] = { /* bytes of words 0-1: scales 0-7; of words 2-3: mins 0-7 */
+        _mm256_and_si256(w0, m6),
+        _mm256_or_si256(_mm256_and_si256(w2, m4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w0, 6), m2), 4)),
+        _mm256_and_si256(w1, m6),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), m4),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, 6), m2), 4))};
+    for (int j = 0; j < 8; j++) {
+        const __m128i shift = _mm_cvtsi32_si128(8 * (j % 4));
+        sc[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(words[j / 4], shift), byte)), d);
+        mn[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(words[2 + j / 4], shift), byte)), dmin);
+    }
+}
+
+/* An interleaved Q6_K unit's scales for 8 rows: lo[k] lane c = d x int8 scale k of row c (k < 8), hi[k] scale
+ * 8 + k, the values q6k_unit_scales gives per row. */
+static inline __attribute__((always_inline)) void TS_SIMD(q6k_x8_unit_scales)(const uint8_t *unit, __m256 lo[8],
+                                                                     __m256 hi[8]) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 1664)));
+    for (int k = 0; k < 16; k++) {
+        const __m256i word = _mm256_loadu_si256((const __m256i *)(unit + 1536 + 32 * (k / 4)));
+        const __m256i v = _mm256_srai_epi32(_mm256_slli_epi32(word, 24 - 8 * (k % 4)), 24);
+        (k < 8 ? lo : hi)[k % 8] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(v));
+    }
+}
+
 static inline __attribute__((always_inline)) void TS_SIMD(rows8_q8_codes)(const int x8, const uint8_t *block,
                                                                  int64_t stride, __m256i w[8]) {
     if (x8) {
@@ -262,21 +299,27 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel_gath
  * low bits and one of high bits make four sub-blocks), and each row's unit scales are transposed into the
  * panel's [block][column] order 8 at a time. Decoding block by block and row by row, then transposing the
  * codes, loaded and transposed every run twice (four times for Q6_K's high bits) and stored each scale on
- * its own: it was 11% of a 1.7B Q4_K_M model's prefill. Same codes and scales, bit for bit. */
-static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel_k)(const int type, const uint8_t *rows,
-                                                                      int64_t row_bytes, int64_t kb,
-                                                                      ts_tile_panel *p) {
+ * its own: it was 11% of a 1.7B Q4_K_M model's prefill. Same codes and scales, bit for bit. Interleaved
+ * Q4_K and Q6_K (x8) hold those runs and scales transposed already: plain loads. */
+static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel_k)(const int type, const int x8,
+                                                                      const uint8_t *rows, int64_t row_bytes,
+                                                                      int64_t kb, ts_tile_panel *p) {
     const int64_t unit_bytes = ts_qunit_bytes(type), units = kb / 8;
     const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03), one = _mm256_set1_epi8(0x01);
     for (int64_t un = 0; un < units; un++) {
         for (int h = 0; h < 2; h++) {
-            const uint8_t *unit = rows + 8 * h * row_bytes + un * unit_bytes; /* row c's at unit + c * row_bytes */
+            /* as stored, row c's unit is at unit + c * row_bytes; interleaved, the 8 rows' units are one block */
+            const uint8_t *unit = rows + 8 * h * row_bytes + un * unit_bytes * (x8 ? 8 : 1);
 #define TS_CODES_AT(block, g) (p->codes + ((((block)) * 8 + (g)) * 2 + h) * 32)
             if (type == TS_Q6_K) {
                 __m256 lo[8], hi[8];
-                for (int c = 0; c < 8; c++) TS_SIMD(q6k_unit_scales)(unit + c * row_bytes, &lo[c], &hi[c]);
-                TS_SIMD(tile_transpose8x8)((__m256i *)lo);
-                TS_SIMD(tile_transpose8x8)((__m256i *)hi);
+                if (x8) {
+                    TS_SIMD(q6k_x8_unit_scales)(unit, lo, hi);
+                } else {
+                    for (int c = 0; c < 8; c++) TS_SIMD(q6k_unit_scales)(unit + c * row_bytes, &lo[c], &hi[c]);
+                    TS_SIMD(tile_transpose8x8)((__m256i *)lo);
+                    TS_SIMD(tile_transpose8x8)((__m256i *)hi);
+                }
                 for (int k = 0; k < 8; k++) { /* 16-value part k of the unit: block 8 un + k / 2, half k % 2 */
                     float *at = p->scale + (16 * un + k) * TS_TILE_COLS + 8 * h;
                     _mm256_storeu_ps(at, lo[k]);
@@ -287,9 +330,17 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel_k)(c
                 }
                 for (int half = 0; half < 2; half++) { /* sub-blocks 4 half + t, t < 4 */
                     __m256i a[8], b[8], v[8];
-                    TS_SIMD(rows8_words8)(unit + 64 * half, row_bytes, a);
-                    TS_SIMD(rows8_words8)(unit + 64 * half + 32, row_bytes, b);
-                    TS_SIMD(rows8_words8)(unit + 128 + 32 * half, row_bytes, v);
+                    if (x8) {
+                        for (int g = 0; g < 8; g++) {
+                            a[g] = _mm256_loadu_si256((const __m256i *)(unit + 32 * (16 * half + g)));
+                            b[g] = _mm256_loadu_si256((const __m256i *)(unit + 32 * (16 * half + 8 + g)));
+                            v[g] = _mm256_loadu_si256((const __m256i *)(unit + 1024 + 32 * (8 * half + g)));
+                        }
+                    } else {
+                        TS_SIMD(rows8_words8)(unit + 64 * half, row_bytes, a);
+                        TS_SIMD(rows8_words8)(unit + 64 * half + 32, row_bytes, b);
+                        TS_SIMD(rows8_words8)(unit + 128 + 32 * half, row_bytes, v);
+                    }
                     for (int g = 0; g < 8; g++) {
                         const __m256i high = v[g];
                         const int64_t block = 8 * un + 4 * half;
@@ -309,9 +360,13 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel_k)(c
                 }
             } else { /* Q4_K, Q5_K */
                 __m256 sc[8], mn[8];
-                for (int c = 0; c < 8; c++) TS_SIMD(k4_unit_scales)(unit + c * row_bytes, &sc[c], &mn[c]);
-                TS_SIMD(tile_transpose8x8)((__m256i *)sc);
-                TS_SIMD(tile_transpose8x8)((__m256i *)mn);
+                if (x8) { /* only Q4_K is interleaved */
+                    TS_SIMD(k4_x8_unit_scales)(unit, sc, mn);
+                } else {
+                    for (int c = 0; c < 8; c++) TS_SIMD(k4_unit_scales)(unit + c * row_bytes, &sc[c], &mn[c]);
+                    TS_SIMD(tile_transpose8x8)((__m256i *)sc);
+                    TS_SIMD(tile_transpose8x8)((__m256i *)mn);
+                }
                 for (int j = 0; j < 8; j++) {
                     _mm256_storeu_ps(p->scale + (8 * un + j) * TS_TILE_COLS + 8 * h, sc[j]);
                     _mm256_storeu_ps(p->offset + (8 * un + j) * TS_TILE_COLS + 8 * h, mn[j]);
@@ -320,7 +375,11 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel_k)(c
                 __m256i fifth[8], v[8];
                 if (five) TS_SIMD(rows8_words8)(unit + 16, row_bytes, fifth); /* bit j of byte v: value v's fifth bit in sub-block j */
                 for (int pair = 0; pair < 4; pair++) {
-                    TS_SIMD(rows8_words8)(unit + qs_at + 32 * pair, row_bytes, v);
+                    if (x8) {
+                        for (int g = 0; g < 8; g++) v[g] = _mm256_loadu_si256((const __m256i *)(unit + 128 + 256 * pair + 32 * g));
+                    } else {
+                        TS_SIMD(rows8_words8)(unit + qs_at + 32 * pair, row_bytes, v);
+                    }
                     for (int g = 0; g < 8; g++) {
                         __m256i lo = _mm256_and_si256(v[g], low4), hi = _mm256_and_si256(_mm256_srli_epi16(v[g], 4), low4);
                         if (five) {
@@ -346,8 +405,8 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel)(con
         TS_SIMD(tile_decode_panel_gathered)(type, seg->layout == TS_LAYOUT_X8, seg->data + n0 * row_bytes, row_bytes, kb, p);
         return;
     }
-    if (valid == TS_TILE_COLS && (type == TS_Q4_K || type == TS_Q5_K || type == TS_Q6_K) && seg->layout == TS_LAYOUT_ROWS) {
-        TS_SIMD(tile_decode_panel_k)(type, seg->data + n0 * row_bytes, row_bytes, kb, p);
+    if (valid == TS_TILE_COLS && (type == TS_Q4_K || type == TS_Q5_K || type == TS_Q6_K)) {
+        TS_SIMD(tile_decode_panel_k)(type, seg->layout == TS_LAYOUT_X8, seg->data + n0 * row_bytes, row_bytes, kb, p);
         return;
     }
     /* Each row as stored; an interleaved group's rows are copied back to the file's layout first (a panel
