@@ -1,7 +1,7 @@
 /* Matrix-vector products (1 to TS_GEMV_ROWS rows of x: single-stream decode) over Q4_0, Q4_1, Q5_0,
  * Q5_1, Q8_0, Q4_K and Q6_K (every format but Q5_K). qgemm.c compiles this twice, after qgemm_tiles.h (whose
  * 8-row gathers and 8 x 8 transpose it uses): under AVX2 and under AVX-512 VNNI (TS_SIMD_VNNI 1: vpdpbusd
- * instead of vpmaddubsw and its int16 chains).
+ * instead of vpmaddubsw and its int16 chains, and 512-bit vectors for Q4_K and Q6_K).
  *
  * Why: at one row of x a decode step is bound by how fast the weights stream in, and the row kernels
  * spend about 27 instructions per 32-value block (two scalar fp16 conversions, a vector of scales built
@@ -114,6 +114,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group)(const int 
     for (int r = 0; r < R; r++) _mm256_storeu_ps(res[r], _mm256_add_ps(acc[r], acc_offset[r]));
 }
 
+#if !TS_SIMD_VNNI /* AVX2; VNNI's Q4_K and Q6_K kernels use 512-bit vectors (below) */
 /* gemv_group over Q4_K. Per unit of 256 values, the 8 rows' d and dmin and 6-bit scales and mins are
  * gathered (or, interleaved, loaded) and unpacked with the scalar decoder's word masks, lane by lane; the
  * codes of sub-blocks 2p and 2p + 1 are the low and high nibbles of the same 32 bytes per row, so one 8 x 8
@@ -126,7 +127,6 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k)(const 
     (void)type; /* Q4_K: the argument keeps gemv_group's signature */
     const int64_t pairs = kb / 2, lines = (next_bytes + 63) / 64;
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f), low6 = _mm256_set1_epi8(0x3f);
-    (void)ones;
     const __m256i low2 = _mm256_set1_epi8(0x03), byte = _mm256_set1_epi32(0xff);
     __m256 acc[TS_GEMV_ROWS], acc_offset[TS_GEMV_ROWS];
     for (int r = 0; r < R; r++) acc[r] = acc_offset[r] = _mm256_setzero_ps();
@@ -174,17 +174,9 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k)(const 
                     for (int g = 0; g < 8; g++) { /* 8 x 2 x 15 x 127 = 30,480: one int16 chain */
                         int32_t four;
                         memcpy(&four, x + 4 * g, 4);
-#if TS_SIMD_VNNI
-                        sums = _mm256_dpbusd_epi32(sums, codes[g], _mm256_set1_epi32(four));
-#else
                         sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(codes[g], _mm256_set1_epi32(four)));
-#endif
                     }
-#if TS_SIMD_VNNI
-                    const __m256 dots = _mm256_cvtepi32_ps(sums);
-#else
                     const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, ones));
-#endif
                     acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dots, _mm256_set1_ps(a->d[at])), scale, acc[r]);
                     const float *xs = a->s + 2 * at;
                     acc_offset[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xs[0] + xs[1]), acc_offset[r]);
@@ -206,7 +198,6 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const 
     (void)type; /* Q6_K */
     const int64_t halves = kb / 4, lines = (next_bytes + 63) / 64;
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
-    (void)ones;
     __m256 acc[TS_GEMV_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t u = 0; u < kb / 8; u++) {
@@ -266,15 +257,10 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const 
                             int32_t x0, x1;
                             memcpy(&x0, x + 4 * g, 4);
                             memcpy(&x1, x + 4 * g + 4, 4);
-#if TS_SIMD_VNNI
-                            dot = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(dot, codes[g], _mm256_set1_epi32(x0)),
-                                                      codes[g + 1], _mm256_set1_epi32(x1));
-#else
                             const __m256i pair =
                                 _mm256_add_epi16(_mm256_maddubs_epi16(codes[g], _mm256_set1_epi32(x0)),
                                                  _mm256_maddubs_epi16(codes[g + 1], _mm256_set1_epi32(x1)));
                             dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pair, ones));
-#endif
                         }
                         /* s * (xd * dot - 32 * sum of x's 16 values): the code's offset of -32 */
                         const __m256 term =
@@ -287,6 +273,181 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const 
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(res[r], acc[r]);
 }
+
+#else
+/* gemv_group_q4k in 512-bit vectors: one vector holds two consecutive 4-code steps of the 8 rows (steps 2q
+ * and 2q + 1 of a pair's 32 bytes: lanes 0-7 and 8-15), x's matching codes are permuted into place, and
+ * the float sums run over both halves (scales repeated) until the group's end adds them. Half the
+ * instructions of 256-bit vectors per weight: Q4_K in cache on one Zen 5 core 36 -> 51 GB/s, more than one
+ * core's memory gives (docs/benchmarks.md). */
+static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k_zmm)(const int x8, const int R,
+                                                                     const uint8_t *rows, int64_t row_bytes, int64_t kb,
+                                                                     const ts_act *a, int64_t r0, const uint8_t *next,
+                                                                     int64_t next_bytes,
+                                                                     float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
+    const int64_t pairs = kb / 2, lines = (next_bytes + 63) / 64;
+    const __m512i low4 = _mm512_set1_epi8(0x0f), byte = _mm512_set1_epi32(0xff);
+    const __m256i low4y = _mm256_set1_epi8(0x0f), low6 = _mm256_set1_epi8(0x3f), low2 = _mm256_set1_epi8(0x03);
+    const __m256i bytey = _mm256_set1_epi32(0xff);
+    __m512i idx[4];
+    for (int q = 0; q < 4; q++)
+        idx[q] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * q)), _mm256_set1_epi32(2 * q + 1), 1);
+    __m512 acc[TS_GEMV_ROWS];
+    __m256 acc_offset[TS_GEMV_ROWS];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_setzero_ps();
+        acc_offset[r] = _mm256_setzero_ps();
+    }
+    for (int64_t u = 0; u < kb / 8; u++) {
+        const uint8_t *unit = rows + u * 144 * (x8 ? 8 : 1);
+        __m256 d, dmin;
+        __m256i w[4];
+        if (x8) {
+            TS_SIMD(rows8_halves_x8)(unit, &d, &dmin);
+            for (int i = 0; i < 3; i++) w[i] = _mm256_loadu_si256((const __m256i *)(unit + 32 + 32 * i));
+        } else {
+            TS_SIMD(rows8_halves)(unit, row_bytes, &d, &dmin);
+            TS_SIMD(rows8_words4)(unit + 4, row_bytes, w);
+        }
+        dmin = _mm256_sub_ps(_mm256_setzero_ps(), dmin);
+        const __m512 d2 = _mm512_insertf32x8(_mm512_castps256_ps512(d), d, 1);
+        const __m256i high_bits0 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w[0], 6), low2), 4);
+        const __m256i high_bits1 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w[1], 6), low2), 4);
+        const __m256i sc_y[2] = {_mm256_and_si256(w[0], low6), _mm256_or_si256(_mm256_and_si256(w[2], low4y), high_bits0)};
+        const __m512i sc[2] = {_mm512_inserti64x4(_mm512_castsi256_si512(sc_y[0]), sc_y[0], 1),
+                               _mm512_inserti64x4(_mm512_castsi256_si512(sc_y[1]), sc_y[1], 1)};
+        const __m256i mn[2] = {_mm256_and_si256(w[1], low6),
+                               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w[2], 4), low4y), high_bits1)};
+        for (int p = 0; p < 4; p++) {
+            const int64_t pair = u * 4 + p;
+            for (int64_t l = pair * lines / pairs; l < (pair + 1) * lines / pairs; l++)
+                __builtin_prefetch(next + 64 * l, 0, 3);
+            __m512i t[4]; /* t[q]: steps 2q (lanes 0-7) and 2q + 1 (lanes 8-15), lane c of each: row c */
+            if (x8) {
+                for (int q = 0; q < 4; q++) t[q] = _mm512_loadu_si512((const void *)(unit + 128 + 256 * p + 64 * q));
+            } else {
+                __m256i v[8];
+                TS_SIMD(rows8_words8)(unit + 16 + 32 * p, row_bytes, v);
+                for (int q = 0; q < 4; q++) t[q] = _mm512_inserti64x4(_mm512_castsi256_si512(v[2 * q]), v[2 * q + 1], 1);
+            }
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * p + h;
+                const __m128i shift = _mm_cvtsi32_si128(8 * (j % 4));
+                const __m512 scale = _mm512_mul_ps(
+                    d2, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(sc[j / 4], shift), byte)));
+                const __m256 offset = _mm256_mul_ps(
+                    dmin, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mn[j / 4], shift), bytey)));
+                __m512i codes[4];
+                for (int q = 0; q < 4; q++) codes[q] = _mm512_and_si512(h ? _mm512_srli_epi16(t[q], 4) : t[q], low4);
+                for (int r = 0; r < R; r++) {
+                    const int64_t at = (r0 + r) * a->kb + u * 8 + j;
+                    const __m512i x = _mm512_castsi256_si512(
+                        _mm256_loadu_si256((const __m256i *)(a->q + (r0 + r) * a->k + (u * 8 + j) * TS_QBLOCK)));
+                    __m512i sums = _mm512_setzero_si512();
+                    for (int q = 0; q < 4; q++) sums = _mm512_dpbusd_epi32(sums, codes[q], _mm512_permutexvar_epi32(idx[q], x));
+                    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(a->d[at])), scale, acc[r]);
+                    const float *xs = a->s + 2 * at;
+                    acc_offset[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xs[0] + xs[1]), acc_offset[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m256 both = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
+        _mm256_storeu_ps(res[r], _mm256_add_ps(both, acc_offset[r]));
+    }
+}
+
+/* gemv_group_q6k in 512-bit vectors, as gemv_group_q4k_zmm: two 4-code steps of the 8 rows a vector, the float
+ * sums over both halves until the group's end (the -32 offset's term in the low half only). */
+static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k_zmm)(const int x8, const int R,
+                                                                     const uint8_t *rows, int64_t row_bytes, int64_t kb,
+                                                                     const ts_act *a, int64_t r0, const uint8_t *next,
+                                                                     int64_t next_bytes,
+                                                                     float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
+    const int64_t halves = kb / 4, lines = (next_bytes + 63) / 64;
+    const __m512i low4 = _mm512_set1_epi8(0x0f), low2 = _mm512_set1_epi8(0x03);
+    __m512i idx[4];
+    for (int q = 0; q < 4; q++)
+        idx[q] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * q)), _mm256_set1_epi32(2 * q + 1), 1);
+    __m512 acc[TS_GEMV_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < kb / 8; u++) {
+        const uint8_t *unit = rows + u * 210 * (x8 ? 8 : 1);
+        __m256i scales[4]; /* scales[i] lane c: row c's int8 scales 4i .. 4i + 3 */
+        __m256 d;
+        if (x8) {
+            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 1664)));
+            for (int i = 0; i < 4; i++) scales[i] = _mm256_loadu_si256((const __m256i *)(unit + 1536 + 32 * i));
+        } else {
+            __m256i tail[4];
+            TS_SIMD(rows8_words4)(unit + 194, row_bytes, tail); /* tail[3]: bytes 206-209, d in the upper half */
+            const __m256i d16 = _mm256_packus_epi32(_mm256_srli_epi32(tail[3], 16), _mm256_setzero_si256());
+            d = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(d16, 0x08)));
+            TS_SIMD(rows8_words4)(unit + 192, row_bytes, scales);
+        }
+        const __m512 d2 = _mm512_insertf32x8(_mm512_castps256_ps512(d), d, 1);
+        for (int n = 0; n < 2; n++) {
+            const int64_t half = u * 2 + n;
+            for (int64_t l = half * lines / halves; l < (half + 1) * lines / halves; l++)
+                __builtin_prefetch(next + 64 * l, 0, 3);
+            __m512i ql[2][4], qh[4]; /* [q]: steps 2q and 2q + 1 of the runs, lanes 0-7 and 8-15 */
+            if (x8) {
+                for (int q = 0; q < 4; q++) {
+                    ql[0][q] = _mm512_loadu_si512((const void *)(unit + 512 * n + 64 * q));
+                    ql[1][q] = _mm512_loadu_si512((const void *)(unit + 512 * n + 256 + 64 * q));
+                    qh[q] = _mm512_loadu_si512((const void *)(unit + 1024 + 256 * n + 64 * q));
+                }
+            } else {
+                __m256i v[3][8];
+                TS_SIMD(rows8_words8)(unit + 64 * n, row_bytes, v[0]);
+                TS_SIMD(rows8_words8)(unit + 64 * n + 32, row_bytes, v[1]);
+                TS_SIMD(rows8_words8)(unit + 128 + 32 * n, row_bytes, v[2]);
+                for (int q = 0; q < 4; q++) {
+                    ql[0][q] = _mm512_inserti64x4(_mm512_castsi256_si512(v[0][2 * q]), v[0][2 * q + 1], 1);
+                    ql[1][q] = _mm512_inserti64x4(_mm512_castsi256_si512(v[1][2 * q]), v[1][2 * q + 1], 1);
+                    qh[q] = _mm512_inserti64x4(_mm512_castsi256_si512(v[2][2 * q]), v[2][2 * q + 1], 1);
+                }
+            }
+            for (int t = 0; t < 4; t++) { /* sub-block j = 4n + t: ql run t % 2, nibble t / 2, qh bits 2t */
+                const int j = 4 * n + t;
+                __m512i codes[4];
+                for (int q = 0; q < 4; q++) {
+                    const __m512i low = _mm512_and_si512(_mm512_srl_epi16(ql[t % 2][q], _mm_cvtsi32_si128(4 * (t / 2))), low4);
+                    const __m512i high = _mm512_and_si512(_mm512_srl_epi16(qh[q], _mm_cvtsi32_si128(2 * t)), low2);
+                    codes[q] = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
+                }
+                __m512 scale[2]; /* values 0-15 and 16-31: int8 scales 2j and 2j + 1, both halves */
+                for (int i = 0; i < 2; i++) {
+                    const int pos = (2 * j + i) % 4;
+                    const __m256i v = _mm256_srai_epi32(
+                        _mm256_sll_epi32(scales[(2 * j + i) / 4], _mm_cvtsi32_si128(24 - 8 * pos)), 24);
+                    const __m256 f = _mm256_cvtepi32_ps(v);
+                    scale[i] = _mm512_mul_ps(d2, _mm512_insertf32x8(_mm512_castps256_ps512(f), f, 1));
+                }
+                for (int r = 0; r < R; r++) {
+                    const int64_t at = (r0 + r) * a->kb + u * 8 + j;
+                    const __m512i x = _mm512_castsi256_si512(
+                        _mm256_loadu_si256((const __m256i *)(a->q + (r0 + r) * a->k + (u * 8 + j) * TS_QBLOCK)));
+                    const __m512 xd = _mm512_set1_ps(a->d[at]);
+                    const float *xs = a->s + 2 * at;
+                    for (int i = 0; i < 2; i++) {
+                        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[2 * i],
+                                                          _mm512_permutexvar_epi32(idx[2 * i], x));
+                        dot = _mm512_dpbusd_epi32(dot, codes[2 * i + 1], _mm512_permutexvar_epi32(idx[2 * i + 1], x));
+                        /* s * (xd * dot - 32 * sum of x's 16 values), that sum's term in lanes 0-7 only */
+                        const __m512 term = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), xd,
+                                                            _mm512_maskz_mov_ps(0x00ff, _mm512_set1_ps(-32.0f * xs[i])));
+                        acc[r] = _mm512_fmadd_ps(term, scale[i], acc[r]);
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        _mm256_storeu_ps(res[r], _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1)));
+}
+#endif
 
 /* gemv_group for a format, layout and row count known at run time, each combination its own loop (x8 only
  * for the formats ts_x8_supported takes). */
@@ -311,12 +472,22 @@ static void TS_SIMD(gemv_group_any)(int type, int x8, int rows_of_x, const uint8
         TS_GEMV_LEGACY(TS_Q5_1)
         TS_GEMV_LEGACY(TS_Q8_0)
     case TS_Q4_K:
+#if TS_SIMD_VNNI
+        if (x8) { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q4k_zmm), 1) }
+        else { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q4k_zmm), 0) }
+#else
         if (x8) { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q4k), TS_Q4_K, 1) }
         else { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q4k), TS_Q4_K, 0) }
+#endif
         break;
     case TS_Q6_K:
+#if TS_SIMD_VNNI
+        if (x8) { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q6k_zmm), 1) }
+        else { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q6k_zmm), 0) }
+#else
         if (x8) { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q6k), TS_Q6_K, 1) }
         else { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q6k), TS_Q6_K, 0) }
+#endif
         break;
     default: break; /* gemv_has_format was asked first */
     }
