@@ -965,6 +965,8 @@ int ts_qgemm_relayout(int64_t type, const uint8_t *src, uint8_t *dst, int64_t n,
     if (!ts_x8_supported(type) || k % ts_qunit(type) != 0) return -1;
     const int64_t row_bytes = ts_qrow_bytes(type, k), unit_bytes = ts_qunit_bytes(type), blocks = row_bytes / unit_bytes;
     const int64_t grouped = n / 8 * 8;
+    /* groups in parallel: a 1.7B Q4_K_M model's ~1 GB took 0.7 s on one core at load */
+#pragma omp parallel for schedule(static) if (grouped * row_bytes >= ((int64_t)1 << 20))
     for (int64_t g = 0; g < grouped; g += 8) {
         for (int64_t c = 0; c < 8; c++) {
             const int64_t group_at = g * row_bytes, row_at = (g + c) * row_bytes;
