@@ -314,6 +314,17 @@ def test_the_interleaved_layout_round_trips(qtype, n):
         quant.relayout("q5_k", weight("q5_k", n=8, k=256)[0], 256, "x8")
 
 
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
+def test_a_large_weight_is_interleaved_group_by_group(qtype):
+    """Past 1 MiB the groups are interleaved in parallel: the result is each 8-row slice's own layout."""
+    data, _ = weight(qtype, n=1027, k=2048, seed=5)
+    assert data.numel() >= 1 << 20
+    x8 = quant.relayout(qtype, data, 2048, "x8")
+    pieces = [quant.relayout(qtype, data[g:g + 8].contiguous(), 2048, "x8") for g in range(0, 1024, 8)]
+    assert torch.equal(x8, torch.cat([*pieces, data[1024:]]))
+    assert torch.equal(quant.relayout(qtype, x8, 2048, "rows"), data)
+
+
 @pytest.mark.parametrize("path", ["scalar", "avx2-rows", "avx2-gemv", "avx2-tiles", "avx512", "avx512-gemv",
                                   "avx512-tiles", "amx"])
 @pytest.mark.parametrize("qtype", X8_FORMATS)
