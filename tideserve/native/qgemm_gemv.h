@@ -126,8 +126,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k)(const 
                                                                  float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
     (void)type; /* Q4_K: the argument keeps gemv_group's signature */
     const int64_t pairs = kb / 2, lines = (next_bytes + 63) / 64;
-    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f), low6 = _mm256_set1_epi8(0x3f);
-    const __m256i low2 = _mm256_set1_epi8(0x03), byte = _mm256_set1_epi32(0xff);
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f), byte = _mm256_set1_epi32(0xff);
     __m256 acc[TS_GEMV_ROWS], acc_offset[TS_GEMV_ROWS];
     for (int r = 0; r < R; r++) acc[r] = acc_offset[r] = _mm256_setzero_ps();
     for (int64_t u = 0; u < kb / 8; u++) {
@@ -142,11 +141,9 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k)(const 
             TS_SIMD(rows8_words4)(unit + 4, row_bytes, w);
         }
         dmin = _mm256_sub_ps(_mm256_setzero_ps(), dmin);
-        const __m256i high_bits0 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w[0], 6), low2), 4);
-        const __m256i high_bits1 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w[1], 6), low2), 4);
-        const __m256i sc[2] = {_mm256_and_si256(w[0], low6), _mm256_or_si256(_mm256_and_si256(w[2], low4), high_bits0)};
-        const __m256i mn[2] = {_mm256_and_si256(w[1], low6),
-                               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w[2], 4), low4), high_bits1)};
+        __m256i words[4];
+        TS_SIMD(k4_scale_words)(w, words);
+        const __m256i *sc = words, *mn = words + 2;
         for (int p = 0; p < 4; p++) {
             const int64_t pair = u * 4 + p;
             for (int64_t l = pair * lines / pairs; l < (pair + 1) * lines / pairs; l++)
@@ -275,23 +272,41 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const 
 }
 
 #else
+/* One 512-bit vector of two 256-bit ones: lo in lanes 0-7, hi in lanes 8-15. */
+static inline __attribute__((always_inline)) __m512i TS_SIMD(zmm_pair)(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+static inline __attribute__((always_inline)) __m512 TS_SIMD(zmm_twice)(__m256 v) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(v), v, 1);
+}
+
+/* The vpermd indices that put x's 4-code words 2q and 2q + 1 in the two halves of a vector. */
+static inline __attribute__((always_inline)) void TS_SIMD(zmm_step_pairs)(__m512i idx[4]) {
+    for (int q = 0; q < 4; q++) idx[q] = TS_SIMD(zmm_pair)(_mm256_set1_epi32(2 * q), _mm256_set1_epi32(2 * q + 1));
+}
+
+/* The sums of a vector's two halves: the 8 rows' results. */
+static inline __attribute__((always_inline)) __m256 TS_SIMD(zmm_halves_sum)(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+}
+
 /* gemv_group_q4k in 512-bit vectors: one vector holds two consecutive 4-code steps of the 8 rows (steps 2q
  * and 2q + 1 of a pair's 32 bytes: lanes 0-7 and 8-15), x's matching codes are permuted into place, and
  * the float sums run over both halves (scales repeated) until the group's end adds them. Half the
  * instructions of 256-bit vectors per weight: Q4_K in cache on one Zen 5 core 36 -> 51 GB/s, more than one
  * core's memory gives (docs/benchmarks.md). */
-static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k_zmm)(const int x8, const int R,
+static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k)(const int type, const int x8, const int R,
                                                                      const uint8_t *rows, int64_t row_bytes, int64_t kb,
                                                                      const ts_act *a, int64_t r0, const uint8_t *next,
                                                                      int64_t next_bytes,
                                                                      float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
+    (void)type; /* Q4_K */
     const int64_t pairs = kb / 2, lines = (next_bytes + 63) / 64;
     const __m512i low4 = _mm512_set1_epi8(0x0f), byte = _mm512_set1_epi32(0xff);
-    const __m256i low4y = _mm256_set1_epi8(0x0f), low6 = _mm256_set1_epi8(0x3f), low2 = _mm256_set1_epi8(0x03);
     const __m256i bytey = _mm256_set1_epi32(0xff);
     __m512i idx[4];
-    for (int q = 0; q < 4; q++)
-        idx[q] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * q)), _mm256_set1_epi32(2 * q + 1), 1);
+    TS_SIMD(zmm_step_pairs)(idx);
     __m512 acc[TS_GEMV_ROWS];
     __m256 acc_offset[TS_GEMV_ROWS];
     for (int r = 0; r < R; r++) {
@@ -310,14 +325,11 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k_zmm)(co
             TS_SIMD(rows8_words4)(unit + 4, row_bytes, w);
         }
         dmin = _mm256_sub_ps(_mm256_setzero_ps(), dmin);
-        const __m512 d2 = _mm512_insertf32x8(_mm512_castps256_ps512(d), d, 1);
-        const __m256i high_bits0 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w[0], 6), low2), 4);
-        const __m256i high_bits1 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w[1], 6), low2), 4);
-        const __m256i sc_y[2] = {_mm256_and_si256(w[0], low6), _mm256_or_si256(_mm256_and_si256(w[2], low4y), high_bits0)};
-        const __m512i sc[2] = {_mm512_inserti64x4(_mm512_castsi256_si512(sc_y[0]), sc_y[0], 1),
-                               _mm512_inserti64x4(_mm512_castsi256_si512(sc_y[1]), sc_y[1], 1)};
-        const __m256i mn[2] = {_mm256_and_si256(w[1], low6),
-                               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w[2], 4), low4y), high_bits1)};
+        const __m512 d2 = TS_SIMD(zmm_twice)(d);
+        __m256i words[4];
+        TS_SIMD(k4_scale_words)(w, words);
+        const __m512i sc[2] = {TS_SIMD(zmm_pair)(words[0], words[0]), TS_SIMD(zmm_pair)(words[1], words[1])};
+        const __m256i *mn = words + 2;
         for (int p = 0; p < 4; p++) {
             const int64_t pair = u * 4 + p;
             for (int64_t l = pair * lines / pairs; l < (pair + 1) * lines / pairs; l++)
@@ -328,7 +340,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k_zmm)(co
             } else {
                 __m256i v[8];
                 TS_SIMD(rows8_words8)(unit + 16 + 32 * p, row_bytes, v);
-                for (int q = 0; q < 4; q++) t[q] = _mm512_inserti64x4(_mm512_castsi256_si512(v[2 * q]), v[2 * q + 1], 1);
+                for (int q = 0; q < 4; q++) t[q] = TS_SIMD(zmm_pair)(v[2 * q], v[2 * q + 1]);
             }
             for (int h = 0; h < 2; h++) {
                 const int j = 2 * p + h;
@@ -352,24 +364,21 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k_zmm)(co
             }
         }
     }
-    for (int r = 0; r < R; r++) {
-        const __m256 both = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
-        _mm256_storeu_ps(res[r], _mm256_add_ps(both, acc_offset[r]));
-    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(res[r], _mm256_add_ps(TS_SIMD(zmm_halves_sum)(acc[r]), acc_offset[r]));
 }
 
-/* gemv_group_q6k in 512-bit vectors, as gemv_group_q4k_zmm: two 4-code steps of the 8 rows a vector, the float
+/* gemv_group_q6k in 512-bit vectors, as gemv_group_q4k's: two 4-code steps of the 8 rows a vector, the float
  * sums over both halves until the group's end (the -32 offset's term in the low half only). */
-static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k_zmm)(const int x8, const int R,
+static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const int type, const int x8, const int R,
                                                                      const uint8_t *rows, int64_t row_bytes, int64_t kb,
                                                                      const ts_act *a, int64_t r0, const uint8_t *next,
                                                                      int64_t next_bytes,
                                                                      float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
+    (void)type; /* Q6_K */
     const int64_t halves = kb / 4, lines = (next_bytes + 63) / 64;
     const __m512i low4 = _mm512_set1_epi8(0x0f), low2 = _mm512_set1_epi8(0x03);
     __m512i idx[4];
-    for (int q = 0; q < 4; q++)
-        idx[q] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * q)), _mm256_set1_epi32(2 * q + 1), 1);
+    TS_SIMD(zmm_step_pairs)(idx);
     __m512 acc[TS_GEMV_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t u = 0; u < kb / 8; u++) {
@@ -386,7 +395,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k_zmm)(co
             d = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(d16, 0x08)));
             TS_SIMD(rows8_words4)(unit + 192, row_bytes, scales);
         }
-        const __m512 d2 = _mm512_insertf32x8(_mm512_castps256_ps512(d), d, 1);
+        const __m512 d2 = TS_SIMD(zmm_twice)(d);
         for (int n = 0; n < 2; n++) {
             const int64_t half = u * 2 + n;
             for (int64_t l = half * lines / halves; l < (half + 1) * lines / halves; l++)
@@ -404,9 +413,9 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k_zmm)(co
                 TS_SIMD(rows8_words8)(unit + 64 * n + 32, row_bytes, v[1]);
                 TS_SIMD(rows8_words8)(unit + 128 + 32 * n, row_bytes, v[2]);
                 for (int q = 0; q < 4; q++) {
-                    ql[0][q] = _mm512_inserti64x4(_mm512_castsi256_si512(v[0][2 * q]), v[0][2 * q + 1], 1);
-                    ql[1][q] = _mm512_inserti64x4(_mm512_castsi256_si512(v[1][2 * q]), v[1][2 * q + 1], 1);
-                    qh[q] = _mm512_inserti64x4(_mm512_castsi256_si512(v[2][2 * q]), v[2][2 * q + 1], 1);
+                    ql[0][q] = TS_SIMD(zmm_pair)(v[0][2 * q], v[0][2 * q + 1]);
+                    ql[1][q] = TS_SIMD(zmm_pair)(v[1][2 * q], v[1][2 * q + 1]);
+                    qh[q] = TS_SIMD(zmm_pair)(v[2][2 * q], v[2][2 * q + 1]);
                 }
             }
             for (int t = 0; t < 4; t++) { /* sub-block j = 4n + t: ql run t % 2, nibble t / 2, qh bits 2t */
@@ -422,8 +431,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k_zmm)(co
                     const int pos = (2 * j + i) % 4;
                     const __m256i v = _mm256_srai_epi32(
                         _mm256_sll_epi32(scales[(2 * j + i) / 4], _mm_cvtsi32_si128(24 - 8 * pos)), 24);
-                    const __m256 f = _mm256_cvtepi32_ps(v);
-                    scale[i] = _mm512_mul_ps(d2, _mm512_insertf32x8(_mm512_castps256_ps512(f), f, 1));
+                    scale[i] = _mm512_mul_ps(d2, TS_SIMD(zmm_twice)(_mm256_cvtepi32_ps(v)));
                 }
                 for (int r = 0; r < R; r++) {
                     const int64_t at = (r0 + r) * a->kb + u * 8 + j;
@@ -444,8 +452,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k_zmm)(co
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        _mm256_storeu_ps(res[r], _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1)));
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(res[r], TS_SIMD(zmm_halves_sum)(acc[r]));
 }
 #endif
 
@@ -460,37 +467,21 @@ static void TS_SIMD(gemv_group_any)(int type, int x8, int rows_of_x, const uint8
     case 2: KERNEL(__VA_ARGS__, 2, rows, row_bytes, kb, a, r0, next, next_bytes, res); break; \
     default: KERNEL(__VA_ARGS__, 3, rows, row_bytes, kb, a, r0, next, next_bytes, res); break;\
     }
-#define TS_GEMV_LEGACY(T)                                           \
+#define TS_GEMV_FORMAT(T, KERNEL)                                   \
     case T:                                                         \
-        if (x8) { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group), T, 1) }             \
-        else { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group), T, 0) }                \
+        if (x8) { TS_GEMV_ROWS_OF_X(KERNEL, T, 1) }                 \
+        else { TS_GEMV_ROWS_OF_X(KERNEL, T, 0) }                    \
         break;
     switch (type) {
-        TS_GEMV_LEGACY(TS_Q4_0)
-        TS_GEMV_LEGACY(TS_Q4_1)
-        TS_GEMV_LEGACY(TS_Q5_0)
-        TS_GEMV_LEGACY(TS_Q5_1)
-        TS_GEMV_LEGACY(TS_Q8_0)
-    case TS_Q4_K:
-#if TS_SIMD_VNNI
-        if (x8) { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q4k_zmm), 1) }
-        else { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q4k_zmm), 0) }
-#else
-        if (x8) { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q4k), TS_Q4_K, 1) }
-        else { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q4k), TS_Q4_K, 0) }
-#endif
-        break;
-    case TS_Q6_K:
-#if TS_SIMD_VNNI
-        if (x8) { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q6k_zmm), 1) }
-        else { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q6k_zmm), 0) }
-#else
-        if (x8) { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q6k), TS_Q6_K, 1) }
-        else { TS_GEMV_ROWS_OF_X(TS_SIMD(gemv_group_q6k), TS_Q6_K, 0) }
-#endif
-        break;
+        TS_GEMV_FORMAT(TS_Q4_0, TS_SIMD(gemv_group))
+        TS_GEMV_FORMAT(TS_Q4_1, TS_SIMD(gemv_group))
+        TS_GEMV_FORMAT(TS_Q5_0, TS_SIMD(gemv_group))
+        TS_GEMV_FORMAT(TS_Q5_1, TS_SIMD(gemv_group))
+        TS_GEMV_FORMAT(TS_Q8_0, TS_SIMD(gemv_group))
+        TS_GEMV_FORMAT(TS_Q4_K, TS_SIMD(gemv_group_q4k))
+        TS_GEMV_FORMAT(TS_Q6_K, TS_SIMD(gemv_group_q6k))
     default: break; /* gemv_has_format was asked first */
     }
-#undef TS_GEMV_LEGACY
+#undef TS_GEMV_FORMAT
 #undef TS_GEMV_ROWS_OF_X
 }

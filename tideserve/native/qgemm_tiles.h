@@ -187,6 +187,18 @@ static inline __attribute__((always_inline)) void TS_SIMD(rows8_words8)(const ui
     TS_SIMD(tile_transpose8x8)(v);
 }
 
+/* 8 rows' Q4_K scale and min bytes from their 12 packed bytes (w[i] lane c: row c's word i), unpacked with
+ * the scalar decoder's word masks lane by lane: bytes of words[0..1] are scales 0-7, of words[2..3] mins 0-7. */
+static inline __attribute__((always_inline)) void TS_SIMD(k4_scale_words)(const __m256i w[3], __m256i words[4]) {
+    const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m4 = _mm256_set1_epi32(0x0f0f0f0f),
+                  m2 = _mm256_set1_epi32(0x03030303);
+    words[0] = _mm256_and_si256(w[0], m6);
+    words[1] = _mm256_or_si256(_mm256_and_si256(w[2], m4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w[0], 6), m2), 4));
+    words[2] = _mm256_and_si256(w[1], m6);
+    words[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w[2], 4), m4),
+                               _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w[1], 6), m2), 4));
+}
+
 /* An interleaved Q4_K unit's scales and offsets for 8 rows: sc[j] lane c = d x scale j of row c, mn[j] lane c =
  * -dmin x min j, the values k4_unit_scales gives per row (the same word masks, lane by lane). */
 static inline __attribute__((always_inline)) void TS_SIMD(k4_x8_unit_scales)(const uint8_t *unit, __m256 sc[8],
@@ -194,17 +206,10 @@ static inline __attribute__((always_inline)) void TS_SIMD(k4_x8_unit_scales)(con
     __m256 d, dmin;
     TS_SIMD(rows8_halves_x8)(unit, &d, &dmin);
     dmin = _mm256_xor_ps(dmin, _mm256_set1_ps(-0.0f));
-    const __m256i w0 = _mm256_loadu_si256((const __m256i *)(unit + 32));
-    const __m256i w1 = _mm256_loadu_si256((const __m256i *)(unit + 64));
-    const __m256i w2 = _mm256_loadu_si256((const __m256i *)(unit + 96));
-    const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m4 = _mm256_set1_epi32(0x0f0f0f0f),
-                  m2 = _mm256_set1_epi32(0x03030303), byte = _mm256_set1_epi32(0xff);
-    const __m256i words[4] = { /* bytes of words 0-1: scales 0-7; of words 2-3: mins 0-7 */
-        _mm256_and_si256(w0, m6),
-        _mm256_or_si256(_mm256_and_si256(w2, m4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w0, 6), m2), 4)),
-        _mm256_and_si256(w1, m6),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), m4),
-                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, 6), m2), 4))};
+    const __m256i byte = _mm256_set1_epi32(0xff);
+    __m256i w[3], words[4];
+    for (int i = 0; i < 3; i++) w[i] = _mm256_loadu_si256((const __m256i *)(unit + 32 + 32 * i));
+    TS_SIMD(k4_scale_words)(w, words);
     for (int j = 0; j < 8; j++) {
         const __m128i shift = _mm_cvtsi32_si128(8 * (j % 4));
         sc[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(words[j / 4], shift), byte)), d);
