@@ -108,11 +108,10 @@ def model_shape(model: str | None) -> tuple[int, int]:
 
     path, _ = resolve_model_path(model)
     if path.is_file():
-        import gguf
-
         from tideserve.model.arch_config import ArchConfig
+        from tideserve.model.loader.gguf_index import read_gguf_index
 
-        arch = ArchConfig.from_gguf_metadata(gguf.GGUFReader(str(path)))
+        arch = ArchConfig.from_gguf_metadata(read_gguf_index(str(path)))
     else:
         from tideserve.model.loader.hf import read_arch_config
 

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import gguf
 import pytest
 import torch
 from gguf_blocks import write_tiny_gguf
@@ -18,6 +17,7 @@ from tideserve.model.layers.linear import Linear
 from tideserve.model.layers.quantization import QuantWeight, model_weight_bytes
 from tideserve.model.loader import load_model
 from tideserve.model.loader.gguf import read_blocks, unpermute_qk
+from tideserve.model.loader.gguf_index import read_gguf_index
 from tideserve.native import quant
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="no C compiler to build the kernels")
@@ -111,18 +111,17 @@ def test_embedded_q4_1_file_is_served_on_its_own_bytes(smollm2_gguf_path):
     loaded = load_model(str(smollm2_gguf_path), quantization="auto")
     assert loaded.quantization == "gguf"
     model = loaded.model
-    reader = gguf.GGUFReader(str(smollm2_gguf_path))
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in read_gguf_index(str(smollm2_gguf_path)).tensors}
     down = model.model.layers[3].mlp.down_proj.qweight
     assert down.qtypes == ["q4_1"]
-    assert torch.equal(down.file_segments()[0][1], read_blocks(str(smollm2_gguf_path), tensors["blk.3.ffn_down.weight"]))
+    assert torch.equal(down.file_segments()[0][1], read_blocks(tensors["blk.3.ffn_down.weight"]))
     qkv = model.model.layers[3].self_attn.qkv_proj.qweight.file_segments()[0][1]
-    q_rows = unpermute_qk(read_blocks(str(smollm2_gguf_path), tensors["blk.3.attn_q.weight"]),
+    q_rows = unpermute_qk(read_blocks(tensors["blk.3.attn_q.weight"]),
                           model.arch.num_attention_heads)
     assert torch.equal(qkv[: q_rows.shape[0]], q_rows)
     table = model.model.embed_tokens.qweight
     assert table.qtypes == ["q8_0"] and model.lm_head_q is table
-    assert torch.equal(table.file_segments()[0][1], read_blocks(str(smollm2_gguf_path), tensors["token_embd.weight"]))
+    assert torch.equal(table.file_segments()[0][1], read_blocks(tensors["token_embd.weight"]))
     assert all(m.weight is None for m in model.modules() if isinstance(m, Linear))
     assert model_weight_bytes(model) < 1.02 * smollm2_gguf_path.stat().st_size
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tideserve.tokenizer.tokenizer import Tokenizer, load_tokenizer, normalize_messages, read_gguf_scalars
+from tideserve.model.loader.gguf_index import GGUFStringArray, read_gguf_index
+from tideserve.tokenizer.tokenizer import Tokenizer, load_tokenizer, normalize_messages
 
 TEXTS = [
     "Hello, world!",
@@ -18,15 +19,16 @@ TEXTS = [
 
 
 def test_gguf_metadata_reader(gguf_path: Path) -> None:
-    meta = read_gguf_scalars(str(gguf_path))
+    meta = read_gguf_index(str(gguf_path)).metadata
     assert meta["general.architecture"] == "llama"
     assert meta["tokenizer.ggml.eos_token_id"] == 2
     assert "{% for message in messages %}" in meta["tokenizer.chat_template"]
-    assert "tokenizer.ggml.tokens" not in meta  # arrays are skipped
+    tokens = meta["tokenizer.ggml.tokens"]  # left in the file
+    assert isinstance(tokens, GGUFStringArray) and len(tokens) == 49152
 
 
 def test_special_tokens_from_gguf(tokenizer: Tokenizer, gguf_path: Path) -> None:
-    meta = read_gguf_scalars(str(gguf_path))
+    meta = read_gguf_index(str(gguf_path)).metadata
     assert tokenizer.eos_token_id == meta["tokenizer.ggml.eos_token_id"] == 2
     assert tokenizer.bos_token_id == meta["tokenizer.ggml.bos_token_id"]
     assert tokenizer.convert_ids_to_tokens(2) == "<|im_end|>"

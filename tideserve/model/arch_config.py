@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tideserve.model.registry import family_for, hf_architecture_for_gguf, hf_architecture_for_model_type
+
+if TYPE_CHECKING:
+    from tideserve.model.loader.gguf_index import GGUFIndex
 
 logger = logging.getLogger(__name__)
 
@@ -108,17 +111,17 @@ class ArchConfig:
         return cls(**{**fields, **family.hf_config_fields(config)})
 
     @classmethod
-    def from_gguf_metadata(cls, reader: Any) -> ArchConfig:
-        """Build from a ``gguf.GGUFReader``'s key/value metadata (and its tensor list, for the vocab size,
-        tied embeddings and llama3 rope factors)."""
-        gguf_arch = gguf_metadata_value(reader, "general.architecture")
+    def from_gguf_metadata(cls, index: GGUFIndex) -> ArchConfig:
+        """Build from a GGUF file's key/value metadata (and its tensor list, for the vocab size, tied
+        embeddings and llama3 rope factors)."""
+        gguf_arch = index.get("general.architecture")
         if gguf_arch is None:
             raise ValueError("GGUF file has no general.architecture metadata")
         architecture = hf_architecture_for_gguf(str(gguf_arch))
         family = family_for(architecture)
 
         def get(key: str, default: Any = None) -> Any:
-            value = gguf_metadata_value(reader, key.format(arch=gguf_arch))
+            value = index.get(key.format(arch=gguf_arch))
             return default if value is None else value
 
         def need(key: str) -> Any:
@@ -127,23 +130,23 @@ class ArchConfig:
                 raise ValueError(f"GGUF metadata {key.format(arch=gguf_arch)!r} is missing")
             return value
 
-        tensors = {t.name: t for t in reader.tensors}
+        tensors = {t.name: t for t in index.tensors}
         hidden = int(need("{arch}.embedding_length"))
         num_heads = int(need("{arch}.attention.head_count"))
         embd = tensors.get("token_embd.weight")
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        tokens = index.get("tokenizer.ggml.tokens")
         if embd is not None:
             vocab_size = int(embd.shape[-1])  # GGUF shapes are [in, out]: [hidden, vocab]
         elif tokens is not None:
-            vocab_size = len(tokens.data)
+            vocab_size = len(tokens)
         else:
             vocab_size = int(need("{arch}.vocab_size"))
 
         rope_scaling: dict[str, Any] | None = None
         scaling_type = get("{arch}.rope.scaling.type")
         if "rope_freqs.weight" in tensors:
-            factors = tensors["rope_freqs.weight"].data
-            rope_scaling = {"rope_type": "freq_factors", "freq_factors": [float(f) for f in factors]}
+            factors = tensors["rope_freqs.weight"].read_array()
+            rope_scaling = {"rope_type": "freq_factors", "freq_factors": [float(f) for f in factors.ravel()]}
         elif scaling_type not in (None, "none"):
             factor = float(get("{arch}.rope.scaling.factor", 1.0))
             rope_scaling = {"rope_type": str(scaling_type), "factor": factor}
@@ -208,17 +211,3 @@ def _normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | 
     if missing:
         raise ValueError(f"rope_scaling of type {rope_type!r} is missing {', '.join(missing)}")
     return {"rope_type": rope_type, **scaling}
-
-
-def gguf_metadata_value(reader: Any, key: str) -> Any:
-    """A GGUF metadata value as a Python scalar/str/list, or None when absent."""
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    if hasattr(f, "contents"):
-        return f.contents()
-    # gguf < 0.11: decode the last part by hand (scalars and strings only)
-    part = f.parts[f.data[0]]
-    if part.dtype.kind == "u" and part.dtype.itemsize == 1:
-        return bytes(part).decode("utf-8")
-    return part.tolist()[0]

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
-import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -236,7 +234,9 @@ def _load_gguf(path: str) -> Tokenizer:
     # parses the whole vocabulary a second time (seconds on a small CPU).
     from transformers import PreTrainedTokenizerFast
 
-    meta = read_gguf_scalars(path)
+    from tideserve.model.loader.gguf_index import read_gguf_index
+
+    meta = read_gguf_index(path).metadata
     directory, name = os.path.split(path)
     hf = PreTrainedTokenizerFast.from_pretrained(directory or ".", gguf_file=name)
     template = meta.get("tokenizer.chat_template")
@@ -275,62 +275,3 @@ def _load_hf_dir(path: str) -> Tokenizer:
 def _is_gguf(path: str) -> bool:
     with open(path, "rb") as f:
         return f.read(4) == b"GGUF"
-
-
-# GGUF metadata value types: fixed-width scalars (as struct formats), strings and arrays.
-_SCALARS = {
-    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
-}
-_STRING, _ARRAY = 8, 9
-
-
-def read_gguf_scalars(path: str) -> dict[str, Any]:
-    """GGUF metadata keys with scalar or string values; arrays (the vocabulary) are skipped, not parsed.
-
-    Milliseconds, where a full GGUF reader spends seconds turning 100k vocabulary strings into objects.
-    """
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (bad magic bytes).")
-        version, _tensor_count, kv_count = struct.unpack_from("<IQQ", buf, 4)
-        if version < 2:
-            raise ValueError(f"{path} is GGUF v{version}; only v2 and later are supported.")
-        pos = 24
-        meta: dict[str, Any] = {}
-        for _ in range(kv_count):
-            key, pos = _read_str(buf, pos)
-            (kind,) = struct.unpack_from("<I", buf, pos)
-            pos += 4
-            if kind in _SCALARS:
-                (meta[key],) = struct.unpack_from(_SCALARS[kind], buf, pos)
-                pos += struct.calcsize(_SCALARS[kind])
-            elif kind == _STRING:
-                meta[key], pos = _read_str(buf, pos)
-            elif kind == _ARRAY:
-                pos = _skip_array(buf, pos)
-            else:
-                raise ValueError(f"{path}: metadata key {key!r} has unknown GGUF type {kind}.")
-        return meta
-
-
-def _read_str(buf: mmap.mmap, pos: int) -> tuple[str, int]:
-    (length,) = struct.unpack_from("<Q", buf, pos)
-    start = pos + 8
-    return buf[start:start + length].decode("utf-8", errors="replace"), start + length
-
-
-def _skip_array(buf: mmap.mmap, pos: int) -> int:
-    kind, count = struct.unpack_from("<IQ", buf, pos)
-    pos += 12
-    if kind in _SCALARS:
-        return pos + count * struct.calcsize(_SCALARS[kind])
-    if kind == _STRING:
-        for _ in range(count):
-            (length,) = struct.unpack_from("<Q", buf, pos)
-            pos += 8 + length
-        return pos
-    if kind == _ARRAY:
-        for _ in range(count):
-            pos = _skip_array(buf, pos)
-        return pos
-    raise ValueError(f"unknown GGUF array element type {kind}.")

@@ -117,13 +117,17 @@ def test_int4_model_uses_4_bit_layers_and_an_8_bit_head_and_keeps_rows_independe
     loud = torch.randn(4, 64) * 100
     assert torch.equal(mlp(hidden)[2:3], mlp(torch.cat([loud[:2], hidden[2:3], loud[2:]]))[2:3])
     assert torch.equal(mlp(hidden[2:3]), mlp(torch.cat([loud[:1], hidden[2:3], loud[1:2]]))[1:2])
-    # ... and up to the float summation order across kernels (16 rows: AVX2's tiles), or, where 16 rows take
-    # the AMX tiles (bfloat16 activations instead of int8 blocks), up to that rounding.
+    # ... and, one layer, up to the float summation order across kernels (16 rows: the tiles), or, where 16
+    # rows take the AMX tiles (bfloat16 activations instead of int8 blocks), up to that rounding. Through the
+    # whole MLP an order difference can move one int8 code of the next layer's activations (a step of
+    # max|x| / 127): close, not to the last bits.
     many = torch.cat([hidden, torch.randn(11, 64)])
+    proj = mlp.gate_up_proj
     if quant.kernel_for(16) == "amx-tiles":
-        assert rel_err(mlp(many)[2:3], mlp(hidden[2:3])) < 0.02
+        assert rel_err(proj(many)[2:3], proj(hidden[2:3])) < 0.02
     else:
-        torch.testing.assert_close(mlp(many)[2:3], mlp(hidden[2:3]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(proj(many)[2:3], proj(hidden[2:3]), rtol=1e-5, atol=1e-5)
+    assert rel_err(mlp(many)[2:3], mlp(hidden[2:3])) < 0.02
 
 
 def test_int4_reproduces_the_gguf_q4_1_weights(smollm2_gguf_path):
@@ -131,9 +135,9 @@ def test_int4_reproduces_the_gguf_q4_1_weights(smollm2_gguf_path):
     import gguf
 
     from tideserve.model.loader.gguf import dequantize_tensor
+    from tideserve.model.loader.gguf_index import read_gguf_index
 
-    reader = gguf.GGUFReader(str(smollm2_gguf_path))
-    tensor = next(t for t in reader.tensors if t.name == "blk.3.ffn_down.weight")
+    tensor = next(t for t in read_gguf_index(str(smollm2_gguf_path)).tensors if t.name == "blk.3.ffn_down.weight")
     assert tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1
     weight = dequantize_tensor(tensor)
     back = QuantWeight.from_float(weight, qtype="q4_1").dequantize()

@@ -134,11 +134,10 @@ def resolve_quantization(quantization: str, path: Path, device: torch.device, dt
     if quantization == "auto":
         if not is_gguf or unavailable_reason("gguf", device) is not None or dtype != "auto":
             return "none"
-        import gguf
-
         from tideserve.model.loader.gguf import quantized_share
+        from tideserve.model.loader.gguf_index import read_gguf_index
 
-        share = quantized_share(gguf.GGUFReader(str(path)), QTYPES)
+        share = quantized_share(read_gguf_index(str(path)), QTYPES)
         return "gguf" if share >= AUTO_GGUF_MIN_SHARE else "none"
     if quantization == "gguf" and not is_gguf:
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks, and {str(path)!r} is an HF directory; "

@@ -17,7 +17,8 @@ import gguf
 import numpy as np
 import torch
 
-from tideserve.model.arch_config import ArchConfig, gguf_metadata_value
+from tideserve.model.arch_config import ArchConfig
+from tideserve.model.loader.gguf_index import GGUFIndex, GGUFTensorInfo, read_gguf_index
 from tideserve.model.registry import ModelFamily, family_for, resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -39,62 +40,54 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
 
 
-def dequantize_tensor(t: gguf.ReaderTensor) -> torch.Tensor:
+def dequantize_tensor(t: GGUFTensorInfo) -> torch.Tensor:
     """Any type the gguf package can dequantize -> float32 tensor in row-major (HF) shape [out, in]."""
-    arr = gguf.quants.dequantize(t.data, t.tensor_type)
-    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+    arr = gguf.quants.dequantize(t.read_array(), t.tensor_type)
+    shape = tuple(reversed(t.shape))  # GGUF lists dims innermost first
     arr = np.asarray(arr, dtype=np.float32).reshape(shape)
-    if not arr.flags.writeable:  # memory-mapped F32 data
+    if not arr.flags.writeable:
         arr = arr.copy()
     return torch.from_numpy(arr)
 
 
-def read_blocks(path: str, t: gguf.ReaderTensor) -> torch.Tensor:
-    """A quantized tensor's bytes, uint8 [rows, row_bytes], read from the file into memory we own: not
-    through the reader's memory map, whose pages would count as ours until it closes."""
-    rows = int(np.prod([int(d) for d in t.shape[1:]]))
-    out = torch.empty(rows, int(t.n_bytes) // max(rows, 1), dtype=torch.uint8)
-    with open(path, "rb", buffering=0) as f:
-        f.seek(int(t.data_offset))
-        view = memoryview(out.numpy()).cast("B")
-        while view:
-            got = f.readinto(view)
-            if not got:
-                raise ValueError(f"GGUF tensor {t.name!r} is cut short in {path}")
-            view = view[got:]
+def read_blocks(t: GGUFTensorInfo) -> torch.Tensor:
+    """A quantized tensor's bytes, uint8 [rows, row_bytes], read from the file into memory we own."""
+    rows = int(np.prod(t.shape[1:], dtype=np.int64))
+    out = torch.empty(rows, t.n_bytes // max(rows, 1), dtype=torch.uint8)
+    t.read_into(memoryview(out.numpy()).cast("B"))
     return out
 
 
-def gguf_qtype(t: gguf.ReaderTensor) -> str:
+def gguf_qtype(t: GGUFTensorInfo) -> str:
     """The tensor type's name as native.quant.QTYPES spells it ("q4_k", "f32", ...)."""
     return t.tensor_type.name.lower()
 
 
-def iter_gguf_weights(reader: gguf.GGUFReader, arch: ArchConfig, path: str | None = None,
+def iter_gguf_weights(index: GGUFIndex, arch: ArchConfig,
                       keep: Callable[[str, str], bool] | None = None) -> Iterator[tuple[str, Any]]:
     """Yield (HF name, tensor) one at a time, so peak memory stays about one tensor above the model.
 
     Tensors are float32, except where ``keep(hf name, qtype)`` is true: those come as QuantTensor, the
-    file's own blocks (read from ``path``), with permuted q/k rows put back in HF order all the same.
+    file's own blocks, with permuted q/k rows put back in HF order all the same.
     """
     from tideserve.model.layers.quantization import QuantTensor
 
-    family = family_for(str(gguf_metadata_value(reader, "general.architecture")))
+    family = family_for(str(index.get("general.architecture")))
     if family.gguf_tensors is None:
         raise ValueError(f"model family {family.name!r} declares no GGUF tensor names")
     skipped = family.gguf_tensors.skipped
     unpermute = tuple(family.gguf_unpermute.items())
-    for t in reader.tensors:
+    for t in index.tensors:
         if t.name in skipped:
             continue
         name = hf_name(t.name, family)
         qtype = gguf_qtype(t)
-        shape = tuple(int(d) for d in reversed(t.shape))
+        shape = tuple(reversed(t.shape))
         heads = None
         if len(shape) == 2:
             heads = next((getattr(arch, count) for suffix, count in unpermute if name.endswith(suffix)), None)
-        if keep is not None and path is not None and len(shape) == 2 and keep(name, qtype):
-            data = read_blocks(path, t)
+        if keep is not None and len(shape) == 2 and keep(name, qtype):
+            data = read_blocks(t)
             if heads is not None:  # whole rows move, so blocks survive the permutation as they are
                 data = unpermute_qk(data, heads).contiguous()
             yield name, QuantTensor(qtype, data, (shape[0], shape[1]))
@@ -105,14 +98,14 @@ def iter_gguf_weights(reader: gguf.GGUFReader, arch: ArchConfig, path: str | Non
         yield name, tensor
 
 
-def quantized_share(reader: gguf.GGUFReader, qtypes: Iterable[str]) -> float:
+def quantized_share(index: GGUFIndex, qtypes: Iterable[str]) -> float:
     """The share of the file's 2-D tensor bytes stored in one of ``qtypes``."""
     wanted = set(qtypes)
     total = kept = 0
-    for t in reader.tensors:
+    for t in index.tensors:
         if len(t.shape) == 2:
-            total += int(t.n_bytes)
-            kept += int(t.n_bytes) if gguf_qtype(t) in wanted else 0
+            total += t.n_bytes
+            kept += t.n_bytes if gguf_qtype(t) in wanted else 0
     return kept / total if total else 0.0
 
 
@@ -125,9 +118,9 @@ def load_gguf(path: str, dtype: torch.dtype, device: torch.device | str, quantiz
     from tideserve.model.layers.quantization import quantize_blocks
     from tideserve.native.quant import QTYPES
 
-    reader = gguf.GGUFReader(path)
-    arch = ArchConfig.from_gguf_metadata(reader)
-    types = sorted({t.tensor_type.name for t in reader.tensors})
+    index = read_gguf_index(path)
+    arch = ArchConfig.from_gguf_metadata(index)
+    types = sorted({t.tensor_type.name for t in index.tensors})
     logger.info("GGUF %s: %s, %d layers, tensor types %s", path, arch.architecture, arch.num_hidden_layers,
                 ",".join(types))
     model = resolve_model_class(arch.architecture)(arch, dtype=dtype, device=device)
@@ -143,5 +136,5 @@ def load_gguf(path: str, dtype: torch.dtype, device: torch.device | str, quantiz
 
         model.begin_quantized_load(lambda w: (linear_qtype, quantize_blocks(w, linear_qtype)),
                                    lambda w: ("q8_0", quantize_blocks(w, "q8_0")))
-    model.load_weights(iter_gguf_weights(reader, arch, path, keep))
+    model.load_weights(iter_gguf_weights(index, arch, keep))
     return model.eval(), arch
