@@ -160,13 +160,38 @@ enum { TS_K_ROWS = 0, TS_K_AVX2_TILES = 1, TS_K_AMX_TILES = 2, TS_K_AVX2_GEMV = 
  * each 16-value half), for the offsets' terms.
  * The AVX-512 tiles read the same values regrouped TS_ACT_GROUP rows at a time (their micro tile's height;
  * NULL elsewhere): tq [m/G][kb][8 steps][G rows][4 codes], td [m/G][kb][G rows] (d) and ts [m/G][kb][3][G rows]
- * (s's two halves, then their sum as the tiles used to add it), and, for a weight with Q6_K rows, tb
- * [m/G][kb][2 halves][G rows]: -32 times the sum of q over each 16-value half, Q6_K's offset (value =
- * scale * (code - 32)) as an integer, which the tiles start that format's integer sums from instead of
- * adding the offset in float. A micro tile then
+ * (s's two halves, then their sum as the tiles used to add it), and, for a weight with rows in a format
+ * whose offset is a whole number of its scale (ts_tile_int_offset: Q6_K's value = scale * (code - 32),
+ * Q4_0's -8, Q5_0's -16, and Q8_0's -128 as the VNNI panels store it), tb [m/G][kb][3][G rows]: minus
+ * the sum of q over each 16-value half and over the block, which the tiles start such a format's integer
+ * sums from (shifted: times the offset) instead of adding the offset in float. A micro tile then
  * finds every row's codes and scales at constant offsets from one pointer: with a pointer per row, the
  * registers ran out and the sums were added per tile. */
 #define TS_ACT_GROUP 6
+
+/* o / s for a format whose value is s * code + o with o a whole multiple of its scale, as the AVX-512 VNNI
+ * tiles' panels store it (Q8_0's codes as w + 128); 0 for the formats with a float minimum. */
+static inline __attribute__((always_inline)) int ts_tile_int_offset(const int type) {
+    switch (type) {
+    case TS_Q4_0: return -8;
+    case TS_Q5_0: return -16;
+    case TS_Q8_0: return -128;
+    case TS_Q6_K: return -32; /* per 16-value half: Q6_K's scales are */
+    default: return 0;
+    }
+}
+
+/* log2 of -ts_tile_int_offset(type) (every such offset is minus a power of two): the tiles shift the
+ * negated sums instead of multiplying them. */
+static inline __attribute__((always_inline)) int ts_tile_int_offset_shift(const int type) {
+    switch (type) {
+    case TS_Q4_0: return 3;
+    case TS_Q5_0: return 4;
+    case TS_Q8_0: return 7;
+    case TS_Q6_K: return 5;
+    default: return 0;
+    }
+}
 typedef struct {
     int8_t *q;
     float *d, *s;
@@ -186,11 +211,14 @@ static void regroup_row(ts_act *a, int64_t i) {
         const float *s = a->s + 2 * (i * kb + b);
         float *ts = a->ts + (group * kb + b) * (3 * TS_ACT_GROUP) + r;
         a->td[(group * kb + b) * TS_ACT_GROUP + r] = a->d[i * kb + b];
-        int32_t *tb = a->tb != NULL ? a->tb + (group * kb + b) * (2 * TS_ACT_GROUP) + r : NULL;
-        for (int half = 0; tb != NULL && half < 2; half++) {
-            int32_t sum = 0;
-            for (int v = 0; v < 16; v++) sum += q[b * TS_QBLOCK + 16 * half + v];
-            tb[half * TS_ACT_GROUP] = -32 * sum;
+        int32_t *tb = a->tb != NULL ? a->tb + (group * kb + b) * (3 * TS_ACT_GROUP) + r : NULL;
+        if (tb != NULL) {
+            int32_t first = 0, second = 0; /* two plain loops: the compiler vectorizes these */
+            for (int v = 0; v < 16; v++) first += q[b * TS_QBLOCK + v];
+            for (int v = 16; v < TS_QBLOCK; v++) second += q[b * TS_QBLOCK + v];
+            tb[0] = -first;
+            tb[TS_ACT_GROUP] = -second;
+            tb[2 * TS_ACT_GROUP] = -(first + second);
         }
         ts[0] = s[0];
         ts[TS_ACT_GROUP] = s[1];
@@ -775,14 +803,14 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
     const int64_t k = w->k, kb = k / TS_QBLOCK;
     const int regroup = tiles && isa == TS_QG_AVX512;
     const int64_t grouped_rows = (m + TS_ACT_GROUP - 1) / TS_ACT_GROUP * TS_ACT_GROUP;
-    int has_q6k = 0; /* tb, Q6_K's integer offsets, only where a segment needs them */
-    for (int64_t s = 0; s < w->num_segs; s++) has_q6k |= w->seg[s].type == TS_Q6_K;
+    int int_offsets = 0; /* tb, the integer offsets' x sums, only where a segment needs them */
+    for (int64_t s = 0; s < w->num_segs; s++) int_offsets |= ts_tile_int_offset((int)w->seg[s].type) != 0;
     ts_act a = {malloc((size_t)(m * k)), malloc(sizeof(float) * (size_t)(m * kb)),
                 malloc(sizeof(float) * (size_t)(2 * m * kb)), k, kb,
                 regroup ? malloc((size_t)(grouped_rows * k)) : NULL,
                 regroup ? malloc(sizeof(float) * (size_t)(grouped_rows * kb)) : NULL,
                 regroup ? malloc(sizeof(float) * (size_t)(3 * grouped_rows * kb)) : NULL,
-                regroup && has_q6k ? malloc(sizeof(int32_t) * (size_t)(2 * grouped_rows * kb)) : NULL};
+                regroup && int_offsets ? malloc(sizeof(int32_t) * (size_t)(3 * grouped_rows * kb)) : NULL};
     float *activated = act ? malloc(sizeof(float) * (size_t)(m * k)) : NULL;
     /* per thread, one row in the file's layout: the row kernels' copy of an interleaved group's row */
     int64_t scratch_bytes = 0;
@@ -792,7 +820,7 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
     }
     uint8_t *scratch_rows = scratch_bytes ? malloc((size_t)(scratch_bytes * (num_threads > 1 ? num_threads : 1))) : NULL;
     if (a.q == NULL || a.d == NULL || a.s == NULL || (act && activated == NULL) || (scratch_bytes && scratch_rows == NULL) ||
-        (regroup && (a.tq == NULL || a.td == NULL || a.ts == NULL || (has_q6k && a.tb == NULL)))) {
+        (regroup && (a.tq == NULL || a.td == NULL || a.ts == NULL || (int_offsets && a.tb == NULL)))) {
         free(a.q);
         free(a.d);
         free(a.s);

@@ -469,19 +469,22 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int t
     const int64_t group = r0 / G;
     const int8_t *xq = a->tq + group * kb * (8 * 4 * G);
     const float *xd = a->td + group * kb * G, *xs = a->ts + group * kb * (3 * G);
-    const int32_t *xb = a->tb != NULL ? a->tb + group * kb * (2 * G) : NULL; /* set where a Q6_K segment is */
-    /* Q6_K's offset (-32 x scale) enters as an integer: each half's sums start from -32 x the half's sum of
-     * x's codes, and the float epilogue has no offset term (6 operations a block and row instead of 8:
-     * the format's tiles were bound by them). */
-    const int integer_offset = type == TS_Q6_K;
+    const int32_t *xb = a->tb != NULL ? a->tb + group * kb * (3 * G) : NULL; /* set where such a format is */
+    /* An offset that is a whole multiple of the scale (Q4_0, Q5_0, Q8_0, Q6_K: ts_tile_int_offset) enters
+     * as an integer: the sums of a block (Q6_K: of a half) start from it times the sum of x's codes there,
+     * and the float epilogue has no offset term (3 vector operations a block, row and panel instead of 4;
+     * with the vpdpbusd, the epilogue is what bounds the tiles). */
+    const int integer_offset = ts_tile_int_offset(type);
     for (int64_t b = 0; b < kb; b++) {
 #pragma GCC unroll 2
         for (int half = 0; half < halves; half++) {
             const int g_lo = half * 8 / halves, g_hi = (half + 1) * 8 / halves;
             __m512i wide[TS_TILE_ROWS_MAX][TS_TILE_PANELS_MAX];
             for (int r = 0; r < R; r++) {
-                const __m512i start = integer_offset ? _mm512_set1_epi32(xb[b * (2 * G) + half * G + r])
-                                                     : _mm512_setzero_si512();
+                const __m512i start = integer_offset
+                    ? _mm512_slli_epi32(_mm512_set1_epi32(xb[b * (3 * G) + (halves == 2 ? half : 2) * G + r]),
+                                        ts_tile_int_offset_shift(type))
+                    : _mm512_setzero_si512();
                 for (int j = 0; j < P; j++) wide[r][j] = start;
             }
 #pragma GCC unroll 8
