@@ -161,37 +161,27 @@ enum { TS_K_ROWS = 0, TS_K_AVX2_TILES = 1, TS_K_AMX_TILES = 2, TS_K_AVX2_GEMV = 
  * The AVX-512 tiles read the same values regrouped TS_ACT_GROUP rows at a time (their micro tile's height;
  * NULL elsewhere): tq [m/G][kb][8 steps][G rows][4 codes], td [m/G][kb][G rows] (d) and ts [m/G][kb][3][G rows]
  * (s's two halves, then their sum as the tiles used to add it), and, for a weight with rows in a format
- * whose offset is a whole number of its scale (ts_tile_int_offset: Q6_K's value = scale * (code - 32),
- * Q4_0's -8, Q5_0's -16, and Q8_0's -128 as the VNNI panels store it), tb [m/G][kb][3][G rows]: minus
- * the sum of q over each 16-value half and over the block, which the tiles start such a format's integer
- * sums from (shifted: times the offset) instead of adding the offset in float. A micro tile then
+ * whose offset is a whole number of its scale (ts_tile_int_offset_shift), tb [m/G][kb][3][G rows]: minus
+ * the sum of q over each 16-value half and over the block. AVX2's tiles read the same sums per row, qb
+ * [m][kb][2] (the halves), where they need them. A micro tile then
  * finds every row's codes and scales at constant offsets from one pointer: with a pointer per row, the
  * registers ran out and the sums were added per tile. */
 #define TS_ACT_GROUP 6
 
-/* o / s for a format whose value is s * code + o with o a whole multiple of its scale, as the AVX-512 VNNI
- * tiles' panels store it (Q8_0's codes as w + 128); 0 for the formats with a float minimum. */
-static inline __attribute__((always_inline)) int ts_tile_int_offset(const int type) {
+/* For a format whose offset is minus a power of two times its scale (value = s * (code - 2^shift)), the
+ * shift; 0 for the formats with a float minimum. The integer tiles start such a format's integer sums from
+ * the x codes' sum shifted instead of adding the offset in float. ``vnni``: the AVX-512 VNNI panels store
+ * Q8_0's codes as w + 128; AVX2's keep them signed (no offset). */
+static inline __attribute__((always_inline)) int ts_tile_int_offset_shift(const int type, const int vnni) {
     switch (type) {
-    case TS_Q4_0: return -8;
-    case TS_Q5_0: return -16;
-    case TS_Q8_0: return -128;
-    case TS_Q6_K: return -32; /* per 16-value half: Q6_K's scales are */
+    case TS_Q4_0: return 3;
+    case TS_Q5_0: return 4;
+    case TS_Q6_K: return 5; /* per 16-value half, as Q6_K's scales are */
+    case TS_Q8_0: return vnni ? 7 : 0;
     default: return 0;
     }
 }
 
-/* log2 of -ts_tile_int_offset(type) (every such offset is minus a power of two): the tiles shift the
- * negated sums instead of multiplying them. */
-static inline __attribute__((always_inline)) int ts_tile_int_offset_shift(const int type) {
-    switch (type) {
-    case TS_Q4_0: return 3;
-    case TS_Q5_0: return 4;
-    case TS_Q8_0: return 7;
-    case TS_Q6_K: return 5;
-    default: return 0;
-    }
-}
 typedef struct {
     int8_t *q;
     float *d, *s;
@@ -199,7 +189,23 @@ typedef struct {
     int8_t *tq;
     float *td, *ts;
     int32_t *tb;
+    int32_t *qb;
 } ts_act;
+
+/* Minus the sums of a block's 32 codes over each 16-value half (two plain loops: the compiler vectorizes
+ * these; one loop indexing the two sums did not, and made the regrouping 4x slower). */
+static inline void block_code_sums(const int8_t *q, int32_t out[2]) {
+    int32_t first = 0, second = 0;
+    for (int v = 0; v < 16; v++) first += q[v];
+    for (int v = 16; v < TS_QBLOCK; v++) second += q[v];
+    out[0] = -first;
+    out[1] = -second;
+}
+
+/* Row i's qb: AVX2's tiles start an integer offset's sums from these. */
+static void code_sums_row(ts_act *a, int64_t i) {
+    for (int64_t b = 0; b < a->kb; b++) block_code_sums(a->q + i * a->k + b * TS_QBLOCK, a->qb + 2 * (i * a->kb + b));
+}
 
 /* Row i of a (quantized) into the tiles' groups of TS_ACT_GROUP rows. */
 static void regroup_row(ts_act *a, int64_t i) {
@@ -213,12 +219,11 @@ static void regroup_row(ts_act *a, int64_t i) {
         a->td[(group * kb + b) * TS_ACT_GROUP + r] = a->d[i * kb + b];
         int32_t *tb = a->tb != NULL ? a->tb + (group * kb + b) * (3 * TS_ACT_GROUP) + r : NULL;
         if (tb != NULL) {
-            int32_t first = 0, second = 0; /* two plain loops: the compiler vectorizes these */
-            for (int v = 0; v < 16; v++) first += q[b * TS_QBLOCK + v];
-            for (int v = 16; v < TS_QBLOCK; v++) second += q[b * TS_QBLOCK + v];
-            tb[0] = -first;
-            tb[TS_ACT_GROUP] = -second;
-            tb[2 * TS_ACT_GROUP] = -(first + second);
+            int32_t sums[2];
+            block_code_sums(q + b * TS_QBLOCK, sums);
+            tb[0] = sums[0];
+            tb[TS_ACT_GROUP] = sums[1];
+            tb[2 * TS_ACT_GROUP] = sums[0] + sums[1];
         }
         ts[0] = s[0];
         ts[TS_ACT_GROUP] = s[1];
@@ -804,13 +809,16 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
     const int regroup = tiles && isa == TS_QG_AVX512;
     const int64_t grouped_rows = (m + TS_ACT_GROUP - 1) / TS_ACT_GROUP * TS_ACT_GROUP;
     int int_offsets = 0; /* tb, the integer offsets' x sums, only where a segment needs them */
-    for (int64_t s = 0; s < w->num_segs; s++) int_offsets |= ts_tile_int_offset((int)w->seg[s].type) != 0;
+    for (int64_t s = 0; s < w->num_segs; s++)
+        int_offsets |= ts_tile_int_offset_shift((int)w->seg[s].type, isa == TS_QG_AVX512) != 0;
+    const int row_sums = tiles && isa == TS_QG_AVX2 && int_offsets; /* qb, for AVX2's tiles */
     ts_act a = {malloc((size_t)(m * k)), malloc(sizeof(float) * (size_t)(m * kb)),
                 malloc(sizeof(float) * (size_t)(2 * m * kb)), k, kb,
                 regroup ? malloc((size_t)(grouped_rows * k)) : NULL,
                 regroup ? malloc(sizeof(float) * (size_t)(grouped_rows * kb)) : NULL,
                 regroup ? malloc(sizeof(float) * (size_t)(3 * grouped_rows * kb)) : NULL,
-                regroup && int_offsets ? malloc(sizeof(int32_t) * (size_t)(3 * grouped_rows * kb)) : NULL};
+                regroup && int_offsets ? malloc(sizeof(int32_t) * (size_t)(3 * grouped_rows * kb)) : NULL,
+                row_sums ? malloc(sizeof(int32_t) * (size_t)(2 * m * kb)) : NULL};
     float *activated = act ? malloc(sizeof(float) * (size_t)(m * k)) : NULL;
     /* per thread, one row in the file's layout: the row kernels' copy of an interleaved group's row */
     int64_t scratch_bytes = 0;
@@ -820,7 +828,8 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
     }
     uint8_t *scratch_rows = scratch_bytes ? malloc((size_t)(scratch_bytes * (num_threads > 1 ? num_threads : 1))) : NULL;
     if (a.q == NULL || a.d == NULL || a.s == NULL || (act && activated == NULL) || (scratch_bytes && scratch_rows == NULL) ||
-        (regroup && (a.tq == NULL || a.td == NULL || a.ts == NULL || (int_offsets && a.tb == NULL)))) {
+        (regroup && (a.tq == NULL || a.td == NULL || a.ts == NULL || (int_offsets && a.tb == NULL))) ||
+        (row_sums && a.qb == NULL)) {
         free(a.q);
         free(a.d);
         free(a.s);
@@ -828,6 +837,7 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
         free(a.td);
         free(a.ts);
         free(a.tb);
+        free(a.qb);
         free(activated);
         free(scratch_rows);
         return -1;
@@ -847,6 +857,7 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
             }
             quantize_row_q8(row, k, a.q + i * k, a.d + i * kb, a.s + 2 * i * kb);
             if (regroup) regroup_row(&a, i);
+            if (row_sums) code_sums_row(&a, i);
         }
 #ifdef TS_QGEMM_X86
         if (tiles && (isa == TS_QG_AVX512 ? tiles_matmul_share_avx512 : tiles_matmul_share_avx2)(w, &a, m, out,
@@ -904,6 +915,7 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
     free(a.td);
     free(a.ts);
     free(a.tb);
+    free(a.qb);
     free(activated);
     free(scratch_rows);
     return failed ? -1 : 0;

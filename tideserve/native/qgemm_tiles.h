@@ -470,11 +470,11 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int t
     const int8_t *xq = a->tq + group * kb * (8 * 4 * G);
     const float *xd = a->td + group * kb * G, *xs = a->ts + group * kb * (3 * G);
     const int32_t *xb = a->tb != NULL ? a->tb + group * kb * (3 * G) : NULL; /* set where such a format is */
-    /* An offset that is a whole multiple of the scale (Q4_0, Q5_0, Q8_0, Q6_K: ts_tile_int_offset) enters
-     * as an integer: the sums of a block (Q6_K: of a half) start from it times the sum of x's codes there,
+    /* An offset that is minus a power of two times the scale (Q4_0, Q5_0, Q8_0, Q6_K: ts_tile_int_offset_shift)
+     * enters as an integer: the sums of a block (Q6_K: of a half) start from x's codes' sum there, shifted,
      * and the float epilogue has no offset term (3 vector operations a block, row and panel instead of 4;
      * with the vpdpbusd, the epilogue is what bounds the tiles). */
-    const int integer_offset = ts_tile_int_offset(type);
+    const int shift = ts_tile_int_offset_shift(type, 1), integer_offset = shift != 0;
     for (int64_t b = 0; b < kb; b++) {
 #pragma GCC unroll 2
         for (int half = 0; half < halves; half++) {
@@ -482,8 +482,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int t
             __m512i wide[TS_TILE_ROWS_MAX][TS_TILE_PANELS_MAX];
             for (int r = 0; r < R; r++) {
                 const __m512i start = integer_offset
-                    ? _mm512_slli_epi32(_mm512_set1_epi32(xb[b * (3 * G) + (halves == 2 ? half : 2) * G + r]),
-                                        ts_tile_int_offset_shift(type))
+                    ? _mm512_slli_epi32(_mm512_set1_epi32(xb[b * (3 * G) + (halves == 2 ? half : 2) * G + r]), shift)
                     : _mm512_setzero_si512();
                 for (int j = 0; j < P; j++) wide[r][j] = start;
             }
@@ -524,6 +523,9 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int t
     const int halves = TS_SIMD(tile_halves)(type);
     const int chain = TS_SIMD_VNNI ? 8 / halves : TS_SIMD(tile_chain)(type); /* VNNI: no int16 steps */
     const int signed_codes = type == TS_Q8_0 && !TS_SIMD_VNNI, has_offset = type != TS_Q8_0 || TS_SIMD_VNNI;
+    /* Q4_0's, Q5_0's and Q6_K's offsets (minus a power of two times the scale) join the integer sums, shifted
+     * from x's code sums (a->qb), as in the 512-bit form: no offset FMA in the epilogue. */
+    const int shift = ts_tile_int_offset_shift(type, TS_SIMD_VNNI);
 #if !TS_SIMD_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
@@ -579,10 +581,17 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int t
                 const __m256 xd = _mm256_set1_ps(a->d[at]);
                 const float *xs = a->s + 2 * at;
                 const __m256 xsum = _mm256_set1_ps(halves == 2 ? xs[half] : xs[0] + xs[1]);
+                __m256i start = _mm256_setzero_si256();
+                if (shift) {
+                    const int32_t *qs = a->qb + 2 * at;
+                    start = _mm256_slli_epi32(_mm256_set1_epi32(halves == 2 ? qs[half] : qs[0] + qs[1]), shift);
+                }
                 for (int h = 0; h < 2; h++) {
-                    const __m256 dots = _mm256_mul_ps(_mm256_cvtepi32_ps(wide[r][h]), xd);
+                    const __m256i whole = shift ? _mm256_add_epi32(wide[r][h], start) : wide[r][h];
+                    const __m256 dots = _mm256_mul_ps(_mm256_cvtepi32_ps(whole), xd);
                     acc[r][h] = _mm256_fmadd_ps(dots, _mm256_loadu_ps(scale + 8 * h), acc[r][h]);
-                    if (has_offset) acc[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(offset + 8 * h), xsum, acc[r][h]);
+                    if (has_offset && !shift)
+                        acc[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(offset + 8 * h), xsum, acc[r][h]);
                 }
             }
         }
