@@ -529,6 +529,24 @@ def test_segments_of_one_format_are_merged_and_rows_stay_independent():
     assert torch.equal(q(x)[2:3], q(torch.cat([loud[:2], x[2:3], loud[2:]]))[2:3])
 
 
+@pytest.mark.parametrize("rows", [(64, 16, 16), (8, 24), (12, 20), (16, 13)])
+def test_shards_merged_into_place_are_the_interleaved_concatenation(rows):
+    """A fused layer's shards of one format go into one segment: interleaved straight into their place where
+    every shard but the last has whole groups of 8 rows, through a concatenation otherwise; the bytes are
+    the concatenation's interleaving either way, and file_segments gives the file's rows back."""
+    gen = torch.Generator().manual_seed(12)
+    shards = [quantized_pair(torch.randn(n, 256, generator=gen), "q4_k")[0] for n in rows]
+    whole = torch.cat(shards)
+    with quant.forced_isa("avx2" if quant.qgemm_isa() == "amx" else quant.qgemm_isa()) as isa:
+        w = QuantWeight([("q4_k", s) for s in shards], 256)
+        if isa not in ("avx2", "avx512"):
+            pytest.skip(f"the {isa} path keeps the file's rows")
+        want = quant.relayout("q4_k", whole, 256, "x8")
+    (qtype, data), = w.segments
+    assert w.layouts == ["x8"] and torch.equal(data, want)
+    assert torch.equal(w.file_segments()[0][1], whole)
+
+
 def test_dequantized_rows_are_the_gguf_values():
     for qtype in FORMATS:
         data, values = weight(qtype, n=12, k=256)

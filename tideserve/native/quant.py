@@ -225,16 +225,21 @@ def preferred_layout(qtype: str) -> str:
     return "x8" if lib is not None and lib.ts_qgemm_x8_preferred(QTYPES[qtype]) else "rows"
 
 
-def relayout(qtype: str, data: torch.Tensor, in_features: int, to: str) -> torch.Tensor:
+def relayout(qtype: str, data: torch.Tensor, in_features: int, to: str,
+             out: torch.Tensor | None = None) -> torch.Tensor:
     """A copy of the uint8 [rows, row_bytes] blocks ``data`` in layout ``to`` ("x8" from the file's rows,
-    "rows" back from "x8"). Rows past the last whole group of 8 are the same in both."""
+    "rows" back from "x8"), written into ``out`` (contiguous, same shape) when given. Rows past the last
+    whole group of 8 are the same in both."""
     lib = _lib()
     if lib is None:
         raise RuntimeError("the native kernels are not available")
     if to not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {to!r}")
     data = data.contiguous()
-    out = torch.empty_like(data)
+    if out is None:
+        out = torch.empty_like(data)
+    elif out.shape != data.shape or out.dtype != torch.uint8 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous uint8 tensor of shape {tuple(data.shape)}")
     if lib.ts_qgemm_relayout(QTYPES[qtype], data.data_ptr(), out.data_ptr(), data.shape[0], in_features,
                              int(to == "x8")):
         raise ValueError(f"{qtype} has no interleaved layout")

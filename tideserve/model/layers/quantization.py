@@ -170,6 +170,22 @@ def dequantize_blocks(data: torch.Tensor, qtype: str, in_features: int) -> torch
     return torch.from_numpy(values.astype("float32", copy=False).reshape(data.shape[0], in_features))
 
 
+def _merge_run(qtype: str, parts: list[torch.Tensor], in_features: int, layout: str) -> torch.Tensor:
+    """One segment from consecutive blocks of one format (a fused layer's shards), in ``layout``. Interleaved
+    shards whose rows come in whole groups of 8 go straight into their place in the segment (the
+    interleaving of a concatenation is the concatenation of the interleavings then), one copy instead of
+    two: a 1.7B Q4_K_M file's load peaks 25-40 MiB lower."""
+    if layout == "x8" and all(p.shape[0] % 8 == 0 for p in parts[:-1]):
+        out = torch.empty(sum(p.shape[0] for p in parts), parts[0].shape[1], dtype=torch.uint8)
+        row = 0
+        for part in parts:
+            quant.relayout(qtype, part, in_features, "x8", out=out[row:row + part.shape[0]])
+            row += part.shape[0]
+        return out
+    data = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+    return quant.relayout(qtype, data, in_features, "x8") if layout == "x8" else data
+
+
 class QuantWeight:
     """One weight matrix [out, in] in GGUF block formats, multiplied by tideserve/native/qgemm.c.
 
@@ -192,21 +208,23 @@ class QuantWeight:
     def __init__(self, segments: list[tuple[str, torch.Tensor]], in_features: int,
                  bias: torch.Tensor | None = None, layouts: list[str] | None = None) -> None:
         """``segments`` as stored in the file, or, with ``layouts``, already in those layouts (copies)."""
-        merged: list[tuple[str, torch.Tensor]] = []
+        runs: list[tuple[str, list[torch.Tensor]]] = []  # consecutive segments of one format
         for qtype, data in segments:
             if qtype not in quant.QTYPES:
                 raise ValueError(f"no kernel for block format {qtype!r}; formats: {', '.join(quant.QTYPES)}")
             if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != quant.row_bytes(qtype, in_features):
                 raise ValueError(f"{qtype} rows of {in_features} values are {quant.row_bytes(qtype, in_features)} "
                                  f"bytes, got a {data.dtype} tensor of shape {tuple(data.shape)}")
-            if merged and merged[-1][0] == qtype and layouts is None:
-                merged[-1] = (qtype, torch.cat([merged[-1][1], data]))
+            if runs and runs[-1][0] == qtype and layouts is None:
+                runs[-1][1].append(data)
             else:
-                merged.append((qtype, data.contiguous()))
+                runs.append((qtype, [data]))
         if layouts is None:
-            layouts = [quant.preferred_layout(q) if d.shape[0] >= 8 else "rows" for q, d in merged]
-            merged = [(q, quant.relayout(q, d, in_features, "x8") if layout == "x8" else d)
-                      for (q, d), layout in zip(merged, layouts)]
+            layouts = [quant.preferred_layout(q) if sum(d.shape[0] for d in parts) >= 8 else "rows"
+                       for q, parts in runs]
+            merged = [(q, _merge_run(q, parts, in_features, layout)) for (q, parts), layout in zip(runs, layouts)]
+        else:
+            merged = [(q, parts[0].contiguous()) for q, parts in runs]
         self.segments = merged
         self.layouts = list(layouts)
         self.in_features = in_features
