@@ -112,3 +112,18 @@ def test_unknown_tensor_name_is_an_error() -> None:
     assert hf_name("blk.3.ffn_up.weight") == "model.layers.3.mlp.up_proj.weight"
     with pytest.raises(ValueError, match=r"blk\.0\.attn_qkv\.weight"):
         hf_name("blk.0.attn_qkv.weight")
+
+
+def test_a_part_of_a_split_file_is_named_as_such(tmp_path: Path) -> None:
+    """llama.cpp's gguf-split writes parts that each hold some tensors: the error says what the file is."""
+    path = tmp_path / "model-00001-of-00002.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint16("split.no", 0)
+    writer.add_uint16("split.count", 2)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="part 1 of a GGUF split into 2 files; merge them"):
+        load_model(str(path), quantization="none")

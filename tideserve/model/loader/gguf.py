@@ -119,6 +119,10 @@ def load_gguf(path: str, dtype: torch.dtype, device: torch.device | str, quantiz
     from tideserve.native.quant import QTYPES
 
     index = read_gguf_index(path)
+    parts = int(index.get("split.count", 1))
+    if parts > 1:  # llama.cpp's gguf-split: each part holds some of the tensors
+        raise ValueError(f"{path} is part {int(index.get('split.no', 0)) + 1} of a GGUF split into {parts} files; "
+                         "merge them into one file first (llama.cpp: llama-gguf-split --merge FIRST-PART OUT.gguf)")
     arch = ArchConfig.from_gguf_metadata(index)
     types = sorted({t.tensor_type.name for t in index.tensors})
     logger.info("GGUF %s: %s, %d layers, tensor types %s", path, arch.architecture, arch.num_hidden_layers,
