@@ -102,3 +102,11 @@ def test_a_bad_or_cut_file_is_a_clear_error(tmp_path: Path) -> None:
         bad.write_bytes(data[:cut])
         with pytest.raises(ValueError, match="cut short"):
             read_gguf_index(str(bad))
+    zero = tmp_path / "zero.gguf"
+    writer = gguf.GGUFWriter(str(zero), "llama")
+    writer.add_uint32("general.alignment", 0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="general.alignment must be a positive integer"):
+        read_gguf_index(str(zero))

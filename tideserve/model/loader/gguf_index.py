@@ -138,7 +138,9 @@ def read_gguf_index(path: str) -> GGUFIndex:
                 infos.append((name, tuple(int(d) for d in dims), kind, offset))
         except struct.error as e:
             raise ValueError(f"{path}: the GGUF header is cut short ({e}).") from None
-        alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0:
+            raise ValueError(f"{path}: general.alignment must be a positive integer, got {alignment!r}.")
         data_start = -(-pos // alignment) * alignment
         size = len(buf)
     tensors = []
