@@ -131,18 +131,9 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k)(const 
     for (int r = 0; r < R; r++) acc[r] = acc_offset[r] = _mm256_setzero_ps();
     for (int64_t u = 0; u < kb / 8; u++) {
         const uint8_t *unit = rows + u * 144 * (x8 ? 8 : 1);
-        __m256 d, dmin;
-        __m256i w[4]; /* the 12 scale bytes as words w[0..2] */
-        if (x8) {
-            TS_SIMD(rows8_halves_x8)(unit, &d, &dmin);
-            for (int i = 0; i < 3; i++) w[i] = _mm256_loadu_si256((const __m256i *)(unit + 32 + 32 * i));
-        } else {
-            TS_SIMD(rows8_halves)(unit, row_bytes, &d, &dmin);
-            TS_SIMD(rows8_words4)(unit + 4, row_bytes, w);
-        }
-        dmin = _mm256_sub_ps(_mm256_setzero_ps(), dmin);
+        __m256 d, dmin; /* dmin negated */
         __m256i words[4];
-        TS_SIMD(k4_scale_words)(w, words);
+        TS_SIMD(k4_unit_header)(unit, x8, row_bytes, &d, &dmin, words);
         const __m256i *sc = words, *mn = words + 2;
         for (int p = 0; p < 4; p++) {
             const int64_t pair = u * 4 + p;
@@ -200,17 +191,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const 
     for (int64_t u = 0; u < kb / 8; u++) {
         const uint8_t *unit = rows + u * 210 * (x8 ? 8 : 1);
         __m256i scales[4]; /* scales[i] lane c: row c's int8 scales 4i .. 4i + 3 */
-        __m256 d;
-        if (x8) { /* the fields at 8 x their offsets: codes' low nibbles, high bits, scales, d */
-            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 1664)));
-            for (int i = 0; i < 4; i++) scales[i] = _mm256_loadu_si256((const __m256i *)(unit + 1536 + 32 * i));
-        } else {
-            __m256i tail[4];
-            TS_SIMD(rows8_words4)(unit + 194, row_bytes, tail); /* tail[3]: bytes 206-209, d in the upper half */
-            const __m256i d16 = _mm256_packus_epi32(_mm256_srli_epi32(tail[3], 16), _mm256_setzero_si256());
-            d = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(d16, 0x08)));
-            TS_SIMD(rows8_words4)(unit + 192, row_bytes, scales);
-        }
+        const __m256 d = TS_SIMD(q6k_unit_header)(unit, x8, row_bytes, scales);
         for (int n = 0; n < 2; n++) {
             const int64_t half = u * 2 + n;
             for (int64_t l = half * lines / halves; l < (half + 1) * lines / halves; l++)
@@ -237,12 +218,8 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const 
                     codes[g] = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
                 }
                 __m256 scale[2]; /* values 0-15 and 16-31: int8 scales 2j and 2j + 1 */
-                for (int i = 0; i < 2; i++) {
-                    const int pos = (2 * j + i) % 4;
-                    const __m256i v = _mm256_srai_epi32(
-                        _mm256_sll_epi32(scales[(2 * j + i) / 4], _mm_cvtsi32_si128(24 - 8 * pos)), 24);
-                    scale[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(v));
-                }
+                for (int i = 0; i < 2; i++)
+                    scale[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(TS_SIMD(q6k_scale)(scales, 2 * j + i)));
                 for (int r = 0; r < R; r++) {
                     const int64_t at = (r0 + r) * a->kb + u * 8 + j;
                     const int8_t *x = a->q + (r0 + r) * a->k + (u * 8 + j) * TS_QBLOCK;
@@ -315,19 +292,10 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k)(const 
     }
     for (int64_t u = 0; u < kb / 8; u++) {
         const uint8_t *unit = rows + u * 144 * (x8 ? 8 : 1);
-        __m256 d, dmin;
-        __m256i w[4];
-        if (x8) {
-            TS_SIMD(rows8_halves_x8)(unit, &d, &dmin);
-            for (int i = 0; i < 3; i++) w[i] = _mm256_loadu_si256((const __m256i *)(unit + 32 + 32 * i));
-        } else {
-            TS_SIMD(rows8_halves)(unit, row_bytes, &d, &dmin);
-            TS_SIMD(rows8_words4)(unit + 4, row_bytes, w);
-        }
-        dmin = _mm256_sub_ps(_mm256_setzero_ps(), dmin);
-        const __m512 d2 = TS_SIMD(zmm_twice)(d);
+        __m256 d, dmin; /* dmin negated */
         __m256i words[4];
-        TS_SIMD(k4_scale_words)(w, words);
+        TS_SIMD(k4_unit_header)(unit, x8, row_bytes, &d, &dmin, words);
+        const __m512 d2 = TS_SIMD(zmm_twice)(d);
         const __m512i sc[2] = {TS_SIMD(zmm_pair)(words[0], words[0]), TS_SIMD(zmm_pair)(words[1], words[1])};
         const __m256i *mn = words + 2;
         for (int p = 0; p < 4; p++) {
@@ -384,17 +352,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const 
     for (int64_t u = 0; u < kb / 8; u++) {
         const uint8_t *unit = rows + u * 210 * (x8 ? 8 : 1);
         __m256i scales[4]; /* scales[i] lane c: row c's int8 scales 4i .. 4i + 3 */
-        __m256 d;
-        if (x8) {
-            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 1664)));
-            for (int i = 0; i < 4; i++) scales[i] = _mm256_loadu_si256((const __m256i *)(unit + 1536 + 32 * i));
-        } else {
-            __m256i tail[4];
-            TS_SIMD(rows8_words4)(unit + 194, row_bytes, tail); /* tail[3]: bytes 206-209, d in the upper half */
-            const __m256i d16 = _mm256_packus_epi32(_mm256_srli_epi32(tail[3], 16), _mm256_setzero_si256());
-            d = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(d16, 0x08)));
-            TS_SIMD(rows8_words4)(unit + 192, row_bytes, scales);
-        }
+        const __m256 d = TS_SIMD(q6k_unit_header)(unit, x8, row_bytes, scales);
         const __m512 d2 = TS_SIMD(zmm_twice)(d);
         for (int n = 0; n < 2; n++) {
             const int64_t half = u * 2 + n;
@@ -427,12 +385,8 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const 
                     codes[q] = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
                 }
                 __m512 scale[2]; /* values 0-15 and 16-31: int8 scales 2j and 2j + 1, both halves */
-                for (int i = 0; i < 2; i++) {
-                    const int pos = (2 * j + i) % 4;
-                    const __m256i v = _mm256_srai_epi32(
-                        _mm256_sll_epi32(scales[(2 * j + i) / 4], _mm_cvtsi32_si128(24 - 8 * pos)), 24);
-                    scale[i] = _mm512_mul_ps(d2, TS_SIMD(zmm_twice)(_mm256_cvtepi32_ps(v)));
-                }
+                for (int i = 0; i < 2; i++)
+                    scale[i] = _mm512_mul_ps(d2, TS_SIMD(zmm_twice)(_mm256_cvtepi32_ps(TS_SIMD(q6k_scale)(scales, 2 * j + i))));
                 for (int r = 0; r < R; r++) {
                     const int64_t at = (r0 + r) * a->kb + u * 8 + j;
                     const __m512i x = _mm512_castsi256_si512(

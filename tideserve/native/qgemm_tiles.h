@@ -199,17 +199,51 @@ static inline __attribute__((always_inline)) void TS_SIMD(k4_scale_words)(const 
                                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w[1], 6), m2), 4));
 }
 
+/* A Q4_K unit's header for its 8 rows (gathered, or loaded where interleaved): d, minus dmin, and the 6-bit
+ * scales and mins as words (k4_scale_words: words[0..1] scales, words[2..3] mins, byte j % 4 of word j / 4). */
+static inline __attribute__((always_inline)) void TS_SIMD(k4_unit_header)(const uint8_t *unit, const int x8,
+                                                                 int64_t row_bytes, __m256 *d, __m256 *neg_dmin,
+                                                                 __m256i words[4]) {
+    __m256 dmin;
+    __m256i w[4]; /* the 12 scale bytes as words w[0..2] */
+    if (x8) {
+        TS_SIMD(rows8_halves_x8)(unit, d, &dmin);
+        for (int i = 0; i < 3; i++) w[i] = _mm256_loadu_si256((const __m256i *)(unit + 32 + 32 * i));
+    } else {
+        TS_SIMD(rows8_halves)(unit, row_bytes, d, &dmin);
+        TS_SIMD(rows8_words4)(unit + 4, row_bytes, w);
+    }
+    *neg_dmin = _mm256_sub_ps(_mm256_setzero_ps(), dmin);
+    TS_SIMD(k4_scale_words)(w, words);
+}
+
+/* A Q6_K unit's d and int8 scales for its 8 rows: scales[i] lane c holds row c's scales 4i .. 4i + 3. */
+static inline __attribute__((always_inline)) __m256 TS_SIMD(q6k_unit_header)(const uint8_t *unit, const int x8,
+                                                                    int64_t row_bytes, __m256i scales[4]) {
+    if (x8) { /* the fields at 8 x their offsets: codes' low nibbles, high bits, scales, d */
+        for (int i = 0; i < 4; i++) scales[i] = _mm256_loadu_si256((const __m256i *)(unit + 1536 + 32 * i));
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 1664)));
+    }
+    __m256i tail[4];
+    TS_SIMD(rows8_words4)(unit + 194, row_bytes, tail); /* tail[3]: bytes 206-209, d in the upper half */
+    const __m256i d16 = _mm256_packus_epi32(_mm256_srli_epi32(tail[3], 16), _mm256_setzero_si256());
+    TS_SIMD(rows8_words4)(unit + 192, row_bytes, scales);
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(d16, 0x08)));
+}
+
+/* Int8 scale s (0 .. 15) of a Q6_K unit's 8 rows, sign-extended to 32 bits. */
+static inline __attribute__((always_inline)) __m256i TS_SIMD(q6k_scale)(const __m256i scales[4], int s) {
+    return _mm256_srai_epi32(_mm256_sll_epi32(scales[s / 4], _mm_cvtsi32_si128(24 - 8 * (s % 4))), 24);
+}
+
 /* An interleaved Q4_K unit's scales and offsets for 8 rows: sc[j] lane c = d x scale j of row c, mn[j] lane c =
  * -dmin x min j, the values k4_unit_scales gives per row (the same word masks, lane by lane). */
 static inline __attribute__((always_inline)) void TS_SIMD(k4_x8_unit_scales)(const uint8_t *unit, __m256 sc[8],
                                                                     __m256 mn[8]) {
-    __m256 d, dmin;
-    TS_SIMD(rows8_halves_x8)(unit, &d, &dmin);
-    dmin = _mm256_xor_ps(dmin, _mm256_set1_ps(-0.0f));
+    __m256 d, dmin; /* dmin negated */
+    __m256i words[4];
+    TS_SIMD(k4_unit_header)(unit, 1, 0, &d, &dmin, words);
     const __m256i byte = _mm256_set1_epi32(0xff);
-    __m256i w[3], words[4];
-    for (int i = 0; i < 3; i++) w[i] = _mm256_loadu_si256((const __m256i *)(unit + 32 + 32 * i));
-    TS_SIMD(k4_scale_words)(w, words);
     for (int j = 0; j < 8; j++) {
         const __m128i shift = _mm_cvtsi32_si128(8 * (j % 4));
         sc[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(words[j / 4], shift), byte)), d);
@@ -221,12 +255,10 @@ static inline __attribute__((always_inline)) void TS_SIMD(k4_x8_unit_scales)(con
  * 8 + k, the values q6k_unit_scales gives per row. */
 static inline __attribute__((always_inline)) void TS_SIMD(q6k_x8_unit_scales)(const uint8_t *unit, __m256 lo[8],
                                                                      __m256 hi[8]) {
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 1664)));
-    for (int k = 0; k < 16; k++) {
-        const __m256i word = _mm256_loadu_si256((const __m256i *)(unit + 1536 + 32 * (k / 4)));
-        const __m256i v = _mm256_srai_epi32(_mm256_slli_epi32(word, 24 - 8 * (k % 4)), 24);
-        (k < 8 ? lo : hi)[k % 8] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(v));
-    }
+    __m256i scales[4];
+    const __m256 d = TS_SIMD(q6k_unit_header)(unit, 1, 0, scales);
+    for (int k = 0; k < 16; k++)
+        (k < 8 ? lo : hi)[k % 8] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(TS_SIMD(q6k_scale)(scales, k)));
 }
 
 static inline __attribute__((always_inline)) void TS_SIMD(rows8_q8_codes)(const int x8, const uint8_t *block,
