@@ -169,7 +169,7 @@ class CacheConfig:
         None, group=KV_GROUP, help="fix the pool at this share of device (or host) memory (static mode)")
     kv_cache_dtype: str = setting(
         "auto", group=KV_GROUP, choices=KV_CACHE_DTYPES,
-        help="auto: the model's dtype (bfloat16 for a GGUF's own blocks on CPUs with fast bf16); bfloat16 holds "
+        help="auto: the model's dtype (bfloat16 for a GGUF's own blocks where the native kernels run); bfloat16 holds "
              "twice the tokens of float32 per byte and halves the bytes decode attention reads; fp8 (e4m3, "
              "values rounded to 3 mantissa bits, saturating at +-448) halves them again at a small cost in "
              "quality (docs/benchmarks.md)")

@@ -83,6 +83,20 @@ def test_cpu_answers() -> None:
     cpu.release_freed_memory()  # never raises
 
 
+def test_cpu_keeps_a_gguf_blocks_cache_in_bfloat16_wherever_the_native_kernels_run(monkeypatch) -> None:
+    """Half the bytes decode attention reads pays on AVX2 too (no fast bf16 there): only the kernels decide."""
+    from tideserve import native
+    from tideserve.platform import cpu as cpu_module
+
+    monkeypatch.setattr(cpu_module, "_cpu_has_fast_bf16", lambda: False)  # as on an AVX2-only CPU
+    monkeypatch.setattr(native, "load_library", lambda: object())
+    assert CpuPlatform().auto_kv_dtype(torch.float32, "gguf") == torch.bfloat16
+    assert CpuPlatform().auto_kv_dtype(torch.float32, "none") == torch.float32  # a float model keeps its dtype
+    assert CpuPlatform().auto_kv_dtype(torch.bfloat16, "gguf") == torch.bfloat16
+    monkeypatch.setattr(native, "load_library", lambda: None)  # no compiler: torch's attention, float32 cache
+    assert CpuPlatform().auto_kv_dtype(torch.float32, "gguf") == torch.float32
+
+
 def test_cpu_peak_of_a_run_sees_its_allocation() -> None:
     calls = []
 
