@@ -103,26 +103,42 @@ static void KV_NAME(scores_avx2)(const float *q, const KV_T *k, int64_t token_st
     TS_SCORES_BY_THREES(KV_NAME(scores_tile_avx2));
 }
 
+/* acc rows [0, NG) (NG <= 3) x 16 columns at a time, over the n values: each value vector is loaded and
+ * widened once for the NG query heads that share it (a head at a time widened every value once per head),
+ * and the 2 x NG accumulators, two values and a broadcast fit the sixteen ymm registers. */
+TS_ALWAYS_INLINE void KV_NAME(values_tile_avx2)(const float *p, int64_t p_stride, const KV_T *v, int64_t token_stride,
+                                                int64_t n, int64_t head_dim, float *acc, const int NG) {
+    for (int64_t j = 0; j < head_dim; j += 16) {
+        __m256 a[3][2];
+        for (int g = 0; g < NG; g++) {
+            a[g][0] = _mm256_loadu_ps(acc + g * head_dim + j);
+            a[g][1] = _mm256_loadu_ps(acc + g * head_dim + j + 8);
+        }
+        for (int64_t s = 0; s < n; s++) {
+            const KV_T *vs = v + s * token_stride + j;
+            const __m256 v0 = KV_LOAD8(vs), v1 = KV_LOAD8(vs + 8);
+            for (int g = 0; g < NG; g++) {
+                const __m256 pv = _mm256_broadcast_ss(p + g * p_stride + s);
+                a[g][0] = _mm256_fmadd_ps(pv, v0, a[g][0]);
+                a[g][1] = _mm256_fmadd_ps(pv, v1, a[g][1]);
+            }
+        }
+        for (int g = 0; g < NG; g++) {
+            _mm256_storeu_ps(acc + g * head_dim + j, a[g][0]);
+            _mm256_storeu_ps(acc + g * head_dim + j + 8, a[g][1]);
+        }
+    }
+}
+
 static void KV_NAME(values_avx2)(const float *p, int64_t p_stride, const KV_T *v, int64_t token_stride, int64_t n,
                                  int64_t group, int64_t head_dim, float *acc) {
-    for (int64_t g = 0; g < group; g++) {
-        const float *pg = p + g * p_stride;
-        for (int64_t j = 0; j < head_dim; j += 32) { /* 32 outputs stay in registers over the block */
-            float *ag = acc + g * head_dim + j;
-            __m256 a0 = _mm256_loadu_ps(ag), a1 = _mm256_loadu_ps(ag + 8);
-            __m256 a2 = _mm256_loadu_ps(ag + 16), a3 = _mm256_loadu_ps(ag + 24);
-            for (int64_t s = 0; s < n; s++) {
-                const KV_T *vs = v + s * token_stride + j;
-                const __m256 pv = _mm256_broadcast_ss(pg + s);
-                a0 = _mm256_fmadd_ps(pv, KV_LOAD8(vs), a0);
-                a1 = _mm256_fmadd_ps(pv, KV_LOAD8(vs + 8), a1);
-                a2 = _mm256_fmadd_ps(pv, KV_LOAD8(vs + 16), a2);
-                a3 = _mm256_fmadd_ps(pv, KV_LOAD8(vs + 24), a3);
-            }
-            _mm256_storeu_ps(ag, a0);
-            _mm256_storeu_ps(ag + 8, a1);
-            _mm256_storeu_ps(ag + 16, a2);
-            _mm256_storeu_ps(ag + 24, a3);
+    for (int64_t g0 = 0; g0 < group; g0 += 3) {
+        const float *pg = p + g0 * p_stride;
+        float *ag = acc + g0 * head_dim;
+        switch (group - g0 < 3 ? group - g0 : 3) {
+        case 1: KV_NAME(values_tile_avx2)(pg, p_stride, v, token_stride, n, head_dim, ag, 1); break;
+        case 2: KV_NAME(values_tile_avx2)(pg, p_stride, v, token_stride, n, head_dim, ag, 2); break;
+        default: KV_NAME(values_tile_avx2)(pg, p_stride, v, token_stride, n, head_dim, ag, 3); break;
         }
     }
 }
