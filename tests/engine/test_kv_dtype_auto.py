@@ -1,21 +1,24 @@
-"""The KV cache dtype "auto": the model's dtype, except a GGUF's own blocks (float32 compute) on a CPU with
-fast bfloat16, where the cache is bfloat16 (half the bytes large batches read per step)."""
+"""The KV cache dtype "auto": the model's dtype, except a GGUF's own blocks (float32 compute) wherever the
+native kernels run, where the cache is bfloat16 (half the bytes a decode step reads), whether or not the
+CPU has fast bfloat16 arithmetic (AVX2's kernels widen it with a shift)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tideserve import native
-from tideserve.model.loader import resolve_dtype
+from tideserve.platform import cpu as cpu_platform
 
 SMALL = {"max_model_len": 256, "num_blocks": 32}
 
 
-def test_gguf_blocks_get_a_bf16_cache_where_bf16_is_fast(make_llm):
+@pytest.mark.parametrize("fast_bf16", [True, False], ids=["bf16-cpu", "avx2-only-cpu"])
+def test_gguf_blocks_get_a_bf16_cache_wherever_the_kernels_run(make_llm, monkeypatch, fast_bf16):
+    monkeypatch.setattr(cpu_platform, "_cpu_has_fast_bf16", lambda: fast_bf16)
     llm = make_llm(**SMALL)  # the embedded Q4_1 file, dtype and quantization auto
-    fast_bf16 = resolve_dtype("auto", "cpu") == torch.bfloat16
     if llm.engine.quantization == "gguf":
-        want = torch.bfloat16 if fast_bf16 and native.load_library() is not None else torch.float32
+        want = torch.bfloat16 if native.load_library() is not None else torch.float32
         assert llm.engine.dtype == torch.float32 and llm.engine.kv_dtype == want
     else:  # no native kernels: auto dequantizes, and the cache follows the model
         assert llm.engine.kv_dtype == llm.engine.dtype
