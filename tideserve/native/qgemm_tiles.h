@@ -581,21 +581,20 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int t
                     const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p->codes + at + 32));
                     for (int r = 0; r < R; r++) {
                         __m256i x0, x1;
-                        if (signed_codes) { /* |w| * (x with w's sign) = w * x */
+                        if (signed_codes || type == TS_Q5_0 || type == TS_Q5_1) {
                             /* x broadcast straight from memory (one load): GCC otherwise routes it through an
-                             * integer register (three instructions, two on the vector ports that vpsignb
-                             * needs too). Q5_0 and Q5_1 gained 3-5% from it too; Q4_0, Q4_1 and the K-quants
-                             * measured as fast or faster with the register (an AVX2-only Zen 3 build). */
-                            const __m256i x4 = _mm256_castps_si256(
-                                _mm256_broadcast_ss((const float *)(xq[r] + b * TS_QBLOCK + 4 * g)));
-                            x0 = _mm256_sign_epi8(x4, _mm256_loadu_si256((const __m256i *)(p->signs + at)));
-                            x1 = _mm256_sign_epi8(x4, _mm256_loadu_si256((const __m256i *)(p->signs + at + 32)));
-                        } else if (type == TS_Q5_0 || type == TS_Q5_1) {
+                             * integer register (three instructions, two on the vector ports that Q8_0's vpsignb
+                             * needs too). Q8_0 gained 30% from it, Q5_0 and Q5_1 3-5%; Q4_0, Q4_1 and the
+                             * K-quants measured as fast or faster with the register (an AVX2-only Zen 3 build). */
                             x0 = x1 = _mm256_castps_si256(_mm256_broadcast_ss((const float *)(xq[r] + b * TS_QBLOCK + 4 * g)));
                         } else {
                             int32_t four;
                             memcpy(&four, xq[r] + b * TS_QBLOCK + 4 * g, 4);
                             x0 = x1 = _mm256_set1_epi32(four);
+                        }
+                        if (signed_codes) { /* |w| * (x with w's sign) = w * x */
+                            x0 = _mm256_sign_epi8(x0, _mm256_loadu_si256((const __m256i *)(p->signs + at)));
+                            x1 = _mm256_sign_epi8(x1, _mm256_loadu_si256((const __m256i *)(p->signs + at + 32)));
                         }
 #if TS_SIMD_VNNI /* vpdpbusd adds the four products straight into int32: no int16 chain to widen */
                         wide[r][0] = _mm256_dpbusd_epi32(wide[r][0], w0, x0);
