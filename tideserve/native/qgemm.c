@@ -450,9 +450,15 @@ static void panel_decode_start(ts_panel_decode *d, const ts_qseg *seg, int64_t n
 }
 
 /* Decodes the next ``count`` blocks (a row past the segment, zeroed, counts as its k / 32 blocks). */
+/* Formats whose 32 codes of a block share one scale and offset and stay below 32 (below 16: LUT16), decoded
+ * through a table of the block's values instead of converting each code. */
+#define TS_PANEL_LUT16(type) ((type) == TS_Q4_0 || (type) == TS_Q4_1 || (type) == TS_Q4_K)
+#define TS_PANEL_LUT(type) (TS_PANEL_LUT16(type) || (type) == TS_Q5_0 || (type) == TS_Q5_1 || (type) == TS_Q5_K)
+
 static inline __attribute__((always_inline)) void panel_decode_blocks(const int type, ts_panel_decode *d,
                                                                       int64_t count) {
     const int64_t k = d->k, kb = k / TS_QBLOCK, n = d->n, n0 = d->n0, row_bytes = d->row_bytes;
+    const __m512 iota16 = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     int64_t r = d->r, b = d->b;
     while (count > 0 && r < TS_PANEL) {
         uint16_t *dst = d->panel + r * k;
@@ -470,6 +476,21 @@ static inline __attribute__((always_inline)) void panel_decode_blocks(const int 
         for (; b < kb && count > 0; b++, count--) {
             float s[2], o[2];
             const __m256i codes = decode_avx512(type, row, b, s, o, d->unit_s, d->unit_o);
+            if (TS_PANEL_LUT(type)) {
+                /* codes below 32 with one scale and offset per block: the block's bfloat16 values of every
+                 * code, computed (and rounded) as below, then looked up with one vpermw per 32 codes */
+                const __m512 first = _mm512_fmadd_ps(iota16, _mm512_set1_ps(s[0]), _mm512_set1_ps(o[0]));
+                const __m512i table =
+                    TS_PANEL_LUT16(type)
+                        ? _mm512_zextsi256_si512((__m256i)_mm512_cvtneps_pbh(first))
+                        : (__m512i)_mm512_cvtne2ps_pbh(
+                              _mm512_fmadd_ps(_mm512_add_ps(iota16, _mm512_set1_ps(16.0f)), _mm512_set1_ps(s[0]),
+                                              _mm512_set1_ps(o[0])),
+                              first);
+                _mm512_storeu_si512((void *)(dst + b * TS_QBLOCK),
+                                    _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table));
+                continue;
+            }
             const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
             const __m512i lo32 = type == TS_Q8_0 ? _mm512_cvtepi8_epi32(lo) : _mm512_cvtepu8_epi32(lo);
             const __m512i hi32 = type == TS_Q8_0 ? _mm512_cvtepi8_epi32(hi) : _mm512_cvtepu8_epi32(hi);
