@@ -39,7 +39,10 @@ def test_the_best_path_follows_the_cpu_flags():
         assert {"amx_tile", "amx_bf16", "amx_int8"} <= flags
     features = native.load_library().ts_cpu_features()
     reported = {name for bit, name in enumerate(native.CPU_FEATURES) if features >> bit & 1}
-    assert reported - {"amx_permitted"} <= flags
+    assert reported - {"amx_permitted", "vendor_intel"} <= flags
+    with open("/proc/cpuinfo") as f:
+        intel = "GenuineIntel" in f.read()
+    assert ("vendor_intel" in reported) == intel
     assert native.isa() == supported[-1]  # no cap: the best
 
 

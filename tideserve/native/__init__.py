@@ -52,7 +52,7 @@ CFLAGS = ("-O3", "-march=native", "-std=c11", "-fopenmp", "-fPIC", "-shared")
 ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512bf16", "amx")
 # isa.c's TS_CPU_* bits, by the names /proc/cpuinfo uses.
 CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
-                "amx_tile", "amx_bf16", "amx_int8", "amx_permitted")
+                "amx_tile", "amx_bf16", "amx_int8", "amx_permitted", "vendor_intel")
 _TS_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TS_DTYPE_* codes
 # qgemm.c's block formats and SIMD row kernels (its ctypes front is tideserve/native/quant.py)
 HEADERS += tuple(Path(__file__).with_name(name) for name in ("qgemm_formats.h", "qgemm_simd.h", "qgemm_tiles.h",

@@ -64,6 +64,7 @@ static void ts_detect(void) {
 #ifdef TS_HAVE_AVX512VNNI
     if (__builtin_cpu_supports("avx512vnni")) f |= TS_CPU_AVX512_VNNI;
 #endif
+    if (__builtin_cpu_is("intel")) f |= TS_CPU_VENDOR_INTEL;
 #ifdef TS_HAVE_AMX
     {
         unsigned a, b, c, d;

@@ -36,6 +36,7 @@
 #define TS_CPU_AMX_BF16 (1u << 10)
 #define TS_CPU_AMX_INT8 (1u << 11)
 #define TS_CPU_AMX_PERMITTED (1u << 12) /* arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) succeeded */
+#define TS_CPU_VENDOR_INTEL (1u << 13) /* an Intel CPU: decode attention prefetches a batch's KV into L2 */
 
 /* The best level this build and this CPU support (detected once). */
 int ts_isa_best(void);

@@ -71,6 +71,15 @@ TS_ALWAYS_INLINE void ts_prefetch_next_slice(const char *block, int64_t block_by
     *left -= now;
 }
 
+/* The same into L2 only (prefetcht1): the L1 line-fill buffers, not the L2 queue, were what a batch's decode
+ * attention waited on on Intel cores (docs/benchmarks.md, twenty-sixth round). */
+TS_ALWAYS_INLINE void ts_prefetch_next_slice_l2(const char *block, int64_t block_bytes, int64_t slice, int64_t *left) {
+    if (*left <= 0) return;
+    const int64_t now = *left < slice ? *left : slice;
+    for (int64_t off = 0; off < now; off += 64) __builtin_prefetch(block + (block_bytes - *left) + off, 0, 2);
+    *left -= now;
+}
+
 /* bfloat16 is the top half of a float32: widening is a shift. */
 TS_ALWAYS_INLINE float ts_bf16_to_f32(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
