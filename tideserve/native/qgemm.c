@@ -580,6 +580,11 @@ static void amx_panel_tiles(const uint16_t *panel, const uint32_t *packed, int64
     float tile_out[4][16 * 16];
     const int64_t pairs = (mt_hi - mt_lo + 1) / 2;
     const int64_t quota = (TS_PANEL + pairs - 1) / pairs; /* blocks of next per step of b: all of it, evenly */
+    /* The panel serves every pair of x tiles; where it fits L1 beside the tiles in flight (40 KiB: k <= 640)
+     * and serves 4 pairs or more, x's tiles are loaded with the streaming hint (tileloaddt1), so they pass
+     * without evicting it. 256 rows at k = 576: 7-19% faster; 64 rows (2 pairs) and panels past L1 gained
+     * nothing or lost a little (docs/benchmarks.md, twenty-sixth round). */
+    const int stream_x = pairs >= 4 && TS_PANEL * k * (int64_t)sizeof(uint16_t) <= (40 << 10);
     for (int64_t mt = mt_lo; mt < mt_hi; mt += 2) {
         _tile_zero(4);
         _tile_zero(5);
@@ -588,8 +593,13 @@ static void amx_panel_tiles(const uint16_t *panel, const uint32_t *packed, int64
         for (int64_t b = 0; b < kb; b++) {
             _tile_loadd(0, panel + b * 32, k * 2);
             _tile_loadd(1, panel + 16 * k + b * 32, k * 2);
-            _tile_loadd(2, packed + (mt * kb + b) * 256, 64);
-            _tile_loadd(3, packed + ((mt + 1) * kb + b) * 256, 64);
+            if (stream_x) {
+                _tile_stream_loadd(2, packed + (mt * kb + b) * 256, 64);
+                _tile_stream_loadd(3, packed + ((mt + 1) * kb + b) * 256, 64);
+            } else {
+                _tile_loadd(2, packed + (mt * kb + b) * 256, 64);
+                _tile_loadd(3, packed + ((mt + 1) * kb + b) * 256, 64);
+            }
             _tile_dpbf16ps(4, 0, 2);
             _tile_dpbf16ps(5, 0, 3);
             _tile_dpbf16ps(6, 1, 2);
