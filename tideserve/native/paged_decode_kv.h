@@ -354,8 +354,7 @@ static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, co
 #define TS_STREAM_BLOCK(i) ((i) < span ? k_cache + table[blk_lo + (i)] * block_stride \
                                        : v_cache + table[blk_lo + (i) - span] * block_stride)
     for (int64_t i = 0; i < blocks_ahead && i < 2 * span; i++) {
-        int64_t whole = block_bytes;
-        if (to_l2) ts_prefetch_next_slice_l2((const char *)TS_STREAM_BLOCK(i), block_bytes, block_bytes, &whole);
+        if (to_l2) ts_prefetch_bytes_l2(TS_STREAM_BLOCK(i), block_bytes);
         else ts_prefetch_bytes(TS_STREAM_BLOCK(i), block_bytes);
     }
 
@@ -369,8 +368,7 @@ static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, co
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t r0 = h * group;
             for (int64_t c = 0; c < n; c += chunk_keys) {
-                if (to_l2) ts_prefetch_next_slice_l2(ahead, block_bytes, slice, &to_fetch);
-                else ts_prefetch_next_slice(ahead, block_bytes, slice, &to_fetch);
+                ts_prefetch_next_slice(ahead, block_bytes, slice, &to_fetch, to_l2);
                 KV_NAME(block_scores)(isa, q + r0 * head_dim, qb != NULL ? qb + r0 * head_dim : NULL,
                                       k_cache + table[blk] * block_stride + c * token_stride + h * head_dim,
                                       token_stride, n - c < chunk_keys ? n - c : chunk_keys, group,
@@ -393,8 +391,7 @@ static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, co
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t r0 = h * group;
             for (int64_t c = 0; c < n; c += chunk_keys) {
-                if (to_l2) ts_prefetch_next_slice_l2(ahead, block_bytes, slice, &to_fetch);
-                else ts_prefetch_next_slice(ahead, block_bytes, slice, &to_fetch);
+                ts_prefetch_next_slice(ahead, block_bytes, slice, &to_fetch, to_l2);
                 KV_NAME(block_values)(isa, scores + r0 * max_context + (t0 + c - first), max_context,
                                       v_cache + table[blk] * block_stride + c * token_stride + h * head_dim,
                                       token_stride, n - c < chunk_keys ? n - c : chunk_keys, group,
@@ -428,7 +425,7 @@ static int KV_NAME(paged_decode)(const void *q, int64_t q_stride, int q_dtype, c
     }
     const int64_t tasks = num_seqs * splits;
     /* A batch (whole requests per task) on an Intel core asks for its blocks into L2: at 64 requests of 250
-     * keys the step's attention took 9% less time than with prefetcht0; a single request (split in parts)
+     * keys the step's attention took 6-9% less time than with prefetcht0; a single request (split in parts)
      * measured the same or 3% slower, so it keeps L1. Other vendors were not measured and keep L1. */
     const int to_l2 = splits == 1 && (ts_cpu_features() & TS_CPU_VENDOR_INTEL) != 0;
     const int64_t part_len = (max_blocks + splits - 1) / splits * block_size; /* keys one part may hold */

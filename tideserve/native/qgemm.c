@@ -449,12 +449,12 @@ static void panel_decode_start(ts_panel_decode *d, const ts_qseg *seg, int64_t n
     d->r = d->b = 0;
 }
 
-/* Decodes the next ``count`` blocks (a row past the segment, zeroed, counts as its k / 32 blocks). */
 /* Formats whose 32 codes of a block share one scale and offset and stay below 32 (below 16: LUT16), decoded
  * through a table of the block's values instead of converting each code. */
 #define TS_PANEL_LUT16(type) ((type) == TS_Q4_0 || (type) == TS_Q4_1 || (type) == TS_Q4_K)
 #define TS_PANEL_LUT(type) (TS_PANEL_LUT16(type) || (type) == TS_Q5_0 || (type) == TS_Q5_1 || (type) == TS_Q5_K)
 
+/* Decodes the next ``count`` blocks (a row past the segment, zeroed, counts as its k / 32 blocks). */
 static inline __attribute__((always_inline)) void panel_decode_blocks(const int type, ts_panel_decode *d,
                                                                       int64_t count) {
     const int64_t k = d->k, kb = k / TS_QBLOCK, n = d->n, n0 = d->n0, row_bytes = d->row_bytes;

@@ -62,21 +62,20 @@ TS_ALWAYS_INLINE void ts_prefetch_bytes(const void *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 3);
 }
 
-/* Hints the next slice of [block, block + block_bytes), *left bytes of it still unasked; a block asked for a
- * slice at a time lets the arithmetic between slices run while its lines come. */
-TS_ALWAYS_INLINE void ts_prefetch_next_slice(const char *block, int64_t block_bytes, int64_t slice, int64_t *left) {
-    if (*left <= 0) return;
-    const int64_t now = *left < slice ? *left : slice;
-    ts_prefetch_bytes(block + (block_bytes - *left), now);
-    *left -= now;
-}
-
 /* The same into L2 only (prefetcht1): the L1 line-fill buffers, not the L2 queue, were what a batch's decode
  * attention waited on on Intel cores (docs/benchmarks.md, twenty-sixth round). */
-TS_ALWAYS_INLINE void ts_prefetch_next_slice_l2(const char *block, int64_t block_bytes, int64_t slice, int64_t *left) {
+TS_ALWAYS_INLINE void ts_prefetch_bytes_l2(const void *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 2);
+}
+
+/* Hints the next slice of [block, block + block_bytes), *left bytes of it still unasked, into L1 (or L2 with
+ * to_l2); a block asked for a slice at a time lets the arithmetic between slices run while its lines come. */
+TS_ALWAYS_INLINE void ts_prefetch_next_slice(const char *block, int64_t block_bytes, int64_t slice, int64_t *left,
+                                             int to_l2) {
     if (*left <= 0) return;
     const int64_t now = *left < slice ? *left : slice;
-    for (int64_t off = 0; off < now; off += 64) __builtin_prefetch(block + (block_bytes - *left) + off, 0, 2);
+    if (to_l2) ts_prefetch_bytes_l2(block + (block_bytes - *left), now);
+    else ts_prefetch_bytes(block + (block_bytes - *left), now);
     *left -= now;
 }
 
