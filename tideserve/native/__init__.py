@@ -32,7 +32,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -79,11 +79,12 @@ def _cpu_signature() -> str:
     return platform.machine() + platform.processor()
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, target: Path, extra_flags: Sequence[str] = ()) -> None:
+    """Compiles the kernels into ``target``; ``extra_flags`` follow CFLAGS (a later -O wins)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        proc = subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
+        proc = subprocess.run([compiler, *CFLAGS, *extra_flags, *map(str, SOURCES), "-o", str(built), "-lm"],
                               capture_output=True, text=True, timeout=300, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
