@@ -416,7 +416,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="tideserve's --quantization (peers keep their own weights)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="tideserve's --kv-cache-dtype")
     ap.add_argument("--tideserve-arg", action="append", default=[], metavar="ARG",
-                    help="one more argument for tideserve serve (repeat it: --tideserve-arg=--num-blocks --tideserve-arg=4096)")
+                    help="one more argument for tideserve serve "
+                         "(repeat it: --tideserve-arg=--num-blocks --tideserve-arg=4096)")
     ap.add_argument("--hf-dtype", default=None, help="transformers' dtype (default: --dtype's)")
     ap.add_argument("--concurrency", default=DEFAULT_LEVELS, help="comma-separated levels")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))

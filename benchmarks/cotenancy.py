@@ -369,7 +369,7 @@ async def drive(servers: list[ServerProcess], bursts: list[list[SampleRequest]],
         await asyncio.sleep(args.gap if k + 1 < len(bursts) else 0)
         if elastic:  # the next burst starts once this burster has given its memory back: turns, not overlap
             window = args.shrink_delay + 15
-            await wait_for(lambda: recovery_s(samples, done[-1], window) is not None, window)
+            await wait_for(lambda window=window: recovery_s(samples, done[-1], window) is not None, window)
     stop.set()
     await task
     counters = cg.counters()

@@ -110,7 +110,8 @@ def main() -> None:
                 quant.set_tile_min_rows(0)
                 print(f"{qtype} {n}x{k} M={rows:<3} (default: {quant.kernel_for(rows, qtype):10}) {cells}")
         # A whole batch-1 step's products, distinct weights per layer as in the model.
-        steps = {layout: [m for qtype, n, k in STEP_SHAPES for _ in range(30) for m in weights(qtype, n, k, 0, gen, layout)]
+        steps = {layout: [m for qtype, n, k in STEP_SHAPES for _ in range(30)
+                          for m in weights(qtype, n, k, 0, gen, layout)]
                  + weights("q8_0", 49152, 576, 0, gen, layout)
                  for layout in (["rows", "x8"] if any(k.endswith("gemv") for k in kernels) else ["rows"])}
         nbytes = sum(data.numel() * data.element_size() for _, data in steps["rows"])

@@ -154,8 +154,8 @@ def test_keys_are_read_from_the_steps_own_rows_with_block_size_one():
     width = max(lens)
     tables = starts[:, None] + torch.arange(width)[None, :]
     out = torch.full(q.shape, float("nan"))
-    assert native.paged_prefill_attention(q, k, v, tables, 1, starts, torch.tensor(lens), torch.zeros(3, dtype=torch.int64),
-                                          0.125, out)
+    assert native.paged_prefill_attention(q, k, v, tables, 1, starts, torch.tensor(lens),
+                                          torch.zeros(3, dtype=torch.int64), 0.125, out)
     for a, n in zip(starts.tolist(), lens):
         kk, vv = k[a:a + n].repeat_interleave(3, 1), v[a:a + n].repeat_interleave(3, 1)
         want = torch.nn.functional.scaled_dot_product_attention(q[a:a + n].transpose(0, 1), kk.transpose(0, 1),

@@ -120,7 +120,8 @@ def integer_kernel(kind: str, path: str):
             if kind == "tiles":
                 assert quant.kernel_for(1) == f"{path}-tiles"
             else:
-                assert all(quant.kernel_for(rows, qtype) == f"{path}-gemv" for qtype in GEMV_FORMATS for rows in (1, 70))
+                assert all(quant.kernel_for(rows, qtype) == f"{path}-gemv"
+                           for qtype in GEMV_FORMATS for rows in (1, 70))
                 assert quant.kernel_for(1, "q5_k") == "rows"
             yield
     finally:
@@ -367,8 +368,8 @@ def test_a_quantized_weight_keeps_the_layout_this_cpu_reads_fastest(path):
         got = w(x)
     want = ["x8", "x8", "rows", "x8"] if isa in ("avx2", "avx512") else ["rows"] * 4
     assert w.layouts == want
-    for (qtype, data), (_, (blocks, _)) in zip(w.file_segments(), zip(kinds, shards)):
-        assert torch.equal(data, blocks)
+    for (qtype, data), (kind, (blocks, _)) in zip(w.file_segments(), zip(kinds, shards)):
+        assert qtype == kind and torch.equal(data, blocks)
     values = torch.cat([v for _, v in shards])
     torch.testing.assert_close(w.dequantize(), values, rtol=0, atol=0)
     twin = copy.deepcopy(w)

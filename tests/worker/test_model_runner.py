@@ -111,7 +111,8 @@ def test_a_step_past_the_slab_size_runs_as_slabs_with_the_same_results(make_llm,
         monkeypatch.setattr(runner.platform, "forward_slab_tokens", slab)
         passes: list[list[tuple[str, int, int]]] = []
         forward = runner._forward
-        monkeypatch.setattr(runner, "_forward", lambda pieces, *a, **k: passes.append(pieces) or forward(pieces, *a, **k))
+        monkeypatch.setattr(runner, "_forward",
+                            lambda pieces, *a, **k: passes.append(pieces) or forward(pieces, *a, **k))
         outs = llm.generate(prompts, params)
         monkeypatch.setattr(runner, "_forward", forward)
         return outs, passes

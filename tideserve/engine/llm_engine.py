@@ -100,8 +100,8 @@ class LLMEngine:
 
             how = ("the GGUF file's own blocks" if self.quantization == "gguf"
                    else "4-bit blocks, tables 8-bit")
-            logger.info("quantization %s (%s, kernels: %s): weights %.2f GiB", self.quantization, how, kernels_summary(),
-                        model_weight_bytes(self.model) / GiB)
+            logger.info("quantization %s (%s, kernels: %s): weights %.2f GiB", self.quantization, how,
+                        kernels_summary(), model_weight_bytes(self.model) / GiB)
         self.max_model_len = resolve_max_model_len(
             model_config.max_model_len, self.arch.max_position_embeddings,
             model_config.allow_long_max_model_len)

@@ -16,8 +16,6 @@ import os
 import time
 from collections.abc import Callable
 
-import torch
-
 from tideserve.core.kv_cache.elastic import BlockSizeAdvisor, ElasticPolicy, MemoryAccount
 from tideserve.core.kv_cache.manager import KVCacheManager
 from tideserve.core.kv_cache.memory import MemoryProbe

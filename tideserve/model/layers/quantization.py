@@ -200,7 +200,8 @@ class QuantWeight:
 
     Each segment's bytes are kept in the layout the kernels read fastest on this CPU (``layouts``:
     quant.preferred_layout), reordered once here: on AVX2 and AVX-512 VNNI the legacy formats, Q8_0, Q4_K and
-    Q6_K are interleaved by groups of 8 rows. The bytes are the file's either way, so ``file_segments`` gives them back as stored.
+    Q6_K are interleaved by groups of 8 rows. The bytes are the file's either way, so ``file_segments`` gives
+    them back as stored.
     """
 
     takes_swiglu = True  # __call__ can apply silu(gate) * up to its input on the way in
