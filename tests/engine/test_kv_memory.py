@@ -688,10 +688,12 @@ def test_a_bursts_first_allocation_commits_what_the_requests_hold_in_the_backgro
 
 
 def test_a_core_is_free_only_when_the_step_leaves_one(monkeypatch):
+    import torch
+
     from tideserve.engine import pool_controller
 
     monkeypatch.setattr(pool_controller.os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(pool_controller.torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # the intra-op threads the kernels compute with
     assert not pool_controller.host_core_free()
-    monkeypatch.setattr(pool_controller.torch, "get_num_threads", lambda: 1)  # the governor left one
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the governor left one
     assert pool_controller.host_core_free()

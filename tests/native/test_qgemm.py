@@ -368,7 +368,7 @@ def test_a_quantized_weight_keeps_the_layout_this_cpu_reads_fastest(path):
         got = w(x)
     want = ["x8", "x8", "rows", "x8"] if isa in ("avx2", "avx512") else ["rows"] * 4
     assert w.layouts == want
-    for (qtype, data), (kind, (blocks, _)) in zip(w.file_segments(), zip(kinds, shards)):
+    for (qtype, data), ((kind, _), (blocks, _)) in zip(w.file_segments(), zip(kinds, shards)):
         assert qtype == kind and torch.equal(data, blocks)
     values = torch.cat([v for _, v in shards])
     torch.testing.assert_close(w.dequantize(), values, rtol=0, atol=0)
