@@ -353,10 +353,7 @@ static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, co
     /* The key blocks come first, then the value blocks: the stream pass 1 and pass 2 read, in order. */
 #define TS_STREAM_BLOCK(i) ((i) < span ? k_cache + table[blk_lo + (i)] * block_stride \
                                        : v_cache + table[blk_lo + (i) - span] * block_stride)
-    for (int64_t i = 0; i < blocks_ahead && i < 2 * span; i++) {
-        if (to_l2) ts_prefetch_bytes_l2(TS_STREAM_BLOCK(i), block_bytes);
-        else ts_prefetch_bytes(TS_STREAM_BLOCK(i), block_bytes);
-    }
+    for (int64_t i = 0; i < blocks_ahead && i < 2 * span; i++) ts_prefetch_bytes_to(TS_STREAM_BLOCK(i), block_bytes, to_l2);
 
     /* Pass 1: scores[r][t - first] = q_r . k_t * scale. */
     for (int64_t blk = blk_lo; blk < blk_hi; blk++) {

@@ -68,14 +68,19 @@ TS_ALWAYS_INLINE void ts_prefetch_bytes_l2(const void *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 2);
 }
 
+/* [p, p + bytes) into L2 with to_l2, else into L1. */
+TS_ALWAYS_INLINE void ts_prefetch_bytes_to(const void *p, int64_t bytes, int to_l2) {
+    if (to_l2) ts_prefetch_bytes_l2(p, bytes);
+    else ts_prefetch_bytes(p, bytes);
+}
+
 /* Hints the next slice of [block, block + block_bytes), *left bytes of it still unasked, into L1 (or L2 with
  * to_l2); a block asked for a slice at a time lets the arithmetic between slices run while its lines come. */
 TS_ALWAYS_INLINE void ts_prefetch_next_slice(const char *block, int64_t block_bytes, int64_t slice, int64_t *left,
                                              int to_l2) {
     if (*left <= 0) return;
     const int64_t now = *left < slice ? *left : slice;
-    if (to_l2) ts_prefetch_bytes_l2(block + (block_bytes - *left), now);
-    else ts_prefetch_bytes(block + (block_bytes - *left), now);
+    ts_prefetch_bytes_to(block + (block_bytes - *left), now, to_l2);
     *left -= now;
 }
 
