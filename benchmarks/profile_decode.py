@@ -3,8 +3,9 @@
 Fills a batch of ``--batch`` requests (prompts of ``--prompt-len`` tokens), lets them all reach decode,
 then times ``--steps`` engine steps (median step time, output tok/s) and profiles them with
 torch.profiler (top operators by self CPU time). It also times the step's linear layers alone at the
-same shapes, in float32 and bfloat16, which gives the "fraction of the matmul rate" figure: the
-step's matmul FLOPs divided by the step time, over the best rate the same GEMMs reach in isolation.
+same shapes, in float32, bfloat16, int8, and through the loaded model's own layers (its quantized blocks
+where it has them: the dtype the step uses), which gives the "fraction of the matmul rate" figure: the
+step's matmul FLOPs divided by the step time, over the rate the same GEMMs reach in isolation.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/profile_decode.py --batch 64 --steps 8
 """
@@ -43,6 +44,33 @@ def time_gemm(m: int, k: int, n: int, kind: str, repeats: int = 7) -> float:
         run = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
     for _ in range(2):
         run()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def time_own_matmuls(model, batch: int, repeats: int = 7) -> float:
+    """Median time of the step's own matmul kernels run alone at ``batch`` rows: every Linear of the
+    loaded model (its quantized blocks, its int8 or float weight: whatever the step multiplies by) and the
+    LM head, one after another as the step calls them, each on a fresh random input. The ceiling of the
+    dtype the engine uses, on the same machine at the same time as the step."""
+    from tideserve.model.layers.linear import Linear
+
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    inputs = [torch.randn(batch, m.in_features, dtype=dtype) for m in layers]
+    hidden = torch.randn(batch, model.arch.hidden_size, dtype=dtype)
+
+    def run() -> None:
+        with torch.inference_mode():
+            for m, x in zip(layers, inputs):
+                m(x)
+            model.compute_logits(hidden)
+
+    run()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -102,6 +130,7 @@ def main() -> None:
     flops = sum(2 * args.batch * k * n for _, k, n in shapes)
     gemm = {kind: sum(time_gemm(args.batch, k, n, kind) for _, k, n in shapes)
             for kind in ("float32", "bfloat16", "int8")}
+    gemm["own kernels"] = time_own_matmuls(model, args.batch)
     achieved = flops / step
     result = {
         "batch": args.batch, "prompt_len": args.prompt_len, "threads": torch.get_num_threads(),
@@ -113,7 +142,8 @@ def main() -> None:
         "step_matmul_gflops": achieved / 1e9,
         "isolated_gemm_ms": {k: v * 1e3 for k, v in gemm.items()},
         "isolated_gemm_gflops": {k: flops / v / 1e9 for k, v in gemm.items()},
-        # The step's matmul FLOPs over its whole duration, against each kernel's rate alone.
+        # The step's matmul FLOPs over its whole duration, against each kernel's rate alone ("own kernels":
+        # the loaded model's layers themselves, i.e. the dtype the step uses).
         "fraction_of_matmul_rate": {k: achieved / (flops / v) for k, v in gemm.items()},
     }
     print(table)
