@@ -63,6 +63,33 @@ def test_tokenize_and_detokenize(http, shared_engine):
     assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": PROMPT}
 
 
+TOKENIZER_INFO_KEYS = {"tokenizer_class", "bos_token", "eos_token", "pad_token", "unk_token", "add_bos_token",
+                       "chat_template", "model_max_length"}
+
+
+def test_tokenizer_info_lets_a_client_tokenize_remotely(http, shared_engine):
+    """What lm-evaluation-harness's remote tokenizer does: read /tokenizer_info (it must carry eos_token), then
+    encode each text through /tokenize without special tokens; EOS's id is the first id of its text."""
+    info = http.get("/tokenizer_info").json()
+    tokenizer = shared_engine.tokenizer
+    assert set(info) == TOKENIZER_INFO_KEYS  # no load arguments: they hold the server's file paths
+    assert (info["eos_token"], info["bos_token"]) == (tokenizer.hf.eos_token, tokenizer.hf.bos_token)
+    assert info["chat_template"] == tokenizer.chat_template and info["chat_template"]
+    assert info["model_max_length"] == shared_engine.max_model_len
+    assert info["add_bos_token"] is tokenizer.adds_bos
+    eos = http.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
+    assert eos == [tokenizer.eos_token_id]
+
+
+def test_tokenizer_info_follows_the_server_flags(shared_engine, server_thread):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with server_thread(build_app(ServerConfig(chat_template=template), engine=shared_engine)) as s:
+        assert httpx.get(s.url + "/tokenizer_info", timeout=TIMEOUT).json()["chat_template"] == template
+    with server_thread(build_app(ServerConfig(enable_tokenizer_info_endpoint=False), engine=shared_engine)) as s:
+        r = httpx.get(s.url + "/tokenizer_info", timeout=TIMEOUT)
+        assert r.status_code == 404 and r.json()["error"]["code"] == 404
+
+
 # ---------------------------------------------------------------------- chat and completions (sync SDK)
 def test_chat_completion(client, http, model):
     resp = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0,

@@ -72,6 +72,13 @@ class ServerConfig:
         None, group=SERVER_GROUP,
         help="a Jinja chat template, or the path of a file holding one, used instead of the model's (a request's "
              "chat_template field still wins)")
+    # GET /tokenizer_info: lm-evaluation-harness finds it (with /tokenize) and then tokenizes through the
+    # server, so a GGUF model needs no Hugging Face tokenizer on the client's side. vLLM serves it only with
+    # this flag; here it is on, since it tells nothing a client cannot already learn from /tokenize.
+    enable_tokenizer_info_endpoint: bool = setting(
+        True, group=SERVER_GROUP,
+        help="serve GET /tokenizer_info (special tokens, chat template, context length), through which "
+             "lm-evaluation-harness tokenizes remotely")
     disable_log_stats: bool = setting(False, group=SERVER_GROUP, help="no periodic throughput/KV-usage log lines")
     uvicorn_log_level: str = setting(
         "warning", group=SERVER_GROUP, choices=UVICORN_LOG_LEVELS,

@@ -61,6 +61,11 @@ class Tokenizer:
         return list(self._special_ids)
 
     @property
+    def adds_bos(self) -> bool:
+        """Whether encoding plain text with special tokens puts BOS first."""
+        return self._adds_bos
+
+    @property
     def chat_template(self) -> str | None:
         return self.hf.chat_template
 

@@ -204,6 +204,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             body["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)
         return JSONResponse(body)
 
+    if state.config.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> JSONResponse:
+            return JSONResponse(_tokenizer_info(state))
+
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
         req = await parse_body(request, DetokenizeRequest)
@@ -239,6 +244,25 @@ async def _guarded(work: Awaitable[Response]) -> Response:
         return await work
     except ClientDisconnected:
         return Response(status_code=_CLIENT_CLOSED)
+
+
+def _tokenizer_info(state: ServerState) -> dict:
+    """What a client needs to tokenize through /tokenize as the server does: the special tokens, whether
+    plain text gets a BOS, the chat template the server renders with, and the context length. vLLM's
+    shape, less the tokenizer's load arguments (file paths on the server)."""
+    tokenizer = state.engine.tokenizer
+    hf = tokenizer.hf
+
+    def token(name: str) -> str | None:
+        value = getattr(hf, name, None)
+        return None if value is None else str(value)
+
+    return {"tokenizer_class": type(hf).__name__,
+            "bos_token": token("bos_token"), "eos_token": token("eos_token"),
+            "pad_token": token("pad_token"), "unk_token": token("unk_token"),
+            "add_bos_token": tokenizer.adds_bos,
+            "chat_template": state.chat_template or tokenizer.chat_template,
+            "model_max_length": state.engine.max_model_len}
 
 
 def _model_card(state: ServerState, name: str) -> dict:
