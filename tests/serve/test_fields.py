@@ -1,4 +1,4 @@
-"""No silent ignores: every request field of /v1/completions and /v1/chat/completions is honoured,
+"""No silent ignores: every request field of /v1/completions, /v1/chat/completions and /v1/responses is honoured,
 refused when set (a 400 naming it), or accepted and ignored because it cannot change the result; the
 catalogue (serve/openai/fields.py), the request models and docs/api.md agree; unknown fields are
 accepted with one warning per name."""
@@ -13,12 +13,13 @@ import httpx
 import pytest
 
 from tideserve.serve.config import ServerConfig
-from tideserve.serve.openai.fields import CHAT_FIELDS, COMPLETION_FIELDS, EndpointFields
-from tideserve.serve.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tideserve.serve.openai.fields import CHAT_FIELDS, COMPLETION_FIELDS, RESPONSES_FIELDS, EndpointFields
+from tideserve.serve.openai.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from tideserve.serve.openai.server import build_app
 
 ENDPOINTS = [("/v1/completions", CompletionRequest, COMPLETION_FIELDS),
-             ("/v1/chat/completions", ChatCompletionRequest, CHAT_FIELDS)]
+             ("/v1/chat/completions", ChatCompletionRequest, CHAT_FIELDS),
+             ("/v1/responses", ResponsesRequest, RESPONSES_FIELDS)]
 API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 
 # A value that asks for something, per refused field (a new refused field needs one here).
@@ -29,6 +30,9 @@ REFUSED_VALUES = {
     "verbosity": "high", "web_search_options": {}, "functions": [{"name": "f"}],
     "function_call": "auto", "include_reasoning": False, "guided_whitespace_pattern": r"[\n ]*",
     "structural_tag": {"type": "structural_tag", "structures": []},
+    "previous_response_id": "resp_1", "conversation": "conv_1", "background": True, "prompt": {"id": "pmpt_1"},
+    "include": ["reasoning.encrypted_content"], "reasoning": {"effort": "high"}, "top_logprobs": 2,
+    "truncation": "auto",
 }
 # A value per ignored field (each must leave the result unchanged).
 IGNORED_VALUES = {
@@ -37,6 +41,7 @@ IGNORED_VALUES = {
     "store": True, "service_tier": "flex", "prediction": {"type": "content", "content": "Blue"},
     "prompt_cache_key": "k", "safety_identifier": "u-1", "mm_processor_kwargs": {"num_crops": 4},
     "media_io_kwargs": {"video": {"num_frames": 4}}, "guided_decoding_backend": "xgrammar",
+    "stream_options": {"include_obfuscation": False}, "max_tool_calls": 3,
 }
 
 
@@ -52,8 +57,8 @@ def test_every_declared_field_is_in_exactly_one_class(path, model, fields: Endpo
 
 
 def _doc_rows() -> dict[str, dict[str, str]]:
-    """docs/api.md's field tables: endpoint ('completions' / 'chat') -> field -> class."""
-    rows: dict[str, dict[str, str]] = {"completions": {}, "chat": {}}
+    """docs/api.md's field tables: endpoint ('completions' / 'chat' / 'responses') -> field -> class."""
+    rows: dict[str, dict[str, str]] = {"completions": {}, "chat": {}, "responses": {}}
     for line in API_DOC.read_text(encoding="utf-8").splitlines():
         m = re.match(r"^\| `([a-z_]+)` \| ([^|]+?) \| ([^|]+?) \|", line)
         if m:
@@ -62,7 +67,8 @@ def _doc_rows() -> dict[str, dict[str, str]]:
     return rows
 
 
-@pytest.mark.parametrize(("endpoint", "fields"), [("completions", COMPLETION_FIELDS), ("chat", CHAT_FIELDS)])
+@pytest.mark.parametrize(("endpoint", "fields"), [("completions", COMPLETION_FIELDS), ("chat", CHAT_FIELDS),
+                                                  ("responses", RESPONSES_FIELDS)])
 def test_docs_list_every_field_with_its_class(endpoint, fields: EndpointFields):
     documented = _doc_rows()[endpoint]
     expected = {name: kind for kind, table in fields.classes().items() for name in table}
@@ -82,9 +88,18 @@ def http(server):
 
 
 def _body(path: str, **extra) -> dict:
+    if path == "/v1/responses":
+        return {"input": "What color is the sky?", "max_output_tokens": 5, "temperature": 0, **extra}
     base = ({"prompt": "The sky is"} if path == "/v1/completions"
             else {"messages": [{"role": "user", "content": "What color is the sky?"}]})
     return {**base, "max_tokens": 5, "temperature": 0, **extra}
+
+
+def _reply(path: str, body: dict):
+    """What a field may not change: the text (completions), the message (chat), the output items' text."""
+    if path == "/v1/responses":
+        return [(item["type"], item.get("content"), item.get("arguments")) for item in body["output"]]
+    return body["choices"][0]["text" if path == "/v1/completions" else "message"]
 
 
 @pytest.mark.parametrize(("path", "model", "fields"), ENDPOINTS)
@@ -106,15 +121,14 @@ def test_ignored_fields_change_nothing_and_are_not_reported(http, path, model, f
     with caplog.at_level(logging.WARNING):
         r = http.post(path, json=_body(path, **{n: IGNORED_VALUES[n] for n in fields.ignored}))
     assert r.status_code == 200, r.text
-    key = "text" if path == "/v1/completions" else "message"
-    assert r.json()["choices"][0][key] == plain.json()["choices"][0][key]
+    assert _reply(path, r.json()) == _reply(path, plain.json())
     assert not [rec for rec in caplog.records if "ignored" in rec.getMessage()]
 
 
 def test_unknown_fields_are_accepted_and_reported_once_per_name(http, caplog):
     with caplog.at_level(logging.WARNING):
         for _ in range(2):
-            for path in ("/v1/completions", "/v1/chat/completions"):
+            for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
                 assert http.post(path, json=_body(path, made_up_field_x=1)).status_code == 200
     warnings = [rec.getMessage() for rec in caplog.records if "made_up_field_x" in rec.getMessage()]
     assert len(warnings) == 1 and "present in the request but ignored" in warnings[0]

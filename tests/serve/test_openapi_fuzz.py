@@ -22,7 +22,7 @@ schemathesis = pytest.importorskip("schemathesis")
 # get fewer.
 MAX_EXAMPLES = 50
 MAX_GENERATION_EXAMPLES = 25
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_the_schema_describes_every_body(fuzz_app):
     from starlette.testclient import TestClient
 
     doc = TestClient(fuzz_app).get("/openapi.json").json()
-    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"):
         ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         body = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
         assert body["properties"]["model"]["anyOf"][0] == {"enum": fuzz_app.state.tideserve.served_names}
@@ -88,4 +88,4 @@ def test_no_server_errors_and_every_error_is_openai_shaped(api_schema, mode):
         run()
     assert sum(seen.values()) >= (150 if mode == "positive" else 120), seen
     if mode == "positive":  # the fuzzer got through validation to the model, not only to 400s
-        assert seen.get(("/v1/completions", 200)) and seen.get(("/v1/chat/completions", 200)), seen
+        assert all(seen.get((path, 200)) for path in GENERATION_PATHS), seen

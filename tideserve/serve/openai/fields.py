@@ -1,6 +1,6 @@
 """What the server does with every request field OpenAI or vLLM documents: no field is silently ignored.
 
-Each field of ``/v1/completions`` and ``/v1/chat/completions`` is in exactly one class:
+Each field of ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/responses`` is in exactly one class:
 - honoured: it changes the result as documented (structured output and tool calling included);
 - refused when set: a 400 "X is not supported: why", naming the field (``REFUSED``; the default value,
   and values that ask for nothing, pass);
@@ -178,6 +178,67 @@ CHAT_FIELDS = EndpointFields(
         "mm_processor_kwargs": "options of a multimodal processor; only text content is accepted (image "
                                "and audio parts are refused), so nothing is processed",
         "media_io_kwargs": "options for loading media; only text content is accepted",
+    },
+)
+
+
+RESPONSES_FIELDS = EndpointFields(
+    honoured={
+        "model": _SHARED_HONOURED["model"],
+        "input": "a text (one user message) or input items: messages (system, developer, user, assistant; "
+                 "text content), function_call and function_call_output items",
+        "instructions": "a system message before the input",
+        "max_output_tokens": "output token limit (default: what the context leaves); reaching it makes the "
+                             "response incomplete (incomplete_details.reason max_output_tokens)",
+        "temperature": _SHARED_HONOURED["temperature"],
+        "top_p": _SHARED_HONOURED["top_p"],
+        "stream": "server-sent events: response.created, output items and their text or arguments deltas, "
+                  "response.completed (or response.incomplete)",
+        "tools": "function tools ({type, name, description, parameters}), as chat completions' tools; "
+                 "OpenAI's hosted tools (web search, file search, ...) are a 400",
+        "tool_choice": "as chat completions' (auto needs --enable-auto-tool-choice --tool-call-parser); "
+                       "a named function is {type: function, name}",
+        "parallel_tool_calls": "false: at most one call (required: the grammar allows one)",
+        "text": "format: text, json_object, or json_schema (name, schema): output constrained as "
+                "response_format",
+        "metadata": "returned in the response object as given",
+        "seed": _SHARED_HONOURED["seed"],
+        "top_k": _SHARED_HONOURED["top_k"],
+        "min_p": _SHARED_HONOURED["min_p"],
+        "repetition_penalty": _SHARED_HONOURED["repetition_penalty"],
+        "stop": _SHARED_HONOURED["stop"],
+        "ignore_eos": _SHARED_HONOURED["ignore_eos"],
+        "priority": _SHARED_HONOURED["priority"],
+        "cache_salt": _SHARED_HONOURED["cache_salt"],
+        "request_id": "the request id (the response id is resp_ID) when no X-Request-Id header is sent",
+    },
+    refused={
+        "previous_response_id": Refusal("responses are not stored; send the earlier turns in input",
+                                        _is_none),
+        "conversation": Refusal("conversations are not stored; send the earlier turns in input", _is_none),
+        "background": Refusal("responses are not stored, so there is nothing to poll later; stream instead"),
+        "prompt": Refusal("stored prompt templates live on OpenAI's platform; send instructions and input",
+                          _is_none),
+        "include": Refusal("there are no extra outputs to include (no hosted tools, no reasoning, no "
+                           "logprobs in this endpoint)"),
+        "reasoning": Refusal("there is no reasoning parser: reasoning the model writes stays in the output "
+                             "text", lambda v: not v or all(x is None for x in v.values())),
+        "top_logprobs": Refusal("logprobs are not implemented in this endpoint; use /v1/chat/completions "
+                                "with logprobs"),
+        "truncation": Refusal("the input is never cut: an input longer than the context gets a 400",
+                              lambda v: v in (None, "disabled")),
+    },
+    ignored={
+        "user": _SHARED_IGNORED["user"],
+        "safety_identifier": "like user: an end-user id for abuse monitoring",
+        "store": "asks OpenAI to keep the response for later retrieval; the response is the same, nothing is "
+                 "kept (GET /v1/responses/ID answers 404)",
+        "service_tier": "OpenAI's processing tier (latency and price); one tier here, same output",
+        "prompt_cache_key": "OpenAI's cache routing hint; prefix caching here is automatic and never changes "
+                            "the output",
+        "stream_options": "include_obfuscation pads OpenAI's stream events against side channels; the "
+                          "events' content is the same",
+        "max_tool_calls": "caps calls to hosted tools, which this server has none of",
     },
 )
 

@@ -208,6 +208,80 @@ class CompletionRequest(SamplingRequest):
     prompt_embeds: str | list[str] | None = None
 
 
+class ResponsesTool(OpenAIBaseModel):
+    """A Responses API tool: a function is flat (``name``, ``parameters`` beside ``type``); other types
+    (OpenAI's hosted tools) are refused by name."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    name: str
+
+
+class ResponsesTextFormat(OpenAIBaseModel):
+    """``text.format``: the Responses API's response_format, with the json_schema fields inline."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponsesText(OpenAIBaseModel):
+    format: ResponsesTextFormat | None = None
+    verbosity: str | None = None
+
+
+class ResponsesRequest(OpenAIBaseModel):
+    """``POST /v1/responses``: OpenAI's Responses API (one turn, nothing stored) plus vLLM's sampling extras."""
+
+    model: str | None = None
+    # A text, or input items: messages ({"role", "content"}), function_call and function_call_output items.
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedTool | None = None
+    parallel_tool_calls: bool | None = True
+    text: ResponsesText | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    background: bool | None = None
+    prompt: dict[str, Any] | None = None
+    include: list[str] | None = None
+    reasoning: dict[str, Any] | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
+    # vLLM's extras
+    seed: int | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    priority: int = 0
+    cache_salt: str | None = None
+    request_id: str | None = None
+
+
 class TokenizeRequest(ChatTemplateOptions):
     model: str | None = None
     prompt: str | None = None

@@ -42,11 +42,13 @@ from tideserve.serve.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from tideserve.serve.openai.serving import ClientDisconnected, RequestInfo, ServerState, unavailable_reason
 from tideserve.serve.openai.serving_chat import create_chat_completion, encode_messages
 from tideserve.serve.openai.serving_completion import create_completion
+from tideserve.serve.openai.serving_responses import create_response, response_not_stored
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +95,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None,
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/responses": ResponsesRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
@@ -182,6 +185,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(request: Request) -> Response:
         req = await parse_body(request, ChatCompletionRequest)
         return await _guarded(create_chat_completion(state, req, request, _info(request)))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        req = await parse_body(request, ResponsesRequest)
+        return await _guarded(create_response(state, req, request, _info(request)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        raise response_not_stored(response_id)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
