@@ -1,11 +1,13 @@
 """Where one batched decode step spends its time, and how close its matmuls come to the machine's rate.
 
-Fills a batch of ``--batch`` requests (prompts of ``--prompt-len`` tokens), lets them all reach decode,
-then times ``--steps`` engine steps (median step time, output tok/s) and profiles them with
-torch.profiler (top operators by self CPU time). It also times the step's linear layers alone at the
-same shapes, in float32, bfloat16, int8, and through the loaded model's own layers (its quantized blocks
-where it has them: the dtype the step uses), which gives the "fraction of the matmul rate" figure: the
-step's matmul FLOPs divided by the step time, over the rate the same GEMMs reach in isolation.
+Fills a batch of ``--batch`` requests (prompts of ``--prompt-len`` tokens) and lets them all reach decode.
+Then, in each of ``--rounds`` rounds, it times ``--steps`` engine steps (median step time, output tok/s) and
+the step's linear layers alone at the same shapes: in float32, bfloat16 and int8 (torch's kernels), and
+through the loaded model's own layers (its quantized blocks where it has them: the dtype the step uses).
+That gives the "fraction of the matmul rate": the step's matmul FLOPs over the step time, against the rate
+the same GEMMs reach alone, i.e. their time alone over the step's. It is taken per round, since a shared
+host's speed moves by the minute, and reported as the median and range over rounds. A last ``--steps``
+are profiled with torch.profiler (top operators by self CPU time).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/profile_decode.py --batch 64 --steps 8
 """
@@ -16,6 +18,7 @@ import argparse
 import json
 import statistics
 import time
+from collections import Counter
 
 import torch
 
@@ -84,7 +87,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded SmolLM2)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=8, help="steps timed per round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of steps then GEMMs alone (see below)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--kv-cache-dtype", default="auto")
@@ -95,14 +99,14 @@ def main() -> None:
 
     from tideserve import LLM, SamplingParams
 
-    kwargs = {"dtype": args.dtype, "max_model_len": args.prompt_len + 3 * args.steps + 64,
+    kwargs = {"dtype": args.dtype, "max_model_len": args.prompt_len + (args.rounds + 3) * args.steps + 64,
               "max_num_seqs": args.batch, "enable_prefix_caching": False,
               "adaptive_threads": not args.fixed_threads, "kv_cache_dtype": args.kv_cache_dtype}
     if args.quantization:
         kwargs["quantization"] = args.quantization
     llm = LLM(args.model, **kwargs)
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=3 * args.steps + 32, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=(args.rounds + 3) * args.steps + 32, ignore_eos=True)
     for i in range(args.batch):
         ids = [(i * 7919 + j * 104729) % 40000 + 100 for j in range(args.prompt_len)]
         engine.add_request(ids, params, prompt_token_ids=ids)
@@ -113,38 +117,55 @@ def main() -> None:
     for _ in range(min(16, args.steps)):  # past the pool's growth at the first block boundary
         engine.step()
 
-    step_times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        engine.step()
-        step_times.append(time.perf_counter() - t0)
-    step = statistics.median(step_times)
+    model = engine.runner.model
+    shapes = linear_shapes(model)
+    flops = sum(2 * args.batch * k * n for _, k, n in shapes)
+    shape_counts = Counter((k, n) for _, k, n in shapes)  # the layers repeat a few shapes
+    # Rounds: a round times --steps engine steps, then each kind's GEMMs at the step's shapes. On a shared
+    # host the machine's speed moves by the minute, so a step and a ceiling measured minutes apart do not
+    # compare; within a round they were measured under the same conditions, and each round gives a fraction.
+    rounds = []
+    all_steps: list[float] = []
+    for _ in range(args.rounds):
+        step_times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            engine.step()
+            step_times.append(time.perf_counter() - t0)
+        all_steps += step_times
+        gemm = {kind: sum(count * time_gemm(args.batch, k, n, kind, repeats=3)
+                          for (k, n), count in shape_counts.items())
+                for kind in ("float32", "bfloat16", "int8")}
+        gemm["own kernels"] = time_own_matmuls(model, args.batch, repeats=3)
+        rounds.append((statistics.median(step_times), gemm))
+    step = statistics.median(st for st, _ in rounds)
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             engine.step()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top)
 
-    model = engine.runner.model
-    shapes = linear_shapes(model)
-    flops = sum(2 * args.batch * k * n for _, k, n in shapes)
-    gemm = {kind: sum(time_gemm(args.batch, k, n, kind) for _, k, n in shapes)
-            for kind in ("float32", "bfloat16", "int8")}
-    gemm["own kernels"] = time_own_matmuls(model, args.batch)
+    kinds = list(rounds[0][1])
+    # The step's matmul FLOPs over its whole duration, against each kernel's rate alone: per round, the
+    # kernels' time alone over the step's time ("own kernels": the loaded model's layers themselves, i.e.
+    # the dtype the step uses).
+    fractions = {k: sorted(g[k] / st for st, g in rounds) for k in kinds}
+    gemm = {k: statistics.median(g[k] for _, g in rounds) for k in kinds}
     achieved = flops / step
     result = {
         "batch": args.batch, "prompt_len": args.prompt_len, "threads": torch.get_num_threads(),
         "thread_changes": engine.thread_governor.num_changes if engine.thread_governor else None,
         "model_dtype": str(model.dtype if hasattr(model, "dtype") else next(model.parameters()).dtype),
-        "step_ms_median": step * 1e3, "step_ms_spread": [min(step_times) * 1e3, max(step_times) * 1e3],
+        "rounds": args.rounds,
+        "step_ms_median": step * 1e3, "step_ms_spread": [min(all_steps) * 1e3, max(all_steps) * 1e3],
+        "step_ms_per_round": [round(st * 1e3, 2) for st, _ in rounds],
         "output_tok_s": args.batch / step,
         "matmul_gflop_per_step": flops / 1e9,
         "step_matmul_gflops": achieved / 1e9,
         "isolated_gemm_ms": {k: v * 1e3 for k, v in gemm.items()},
         "isolated_gemm_gflops": {k: flops / v / 1e9 for k, v in gemm.items()},
-        # The step's matmul FLOPs over its whole duration, against each kernel's rate alone ("own kernels":
-        # the loaded model's layers themselves, i.e. the dtype the step uses).
-        "fraction_of_matmul_rate": {k: achieved / (flops / v) for k, v in gemm.items()},
+        "fraction_of_matmul_rate": {k: statistics.median(v) for k, v in fractions.items()},
+        "fraction_of_matmul_rate_range": {k: [round(v[0], 3), round(v[-1], 3)] for k, v in fractions.items()},
     }
     print(table)
     print(json.dumps(result, indent=2))
