@@ -153,3 +153,32 @@ def test_nothing_is_stored(client, server):
     r = httpx.post(server.url + "/v1/responses", json={"input": "hi", "max_output_tokens": 2, "store": True},
                    timeout=60)
     assert r.status_code == 200 and r.json()["store"] is False
+
+
+def finished(http: httpx.Client, reason: str) -> float:
+    """vllm:request_success_total for one finish reason, from /metrics."""
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("vllm:request_success_total{") and f'finished_reason="{reason}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_client_leaving_mid_stream_aborts_its_request(server, shared_engine, wait_until):
+    """A Responses stream read for a few events and dropped is aborted (not run to its token limit), and its
+    blocks are freed, as a dropped chat stream is."""
+    body = {"input": QUESTION, "max_output_tokens": 400, "stream": True, "ignore_eos": True}
+    kv = shared_engine.engine.kv_manager
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        aborted, cut = finished(http, "abort"), finished(http, "length")
+        for events_read in (1, 6):
+            with http.stream("POST", "/v1/responses", json=body) as r:
+                assert r.status_code == 200
+                seen = 0
+                for line in r.iter_lines():
+                    seen += line.startswith("data: ")
+                    if seen >= events_read:
+                        break
+        wait_until(lambda: shared_engine.num_active() == 0 and kv.num_free_blocks == kv.num_blocks, 60,
+                   "the dropped streams' requests to end and their blocks to be freed")
+        wait_until(lambda: finished(http, "abort") == aborted + 2, 10, "two aborts in /metrics")
+        assert finished(http, "length") == cut  # neither ran to max_output_tokens
