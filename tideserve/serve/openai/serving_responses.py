@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any
 
 from pydantic import ValidationError
@@ -32,6 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from tideserve.serve.openai.errors import OpenAIError, bad_request, from_exception, validation_message
 from tideserve.serve.openai.fields import RESPONSES_FIELDS, refuse_unsupported
 from tideserve.serve.openai.protocol import ChatCompletionRequest, ResponsesRequest, ResponsesTool
+from tideserve.serve.openai.responses_output import message_items, response_events, response_object, responses_usage
 from tideserve.serve.openai.serving import RequestInfo, ServerState, resolve_request_id
 from tideserve.serve.openai.serving_chat import create_chat_completion
 
@@ -53,16 +52,16 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
     created = int(time.time())
     if req.stream:
         inner = await _in_responses_terms(create_chat_completion(state, chat, raw, info))
-        return StreamingResponse(_events(state, req, inner, request_id, created, info),
+        return StreamingResponse(response_events(state, req, inner, request_id, created),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     reply = await _in_responses_terms(create_chat_completion(state, chat, raw, info))
-    if not isinstance(reply, JSONResponse):  # a disconnect: pass its status through
+    if not isinstance(reply, JSONResponse):  # not expected (the chat path answers JSON or raises): pass it on
         return reply
     completion = json.loads(bytes(reply.body))
     choice = completion["choices"][0]
-    items = _message_items(choice["message"], request_id)
-    body = _response(state, req, request_id, created, items, choice["finish_reason"],
-                     _usage(completion["usage"]))
+    items = message_items(choice["message"], request_id)
+    body = response_object(state, req, request_id, created, items, choice["finish_reason"],
+                           responses_usage(completion["usage"]))
     return JSONResponse(body)
 
 
@@ -203,187 +202,6 @@ def _renamed(exc: OpenAIError) -> OpenAIError:
     message = message.replace("in the completion", "in the output").replace("of the completion", "of the output")
     return OpenAIError(exc.status, message, _PARAM_NAMES.get(exc.param or "", exc.param), exc.headers,
                        exc.err_type)
-
-
-# ---------------------------------------------------------------------- reply: chat -> Responses
-def _message_items(message: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
-    items = []
-    text = message.get("content") or ""
-    calls = message.get("tool_calls") or []
-    if text or not calls:
-        items.append(_message_item(request_id, text, "completed"))
-    for n, call in enumerate(calls):
-        items.append(_call_item(request_id, n, call["id"], call["function"]["name"],
-                                call["function"]["arguments"], "completed"))
-    return items
-
-
-def _message_item(request_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = [] if text is None else [_text_part(text)]
-    return {"type": "message", "id": f"msg_{request_id}", "status": status, "role": "assistant",
-            "content": content}
-
-
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _call_item(request_id: str, n: int, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": f"fc_{request_id}_{n}", "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}
-
-
-def _usage(chat_usage: dict[str, int] | None) -> dict[str, Any] | None:
-    if chat_usage is None:
-        return None
-    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": chat_usage["total_tokens"]}
-
-
-def _response(state: ServerState, req: ResponsesRequest, request_id: str, created: int,
-              items: list[dict[str, Any]], finish_reason: str | None, usage: dict[str, Any] | None) -> dict:
-    """The response object; finish_reason None: still in progress (the stream's first events)."""
-    if finish_reason is None:
-        status, incomplete = "in_progress", None
-    elif finish_reason == "length":
-        status, incomplete = "incomplete", {"reason": "max_output_tokens"}
-    elif finish_reason == "abort":
-        status, incomplete = "incomplete", {"reason": "aborted"}
-    else:
-        status, incomplete = "completed", None
-    choice = req.tool_choice
-    fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else None
-    return {
-        "id": f"resp_{request_id}", "object": "response", "created_at": created, "status": status,
-        "background": False, "error": None, "incomplete_details": incomplete,
-        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-        "max_tool_calls": req.max_tool_calls, "model": state.model_name, "output": items,
-        "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
-        "reasoning": None, "service_tier": "default", "store": False,
-        "temperature": req.temperature, "text": {"format": fmt or {"type": "text"}},
-        "tool_choice": (choice if isinstance(choice, str) else choice.model_dump()) if choice is not None
-        else ("auto" if req.tools else "none"),
-        "tools": [t.model_dump(exclude_none=True) for t in req.tools or []], "top_p": req.top_p,
-        "truncation": "disabled", "usage": usage, "user": req.user, "metadata": req.metadata or {},
-    }
-
-
-class _EventWriter:
-    """Numbers the events of one stream and keeps the output items as they grow."""
-
-    def __init__(self) -> None:
-        self.sequence = 0
-        self.items: list[dict[str, Any]] = []
-
-    def event(self, kind: str, **payload: Any) -> str:
-        body = {"type": kind, "sequence_number": self.sequence, **payload}
-        self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-async def _events(state: ServerState, req: ResponsesRequest, chat_reply: Response, request_id: str,
-                  created: int, info: RequestInfo) -> AsyncIterator[str]:
-    """The chat stream's chunks, re-shaped into Responses events (see the module docstring)."""
-    out = _EventWriter()
-    text: str | None = None  # the open message item's text, None when no message item is open
-    calls: dict[int, int] = {}  # chat tool-call index -> output index of its open function_call item
-    finish_reason = None
-    usage = None
-
-    def snapshot(reason: str | None) -> dict:
-        return _response(state, req, request_id, created, out.items, reason, _usage(usage))
-
-    def close_message() -> list[str]:
-        nonlocal text
-        if text is None:
-            return []
-        index = len(out.items) - 1
-        item = out.items[index] = _message_item(request_id, text, "completed")
-        ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        frames = [out.event("response.output_text.done", **ids, text=text, logprobs=[]),
-                  out.event("response.content_part.done", **ids, part=_text_part(text)),
-                  out.event("response.output_item.done", output_index=index, item=item)]
-        text = None
-        return frames
-
-    def close_calls() -> list[str]:
-        frames = []
-        for index in calls.values():
-            item = out.items[index]
-            item["status"] = "completed"
-            frames.append(out.event("response.function_call_arguments.done", item_id=item["id"],
-                                    output_index=index, arguments=item["arguments"], name=item["name"]))
-            frames.append(out.event("response.output_item.done", output_index=index, item=dict(item)))
-        calls.clear()
-        return frames
-
-    yield out.event("response.created", response=snapshot(None))
-    yield out.event("response.in_progress", response=snapshot(None))
-    body = chat_reply.body_iterator
-    try:
-        async with aclosing(body) as frames:  # type: ignore[type-var]
-            async for frame in frames:
-                data = frame if isinstance(frame, str) else frame.decode()
-                payload = data[len("data: "):].strip() if data.startswith("data: ") else ""
-                if not payload or payload == "[DONE]":
-                    continue
-                chunk = json.loads(payload)
-                if "error" in chunk:
-                    err = chunk["error"]
-                    yield out.event("error", code=str(err.get("code")), message=err.get("message"),
-                                    param=err.get("param"))
-                    return
-                if chunk.get("usage") and not chunk.get("choices"):
-                    usage = chunk["usage"]
-                for choice in chunk.get("choices", []):
-                    delta = choice.get("delta") or {}
-                    piece = delta.get("content")
-                    if piece:
-                        if text is None:
-                            for frame_out in close_calls():
-                                yield frame_out
-                            out.items.append(_message_item(request_id, None, "in_progress"))
-                            index = len(out.items) - 1
-                            text = ""
-                            yield out.event("response.output_item.added", output_index=index,
-                                            item=out.items[index])
-                            yield out.event("response.content_part.added", item_id=f"msg_{request_id}",
-                                            output_index=index, content_index=0, part=_text_part(""))
-                        text += piece
-                        yield out.event("response.output_text.delta", item_id=f"msg_{request_id}",
-                                        output_index=len(out.items) - 1, content_index=0, delta=piece,
-                                        logprobs=[])
-                    for call in delta.get("tool_calls") or []:
-                        n = call.get("index", 0)
-                        function = call.get("function") or {}
-                        if n not in calls:
-                            for frame_out in close_message():
-                                yield frame_out
-                            out.items.append(_call_item(request_id, n, call.get("id") or f"call_{request_id}_{n}",
-                                                        function.get("name") or "", "", "in_progress"))
-                            calls[n] = len(out.items) - 1
-                            yield out.event("response.output_item.added", output_index=calls[n],
-                                            item=dict(out.items[calls[n]]))
-                        item = out.items[calls[n]]
-                        pieces = function.get("arguments") or ""
-                        if pieces:
-                            item["arguments"] += pieces
-                            yield out.event("response.function_call_arguments.delta", item_id=item["id"],
-                                            output_index=calls[n], delta=pieces)
-                    if choice.get("finish_reason"):
-                        finish_reason = choice["finish_reason"]
-    except Exception as exc:  # the status line is gone; report in-band
-        err = from_exception(exc)
-        yield out.event("error", code=str(err.status), message=err.message, param=err.param)
-        return
-    for frame_out in close_message() + close_calls():
-        yield frame_out
-    if not out.items:  # an empty reply still has its message
-        out.items.append(_message_item(request_id, "", "completed"))
-    final = snapshot(finish_reason or "abort")
-    kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-    yield out.event(kind, response=final)
 
 
 def response_not_stored(response_id: str) -> OpenAIError:
