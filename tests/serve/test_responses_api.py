@@ -47,6 +47,13 @@ def test_instructions_and_message_items_are_the_chat_messages(client, model):
     assert r.output_text == text
 
 
+def test_an_empty_tools_list_means_no_tools(client, model):
+    """The OpenAI Agents SDK sends ``tools: []`` for an agent without tools; OpenAI takes it as none."""
+    plain = client.responses.create(model=model, input=QUESTION, max_output_tokens=8, temperature=0)
+    r = client.responses.create(model=model, input=QUESTION, max_output_tokens=8, temperature=0, tools=[])
+    assert r.output_text == plain.output_text and r.tools == []
+
+
 def test_max_output_tokens_makes_the_response_incomplete(client, model):
     r = client.responses.create(model=model, input=QUESTION, max_output_tokens=3, extra_body={"ignore_eos": True})
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"

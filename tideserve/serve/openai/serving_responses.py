@@ -80,7 +80,7 @@ def _chat_request(req: ResponsesRequest, request_id: str) -> ChatCompletionReque
         body["ignore_eos"] = True
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
-    if req.tools is not None:
+    if req.tools:  # OpenAI takes an empty list as no tools (the Agents SDK sends one); chat refuses it
         body["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(req.tools)]
     if req.tool_choice is not None:
         choice = req.tool_choice
