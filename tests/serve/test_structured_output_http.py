@@ -262,3 +262,31 @@ def test_the_server_serves_after_bad_constraints(client, model):
     assert re.fullmatch(PHONE, out.choices[0].text) and out.choices[0].finish_reason == "stop"
     plain = client.completions.create(model=model, prompt=PLAIN_PROMPT, max_tokens=4, temperature=0)
     assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 4
+
+
+def test_response_format_closes_objects_its_schema_leaves_open(client, model):
+    """A pydantic model's schema, as clients (instructor's JSON_SCHEMA mode) send it: no additionalProperties.
+    The output gets exactly its properties, as with OpenAI's structured outputs and vLLM's default backend;
+    left open, SmolLM2 kept adding properties until max_tokens cut it off. structured_outputs.json still
+    follows the schema's own default (open)."""
+    schema = {"type": "object", "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}}
+    reply = client.chat.completions.create(
+        model=model, messages=chat("Describe a person as JSON."), temperature=0, max_tokens=MAX_TOKENS,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    assert reply.choices[0].finish_reason == "stop"
+    assert set(json.loads(reply.choices[0].message.content)) == {"name", "age"}
+
+
+def test_only_response_format_closes_open_objects():
+    from tideserve.serve.openai.protocol import ChatCompletionRequest
+    from tideserve.serve.openai.serving import structured_outputs_from
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    messages = chat("x")
+    by_format, _ = structured_outputs_from(ChatCompletionRequest(messages=messages, response_format={
+        "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}))
+    by_vllm, _ = structured_outputs_from(ChatCompletionRequest(messages=messages, structured_outputs={"json": schema}))
+    by_guided, _ = structured_outputs_from(ChatCompletionRequest(messages=messages, guided_json=schema))
+    assert by_format.disable_additional_properties
+    assert not by_vllm.disable_additional_properties and not by_guided.disable_additional_properties

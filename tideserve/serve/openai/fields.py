@@ -73,8 +73,9 @@ _SHARED_HONOURED = {
     "cache_salt": "prefix-cache entries are shared only between requests with the same salt",
     "request_id": "the request id (response id, logs) when no X-Request-Id header is sent",
     # Structured output (docs/structured-output.md): one constraint per request, enforced by a grammar.
-    "response_format": "json_object (any JSON object) or json_schema (output matches json_schema.schema); "
-                       "text: no constraint; structural_tag is a 400",
+    "response_format": "json_object (any JSON object) or json_schema (output matches json_schema.schema, its "
+                       "objects closed unless they set additionalProperties, as OpenAI and vLLM's default "
+                       "backend); text: no constraint; structural_tag is a 400",
     "structured_outputs": "vLLM's constraint object: exactly one of json, regex, choice, grammar (Lark or "
                           "GBNF) or json_object, plus disable_any_whitespace and disable_additional_properties",
     "guided_json": "older vLLM name for structured_outputs.json (a schema, or its JSON text)",
@@ -200,7 +201,7 @@ RESPONSES_FIELDS = EndpointFields(
                        "a named function is {type: function, name}",
         "parallel_tool_calls": "false: at most one call (required: the grammar allows one)",
         "text": "format: text, json_object, or json_schema (name, schema): output constrained as "
-                "response_format",
+                "chat's response_format (objects closed unless they set additionalProperties)",
         "metadata": "returned in the response object as given",
         "seed": _SHARED_HONOURED["seed"],
         "top_k": _SHARED_HONOURED["top_k"],

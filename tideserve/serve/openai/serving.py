@@ -187,7 +187,12 @@ def structured_outputs_from(req: SamplingRequest) -> tuple[StructuredOutputsPara
         if fmt.json_schema is None or fmt.json_schema.json_schema is None:
             raise bad_request("response_format of type 'json_schema' needs json_schema.schema (the JSON "
                               "schema the output must match).", "response_format.json_schema")
-        found.append(("response_format.json_schema.schema", {"json": fmt.json_schema.json_schema}))
+        # Closed objects, as OpenAI's structured outputs (a strict schema must close every object) and
+        # vLLM's default grammar backend (xgrammar, strict mode) give: a schema that lists its properties
+        # gets those, and a small model does not add undeclared ones until max_tokens cuts the output.
+        # An object that wants more says additionalProperties itself.
+        found.append(("response_format.json_schema.schema", {"json": fmt.json_schema.json_schema,
+                                                              "disable_additional_properties": True}))
     so = req.structured_outputs
     if so is not None:
         given = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
