@@ -129,7 +129,30 @@ def test_json_schema_text_format(client, model):
     assert r.text.format.type == "json_schema"
 
 
+def test_logprobs_are_the_chat_endpoints(client, model):
+    """include message.output_text.logprobs with top_logprobs: the output_text part carries chat's entries
+    for the same request, one per output token; streamed, the deltas carry them in order."""
+    asked = {"input": QUESTION, "max_output_tokens": 8, "temperature": 0, "top_logprobs": 2,
+             "include": ["message.output_text.logprobs"]}
+    r = client.responses.create(model=model, **asked)
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
+                                          max_completion_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    entries = r.output[0].content[0].logprobs
+    assert len(entries) == r.usage.output_tokens
+    assert [(e.token, len(e.top_logprobs)) for e in entries] == [(e.token, 2) for e in chat.choices[0].logprobs.content]
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in chat.choices[0].logprobs.content],
+                                                         abs=1e-3)
+    assert "".join(e.token for e in entries) == r.output_text
+    events = list(client.responses.create(model=model, stream=True, **asked))
+    streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert streamed == [lp.token for lp in done.logprobs] == [e.token for e in entries]
+    assert client.responses.create(model=model, input=QUESTION, max_output_tokens=4).output[0].content[0].logprobs == []
+
+
 @pytest.mark.parametrize(("extra", "param", "contains"), [
+    ({"include": ["reasoning.encrypted_content"]}, "include", "'reasoning.encrypted_content' is not supported"),
+    ({"top_logprobs": 50}, "top_logprobs", "greater than max allowed"),
     ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
     ({"temperature": -1}, "temperature", "temperature must be"),
     ({"max_output_tokens": 10**7}, "max_output_tokens", "maximum context length"),

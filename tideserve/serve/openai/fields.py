@@ -203,6 +203,10 @@ RESPONSES_FIELDS = EndpointFields(
         "text": "format: text, json_object, or json_schema (name, schema): output constrained as "
                 "chat's response_format (objects closed unless they set additionalProperties)",
         "metadata": "returned in the response object as given",
+        "include": "message.output_text.logprobs: each output_text part (and stream delta) carries its tokens' "
+                   "logprobs; other values (hosted tools' and reasoning outputs, images) are a 400",
+        "top_logprobs": "alternatives per token with their logprobs (capped by --max-logprobs); implies "
+                        "message.output_text.logprobs",
         "seed": _SHARED_HONOURED["seed"],
         "top_k": _SHARED_HONOURED["top_k"],
         "min_p": _SHARED_HONOURED["min_p"],
@@ -220,12 +224,8 @@ RESPONSES_FIELDS = EndpointFields(
         "background": Refusal("responses are not stored, so there is nothing to poll later; stream instead"),
         "prompt": Refusal("stored prompt templates live on OpenAI's platform; send instructions and input",
                           _is_none),
-        "include": Refusal("there are no extra outputs to include (no hosted tools, no reasoning, no "
-                           "logprobs in this endpoint)"),
         "reasoning": Refusal("there is no reasoning parser: reasoning the model writes stays in the output "
                              "text", lambda v: not v or all(x is None for x in v.values())),
-        "top_logprobs": Refusal("logprobs are not implemented in this endpoint; use /v1/chat/completions "
-                                "with logprobs"),
         "truncation": Refusal("the input is never cut: an input longer than the context gets a 400",
                               lambda v: v in (None, "disabled")),
     },

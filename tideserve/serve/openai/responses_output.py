@@ -17,28 +17,32 @@ from tideserve.serve.openai.protocol import ResponsesRequest
 from tideserve.serve.openai.serving import ServerState
 
 
-def message_items(message: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
-    """A chat reply's assistant message as output items: its text (kept even when empty, unless the reply
-    is only calls), then one function_call item per tool call."""
+def message_items(message: dict[str, Any], request_id: str,
+                  logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """A chat reply's assistant message as output items: its text with the tokens' logprobs when asked (kept
+    even when empty, unless the reply is only calls), then one function_call item per tool call."""
     items = []
     text = message.get("content") or ""
     calls = message.get("tool_calls") or []
     if text or not calls:
-        items.append(message_item(request_id, text, "completed"))
+        items.append(message_item(request_id, text, "completed", logprobs))
     for n, call in enumerate(calls):
         items.append(call_item(request_id, n, call["id"], call["function"]["name"], call["function"]["arguments"],
                                "completed"))
     return items
 
 
-def message_item(request_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = [] if text is None else [text_part(text)]
+def message_item(request_id: str, text: str | None, status: str,
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    content = [] if text is None else [text_part(text, logprobs)]
     return {"type": "message", "id": f"msg_{request_id}", "status": status, "role": "assistant",
             "content": content}
 
 
-def text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An output_text part; chat's logprob entries ({token, logprob, bytes, top_logprobs}) are the Responses
+    API's as they are."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def call_item(request_id: str, n: int, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -92,6 +96,7 @@ class StreamTranslator:
         self.sequence = 0
         self.items: list[dict[str, Any]] = []
         self.text: str | None = None  # the open message item's text; None: no message item is open
+        self.logprobs: list[dict[str, Any]] = []  # the open message's token logprobs (when asked for)
         self.calls: dict[int, int] = {}  # chat tool-call index -> output index of its open function_call item
         self.usage: dict[str, int] | None = None
 
@@ -108,7 +113,9 @@ class StreamTranslator:
         return [self.event("response.created", response=self.snapshot(None)),
                 self.event("response.in_progress", response=self.snapshot(None))]
 
-    def on_text(self, piece: str) -> list[str]:
+    def on_text(self, piece: str, logprobs: list[dict[str, Any]]) -> list[str]:
+        """A content delta, with its tokens' logprobs when asked for (a token may bring logprobs and no
+        text yet: its delta is empty)."""
         frames = []
         item_id = f"msg_{self.request_id}"
         if self.text is None:
@@ -120,8 +127,9 @@ class StreamTranslator:
             frames.append(self.event("response.content_part.added", item_id=item_id, output_index=index,
                                      content_index=0, part=text_part("")))
         self.text += piece
+        self.logprobs += logprobs
         frames.append(self.event("response.output_text.delta", item_id=item_id, output_index=len(self.items) - 1,
-                                 content_index=0, delta=piece, logprobs=[]))
+                                 content_index=0, delta=piece, logprobs=logprobs))
         return frames
 
     def on_call(self, call: dict[str, Any]) -> list[str]:
@@ -147,12 +155,12 @@ class StreamTranslator:
         if self.text is None:
             return []
         index = len(self.items) - 1
-        item = self.items[index] = message_item(self.request_id, self.text, "completed")
+        item = self.items[index] = message_item(self.request_id, self.text, "completed", self.logprobs)
         ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        frames = [self.event("response.output_text.done", **ids, text=self.text, logprobs=[]),
-                  self.event("response.content_part.done", **ids, part=text_part(self.text)),
+        frames = [self.event("response.output_text.done", **ids, text=self.text, logprobs=self.logprobs),
+                  self.event("response.content_part.done", **ids, part=item["content"][0]),
                   self.event("response.output_item.done", output_index=index, item=item)]
-        self.text = None
+        self.text, self.logprobs = None, []
         return frames
 
     def close_calls(self) -> list[str]:
@@ -206,8 +214,10 @@ async def response_events(state: ServerState, req: ResponsesRequest, chat_reply:
                     out.usage = chunk["usage"]
                 for choice in chunk.get("choices", []):
                     delta = choice.get("delta") or {}
-                    for event in out.on_text(delta["content"]) if delta.get("content") else []:
-                        yield event
+                    logprobs = (choice.get("logprobs") or {}).get("content") or []
+                    if delta.get("content") or logprobs:
+                        for event in out.on_text(delta.get("content") or "", logprobs):
+                            yield event
                     for call in delta.get("tool_calls") or []:
                         for event in out.on_call(call):
                             yield event

@@ -39,6 +39,7 @@ _PARAM_NAMES = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max
                 "messages": "input", "response_format": "text.format"}
 _MESSAGE_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one ``include`` value there is something to include for
 
 
 async def create_response(state: ServerState, req: ResponsesRequest, raw: Request,
@@ -59,7 +60,8 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
         return reply
     completion = json.loads(bytes(reply.body))
     choice = completion["choices"][0]
-    items = message_items(choice["message"], request_id)
+    logprobs = (choice.get("logprobs") or {}).get("content")
+    items = message_items(choice["message"], request_id, logprobs)
     body = response_object(state, req, request_id, created, items, choice["finish_reason"],
                            responses_usage(completion["usage"]))
     return JSONResponse(body)
@@ -80,6 +82,13 @@ def _chat_request(req: ResponsesRequest, request_id: str) -> ChatCompletionReque
         body["ignore_eos"] = True
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
+    unsupported = [value for value in req.include or () if value != LOGPROBS_INCLUDE]
+    if unsupported:
+        raise bad_request(f"include value {unsupported[0]!r} is not supported: the only extra output here is "
+                          f"{LOGPROBS_INCLUDE!r} (there are no hosted tools, reasoning items or images).", "include")
+    if LOGPROBS_INCLUDE in (req.include or ()) or req.top_logprobs:
+        body["logprobs"] = True
+        body["top_logprobs"] = req.top_logprobs or 0
     if req.tools:  # OpenAI takes an empty list as no tools (the Agents SDK sends one); chat refuses it
         body["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(req.tools)]
     if req.tool_choice is not None:
