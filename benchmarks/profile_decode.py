@@ -45,7 +45,12 @@ def time_gemm(m: int, k: int, n: int, kind: str, repeats: int = 7) -> float:
         x = torch.randn(m, k, dtype=dtype)
         w = torch.randn(n, k, dtype=dtype)
         run = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
-    for _ in range(2):
+    return median_time(run, repeats, warmup=2)
+
+
+def median_time(run, repeats: int, warmup: int) -> float:
+    """Median wall time of ``run()`` over ``repeats`` calls, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
         run()
     times = []
     for _ in range(repeats):
@@ -73,13 +78,7 @@ def time_own_matmuls(model, batch: int, repeats: int = 7) -> float:
                 m(x)
             model.compute_logits(hidden)
 
-    run()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_time(run, repeats, warmup=1)
 
 
 def main() -> None:
