@@ -7,6 +7,7 @@
 #   decode-micro.json  the Triton decode kernel against the torch path, a few batch sizes x contexts
 #   offline.json       benchmarks/offline_throughput.py on the GPU: tideserve against transformers
 #   elastic.json       the elastic KV pool growing under a burst and shrinking while idle, on device memory
+#   offline-1b.json    the offline benchmark again on a 1B model of random weights, which gives the GPU work
 # Every step has a time limit (the whole run fits in 9 minutes) and a failed step does not stop the next;
 # GPU_CHECK_ONLY="install model cuda-tests" runs the named steps alone.
 #
@@ -152,6 +153,18 @@ step offline 170 "$PY" benchmarks/offline_throughput.py "${MODEL_ARGS[@]}" --dev
     --json "$OUT/offline.json"
 step elastic 75 "$PY" benchmarks/gpu_probes.py elastic "${MODEL_ARGS[@]}" --idle-seconds 15 \
     --json "$OUT/elastic.json"
+# A 1.07B model in Llama-3.2-1B's shape on SmolLM2's tokenizer (random weights): a 135M model leaves the GPU
+# waiting on launches and the host, this one gives it work (2.1 GB of weights read per decode step).
+make_large_model() {
+    "$PY" benchmarks/gpu_probes.py make-model --device cuda --config-dir "$WHEELS/smollm2-config" \
+        --out-dir /tmp/gpu-check-1b \
+        --set hidden_size=2048 --set intermediate_size=8192 --set num_hidden_layers=16 \
+        --set num_attention_heads=32 --set num_key_value_heads=8 --set head_dim=64 --json "$OUT/model-1b.json"
+}
+step model-1b 90 make_large_model
+step offline-1b 150 "$PY" benchmarks/offline_throughput.py --model /tmp/gpu-check-1b --device cuda --dtype bfloat16 \
+    --quantization none --hf-dtypes bfloat16 --num-prompts 64 --output-len 128 --repeats 3 --hf-repeats 2 \
+    --json "$OUT/offline-1b.json"
 
 "$PY" - "$STEPS" "$OUT" <<'EOF' | tee -a "$LOG"
 import json, sys
@@ -171,6 +184,8 @@ if (micro := load("decode-micro.json")):
                                         for r in micro["rows"]]}
 if (offline := load("offline.json")):
     summary["offline"] = {k: offline.get(k) for k in ("tideserve_median", "transformers_median", "ratios", "device")}
+if (offline_1b := load("offline-1b.json")):
+    summary["offline_1b"] = {k: offline_1b.get(k) for k in ("tideserve_median", "transformers_median", "ratios")}
 if (elastic := load("elastic.json")):
     summary["elastic"] = {k: elastic.get(k) for k in ("pool_start_bytes", "pool_peak_bytes", "pool_end_bytes",
                                                       "device_free_gain_bytes", "first_shrink_after_s", "burst_tok_s")}

@@ -149,8 +149,12 @@ def make_model(args: argparse.Namespace) -> dict:
 
     src, dst = Path(args.config_dir), Path(args.out_dir)
     config = AutoConfig.from_pretrained(src)
+    for item in args.set or ():  # a larger shape on the same tokenizer: the GPU loaded, not the launches
+        key, _, value = item.partition("=")
+        setattr(config, key, type(getattr(config, key))(value))
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.device(args.device):  # --device cuda: a 1B model initialises in seconds, not a minute
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(dst)
     for f in src.iterdir():  # tokenizer files and chat template
         if not (dst / f.name).exists():
@@ -175,6 +179,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--config-dir", required=True)
     p.add_argument("--out-dir", required=True)
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set hidden_size=2048 (repeatable)")
     for name, p in sub.choices.items():
         if name != "make-model":
             p.add_argument("--device", default="cuda", help="cpu: a smoke run (decode-micro: TRITON_INTERPRET=1)")

@@ -130,12 +130,13 @@ def main() -> None:
             hfs[name] = hf.to(llm.engine.device).eval()
         pad = llm.tokenizer.eos_token_id or 0
 
-    # Warm up each once (small, on prompts no round uses), then interleave the timed runs.
-    warm = encoded(args.seed - 1)[:2]
+    # Warm up each once at the rounds' batch width (a few tokens, on prompts no round uses), then interleave
+    # the timed runs: on a GPU the first batch of a width pays CUDA-graph captures and cuBLAS's choices.
+    warm = encoded(args.seed - 1)
     for one in llms.values():
         run_tideserve(one, warm, 4)
     for hf in hfs.values():
-        run_transformers(hf, pad, warm, 4, 2)
+        run_transformers(hf, pad, warm, 4, args.hf_batch_size or len(warm))
     ours: dict[str, list[float]] = {q: [] for q in variants}
     theirs: dict[str, list[float]] = {name: [] for name in hfs}
     hf_repeats = args.repeats if args.hf_repeats is None else args.hf_repeats
