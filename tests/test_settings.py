@@ -16,6 +16,7 @@ from tideserve.cli_reference import render
 from tideserve.config import CacheConfig, KVEventsConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tideserve.core.kv_cache.elastic import ElasticConfig
 from tideserve.engine.arg_utils import ENGINE_SETTINGS, EngineArgs
+from tideserve.pooling_params import PoolerConfig
 from tideserve.settings import (
     KV_GROUP,
     add_setting_arguments,
@@ -40,6 +41,9 @@ SAMPLES = {
     "quantization": ("none", "none", "none"),
     "enforce_eager": (True, None, True),
     "attention_backend": ("torch", "torch", "torch"),
+    "pooler_config": ({"pooling_type": "mean", "normalize": False},
+                      '{"pooling_type": "MEAN", "normalize": false}',
+                      PoolerConfig(pooling_type="MEAN", normalize=False)),
     "block_size": (32, "32", 32),
     "num_blocks": (64, "64", 64),
     "kv_cache_memory": ("1GiB", "1GiB", 2**30),

@@ -19,6 +19,8 @@ _EXPORTS = {
     "RequestOutput": "tideserve.outputs",
     "CompletionOutput": "tideserve.outputs",
     "Logprob": "tideserve.outputs",
+    "PoolingParams": "tideserve.pooling_params",
+    "EmbeddingRequestOutput": "tideserve.outputs",
 }
 __all__ = list(_EXPORTS)
 

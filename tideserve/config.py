@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from tideserve.pooling_params import PoolerConfig, parse_pooler_config
 from tideserve.settings import KV_GROUP, setting
 
 VALID_BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -295,8 +296,14 @@ class ModelConfig:
         "auto", choices=ATTENTION_BACKENDS,
         help="auto: cpu-native on the CPU when the native kernels build and the dtypes fit, triton on CUDA when "
              "triton is installed, else torch (SDPA over gathered blocks, runs anywhere)")
+    # How /v1/embeddings (and LLM.embed) pool a prompt's hidden states (tideserve/pooling_params.py).
+    pooler_config: PoolerConfig | dict | str | None = setting(
+        None, metavar="JSON", aliases=("--override-pooler-config",),
+        help='embeddings: {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": true|false} (default LAST, '
+             'normalized, as vLLM\'s embed task)')
 
     def __post_init__(self) -> None:
+        self.pooler_config = parse_pooler_config(self.pooler_config)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}.")

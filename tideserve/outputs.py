@@ -45,3 +45,24 @@ class RequestOutput:
     # Tokens generated for this request over all its samples, best_of's discarded ones included (what
     # OpenAI bills as completion tokens).
     num_generated_tokens: int = 0
+    # An embedding request's vector (PoolingParams), once finished; None for generation requests.
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s result, shaped as vLLM's: ``out.outputs.embedding``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

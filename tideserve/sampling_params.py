@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tideserve.pooling_params import PoolingParams
 from tideserve.structured_output.params import StructuredOutputsParams
 
 __all__ = ["SamplingParams", "StructuredOutputsParams"]  # vLLM's import path for both
@@ -52,6 +53,9 @@ class SamplingParams:
     # bad_words as token id sequences, resolved with the model's tokenizer when the engine accepts the
     # request (set by the engine, not by users).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # An embedding request's pooling, resolved (set by the engine, not by users): the prompt is prefilled,
+    # its hidden states pooled, and no token is generated (max_tokens 0).
+    pooling: PoolingParams | None = field(default=None, repr=False)
     # What the sampler derives from the fields above once per request (e.g. the logit_bias tensors);
     # never copied by dataclasses.replace, so a changed copy derives its own.
     derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -154,6 +158,13 @@ class SamplingParams:
     def num_samples(self) -> int:
         """Samples the engine generates: best_of when set, else n."""
         return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def needs_every_prompt_position(self) -> bool:
+        """Prompt logprobs and MEAN/CLS pooling read every prompt position, so such requests skip the
+        prefix cache (a hit leaves the cached positions uncomputed)."""
+        return self.prompt_logprobs is not None or (self.pooling is not None
+                                                    and self.pooling.needs_every_prompt_position)
 
     @property
     def greedy(self) -> bool:

@@ -222,7 +222,7 @@ class Scheduler:
             computed, hit_blocks = request.num_computed_tokens, []
         else:
             computed = 0
-            hit_blocks = ([] if request.sampling_params.prompt_logprobs is not None
+            hit_blocks = ([] if request.sampling_params.needs_every_prompt_position
                           else self.kv.get_computed_blocks(request.request_id, token_ids, count_stats=False))
         num_new = len(token_ids) - computed - len(hit_blocks) * self.kv.block_size
         if self.config.enable_chunked_prefill:
@@ -257,8 +257,8 @@ class Scheduler:
                 budget -= taken
                 continue
             token_ids = request.all_token_ids
-            # Prompt logprobs need every prompt position computed, so such requests skip the cache.
-            hit_blocks = ([] if request.sampling_params.prompt_logprobs is not None
+            # Prompt logprobs and MEAN/CLS pooling need every prompt position computed: no cache hits.
+            hit_blocks = ([] if request.sampling_params.needs_every_prompt_position
                           else self.kv.get_computed_blocks(request.request_id, token_ids))
             num_hit = len(hit_blocks) * self.kv.block_size
             num_new = len(token_ids) - num_hit
@@ -365,7 +365,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            if request.max_tokens == 0:  # scored its prompt only (prompt logprobs): no token to keep
+            if request.max_tokens == 0:  # scored or pooled its prompt only: no token to keep
                 request.status = RequestStatus.FINISHED_LENGTH
             else:
                 request.output_token_ids.append(token_id)

@@ -7,7 +7,8 @@ from typing import Any
 
 from tideserve.engine.llm_engine import EngineArgs, LLMEngine
 from tideserve.model.loader import LoadedModel
-from tideserve.outputs import RequestOutput
+from tideserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from tideserve.pooling_params import PoolingParams
 from tideserve.sampling_params import SamplingParams
 from tideserve.settings import check_names
 from tideserve.tokenizer.chat_template import load_chat_template
@@ -120,6 +121,34 @@ class LLM:
             checked.append((self.engine.tokenizer.decode(token_ids, skip_special_tokens=False), token_ids, p))
         return self._run(checked, use_tqdm, priorities)
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = False, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's ``LLM.embed``): the prompt's final hidden states pooled as
+        ``pooling_params`` or the engine's ``pooler_config`` say (LAST, normalized, by default).
+        ``truncate_prompt_tokens`` keeps each prompt's last N tokens; without it a prompt longer than the
+        context is a ValueError."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = [_plain_prompt(p) for p in prompts]
+        pooling = pooling_params or PoolingParams()
+        self.engine.pooling_sampling_params(pooling)  # refuses bad pooling parameters before anything is added
+        checked = []
+        for prompt in prompts:
+            _, token_ids = self.engine.tokenize_prompt(prompt)
+            if truncate_prompt_tokens is not None:
+                token_ids = token_ids[-truncate_prompt_tokens:]
+            self.engine.check_embedding_length(len(token_ids))
+            checked.append((prompt, token_ids))
+        order: dict[str, int] = {}
+        for i, (prompt, token_ids) in enumerate(checked):
+            rid = self.engine.add_request(prompt if isinstance(prompt, str) else token_ids, pooling,
+                                          prompt_token_ids=token_ids)
+            order[rid] = i
+        results = self._drain(order, use_tqdm, len(checked))
+        return [EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(r.embedding))
+                for r in results]
+
     def _priorities(self, priority: Sequence[int] | None, n: int) -> list[int]:
         if priority is None:
             return [0] * n
@@ -142,8 +171,12 @@ class LLM:
             text = prompt if isinstance(prompt, str) else None
             rid = self.engine.add_request(text or token_ids, p, prompt_token_ids=token_ids, priority=priorities[i])
             order[rid] = i
-        results: list[RequestOutput | None] = [None] * len(items)
-        bar = _progress(len(items)) if use_tqdm else None
+        return self._drain(order, use_tqdm, len(items))
+
+    def _drain(self, order: dict[str, int], use_tqdm: bool, total: int) -> list[RequestOutput]:
+        """Step until every request is done; their final outputs in ``order``'s positions."""
+        results: list[RequestOutput | None] = [None] * total
+        bar = _progress(total) if use_tqdm else None
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished and out.request_id in order:

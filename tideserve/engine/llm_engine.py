@@ -44,6 +44,7 @@ from tideserve.model.loader import LoadedModel, load_model
 from tideserve.model.tensor_parallel import check_tensor_parallel, shard_model
 from tideserve.outputs import RequestOutput
 from tideserve.platform import platform_for, resolve_device
+from tideserve.pooling_params import PoolingParams
 from tideserve.request import Request, RequestStatus
 from tideserve.sampling_params import SamplingParams
 from tideserve.structured_output.manager import StructuredOutputManager
@@ -75,6 +76,7 @@ class LLMEngine:
         args = EngineArgs.coerce(args)
         model_config, cache_config, sched_config = args.configs()
         self.args = args
+        self.model_config = model_config
         requested = None if model_config.device == "auto" else resolve_device(model_config.device)
         loaded, self.device = match_loaded(model_config, loaded, requested)
         self.platform = platform_for(self.device)
@@ -332,15 +334,30 @@ class LLMEngine:
             raise InvalidParameterError(f"Got priority {priority} but Priority scheduling is not enabled.",
                                         "priority")
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+    def check_embedding_length(self, num_prompt_tokens: int) -> None:
+        """An embedding's input may fill the context (no token follows it)."""
+        if num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens} tokens in the input for embedding generation. Please reduce the length "
+                "of the input.")
+
+    def pooling_sampling_params(self, pooling: PoolingParams) -> SamplingParams:
+        """The engine-side form of an embedding request: a prompt prefilled, pooled, and never decoded."""
+        resolved = pooling.resolved(self.model_config.pooler_config, self.arch.hidden_size)
+        return SamplingParams(max_tokens=0, temperature=0.0, pooling=resolved)
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, prompt_token_ids: list[int] | None = None,
                     priority: int = 0, cache_salt: str | None = None) -> str:
-        """Queue a request: one child per sample (best_of of them when set, else n).
+        """Queue a request: one child per sample (best_of of them when set, else n). With PoolingParams,
+        an embedding request: its output carries ``embedding`` and no tokens.
 
         ``priority`` orders it under the priority policy (lower first); ``cache_salt`` keeps its
         prefix-cache entries apart from requests without the same salt.
         """
-        params = params or SamplingParams()
+        embedding = isinstance(params, PoolingParams)
+        params = self.pooling_sampling_params(params) if embedding else params or SamplingParams()
         request_id = request_id or self.make_request_id()
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use.")
@@ -354,7 +371,11 @@ class LLMEngine:
                 raise ValueError("prompt must not be empty.")
         else:
             text, token_ids = self.tokenize_prompt(prompt)
-        max_tokens = self.check_lengths(len(token_ids), params)
+        if embedding:
+            self.check_embedding_length(len(token_ids))
+            max_tokens = 0
+        else:
+            max_tokens = self.check_lengths(len(token_ids), params)
         params.check_token_ids(self.arch.vocab_size)
         bad_words_ids = self.tokenizer.bad_words_token_ids(params.bad_words) if params.bad_words else []
         grammar = None
@@ -381,7 +402,7 @@ class LLMEngine:
         self.output_processor.add(request_id, text, token_ids, children, num_returned=params.n,
                                   hide_logprobs=hide_logprobs)
         for child in children:
-            if max_tokens == 0 and params.prompt_logprobs is None:
+            if max_tokens == 0 and params.prompt_logprobs is None and params.pooling is None:
                 child.status = RequestStatus.FINISHED_LENGTH
                 self.output_processor.on_finished(child)
             else:
@@ -445,6 +466,8 @@ class LLMEngine:
             sampled = runner_out.sampled
             for rid, (first, entries) in runner_out.prompt_logprobs.items():
                 self.output_processor.on_prompt_logprobs(rid, first, entries)
+            for rid, part in runner_out.pooled.items():
+                self.output_processor.on_pooled(rid, part)
             updated = self.scheduler.update_from_output({rid: s.token_id for rid, s in sampled.items()})
             self._num_generation_tokens += sum(1 for r in updated if r.max_tokens > 0)
             for request in updated:  # prompt tokens count when their prefill is done, as vLLM counts them

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from tideserve.outputs import CompletionOutput, Logprob, RequestOutput
 from tideserve.request import Request, RequestStatus
 from tideserve.tokenizer.detokenizer import IncrementalDetokenizer
 from tideserve.tokenizer.tokenizer import Tokenizer
+from tideserve.worker.model_runner import PooledPart
 
 
 @dataclass
@@ -24,6 +27,20 @@ class ChildState:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     finished: bool = False
+    # An embedding request's pooling so far: MEAN's running sum and how many positions it holds, or the
+    # LAST/CLS state (count 1).
+    pooled: torch.Tensor | None = None
+    pooled_count: int = 0
+
+    def embedding(self) -> list[float] | None:
+        """The finished embedding request's vector (mean taken, unit length when it normalizes)."""
+        pooling = self.request.sampling_params.pooling
+        if pooling is None or self.pooled is None or self.request.status != RequestStatus.FINISHED_LENGTH:
+            return None
+        vector = self.pooled / self.pooled_count
+        if pooling.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        return vector.tolist()
 
     def completion(self) -> CompletionOutput:
         req = self.request
@@ -64,6 +81,7 @@ class ParentState:
             outputs=self.completions(), finished=self.finished,
             num_generated_tokens=sum(len(c.request.output_token_ids) for c in self.children),
             prompt_logprobs=self.prompt_logprobs,
+            embedding=self.children[0].embedding() if self.finished else None,
             num_cached_tokens=first.num_cached_tokens,
             metrics={"arrival_time": first.arrival_time,
                      "first_scheduled_time": first.first_scheduled_time or 0.0,
@@ -111,6 +129,22 @@ class OutputProcessor:
             for token_id, lp in entry.items():
                 lp.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
             parent.prompt_logprobs.append(entry)
+
+    def on_pooled(self, request_id: str, part: PooledPart) -> None:
+        """Add a step's pooled positions. Positions come in order; a request recomputed after preemption
+        starts again at position 0 (pooling that reads every position never takes a prefix-cache hit), and
+        one swapped back in continues where its sum stopped."""
+        child = self.child_to_parent.get(request_id)
+        if child is None:
+            return
+        if child.request.sampling_params.pooling.pooling_type != "MEAN":
+            child.pooled, child.pooled_count = part.vector, 1
+            return
+        if part.first == 0:
+            child.pooled, child.pooled_count = part.vector.clone(), part.count
+        elif part.first == child.pooled_count and child.pooled is not None:
+            child.pooled += part.vector
+            child.pooled_count += part.count
 
     def on_token(self, request: Request, token_id: int, logprobs: dict[int, Logprob] | None) -> str | None:
         """Feed one new token; returns the stop string it completed, if any."""

@@ -11,7 +11,7 @@ can batch them.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -48,11 +48,23 @@ class SampledToken:
 
 
 @dataclass
+class PooledPart:
+    """What one step adds to an embedding request's vector: MEAN pooling's sum over the ``count`` prompt
+    positions from ``first`` on (float32), or the LAST/CLS position's state (``count`` 1)."""
+
+    first: int
+    count: int
+    vector: torch.Tensor
+
+
+@dataclass
 class ModelRunnerOutput:
     sampled: dict[str, SampledToken]
     # Per request asking for prompt logprobs: (index of the first prompt token scored, one entry per
     # prompt token scored in this step: the logprob of token i given tokens 0..i-1).
     prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]]
+    # Per embedding request whose pooled positions this step computed.
+    pooled: dict[str, PooledPart] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -207,6 +219,7 @@ class ModelRunner:
         else:
             hidden = self._forward(pieces, len(decode_ids), graphs=not prefill_ids)
         self._prompt_logprobs(order, out.num_scheduled_tokens, hidden, result)
+        self._pool(order, out.num_scheduled_tokens, hidden, result)
         for rid in order:
             self.requests[rid].num_computed_tokens += out.num_scheduled_tokens[rid]
         if not sample_ids:
@@ -265,6 +278,30 @@ class ModelRunner:
                 targets = torch.tensor(state.token_ids[first + 1:last + 1], device=logprobs.device)
                 entries = gather_logprobs(logprobs, targets, [k] * (last - first), k)
                 result.prompt_logprobs[rid] = (first + 1, [e for e in entries if e is not None])
+            start += n
+
+    def _pool(self, order: list[str], num_scheduled: dict[str, int], hidden: torch.Tensor,
+              result: ModelRunnerOutput) -> None:
+        """Reduce embedding requests' rows of this step to what their pooling keeps (kept small: one vector
+        per request leaves the device)."""
+        start = 0
+        for rid in order:
+            n = num_scheduled[rid]
+            state = self.requests[rid]
+            pooling = state.sampling_params.pooling
+            if pooling is not None:
+                first = state.num_computed_tokens
+                rows = hidden[start:start + n]
+                if pooling.pooling_type == "MEAN":
+                    part = PooledPart(first, n, rows.float().sum(dim=0))
+                elif pooling.pooling_type == "CLS":
+                    part = PooledPart(0, 1, rows[0].float()) if first == 0 else None
+                else:  # LAST: the step that reaches the prompt's end
+                    part = (PooledPart(first + n - 1, 1, rows[-1].float())
+                            if first + n >= state.num_prompt_tokens else None)
+                if part is not None:
+                    part.vector = part.vector.cpu()
+                    result.pooled[rid] = part
             start += n
 
     @staticmethod
