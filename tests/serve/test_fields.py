@@ -1,4 +1,5 @@
-"""No silent ignores: every request field of /v1/completions, /v1/chat/completions and /v1/responses is honoured,
+"""No silent ignores: every request field of /v1/completions, /v1/chat/completions, /v1/responses and
+/v1/embeddings is honoured,
 refused when set (a 400 naming it), or accepted and ignored because it cannot change the result; the
 catalogue (serve/openai/fields.py), the request models and docs/api.md agree; unknown fields are
 accepted with one warning per name."""
@@ -13,13 +14,25 @@ import httpx
 import pytest
 
 from tideserve.serve.config import ServerConfig
-from tideserve.serve.openai.fields import CHAT_FIELDS, COMPLETION_FIELDS, RESPONSES_FIELDS, EndpointFields
-from tideserve.serve.openai.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from tideserve.serve.openai.fields import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    EMBEDDING_FIELDS,
+    RESPONSES_FIELDS,
+    EndpointFields,
+)
+from tideserve.serve.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ResponsesRequest,
+)
 from tideserve.serve.openai.server import build_app
 
 ENDPOINTS = [("/v1/completions", CompletionRequest, COMPLETION_FIELDS),
              ("/v1/chat/completions", ChatCompletionRequest, CHAT_FIELDS),
-             ("/v1/responses", ResponsesRequest, RESPONSES_FIELDS)]
+             ("/v1/responses", ResponsesRequest, RESPONSES_FIELDS),
+             ("/v1/embeddings", EmbeddingRequest, EMBEDDING_FIELDS)]
 API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 
 # A value that asks for something, per refused field (a new refused field needs one here).
@@ -32,7 +45,7 @@ REFUSED_VALUES = {
     "structural_tag": {"type": "structural_tag", "structures": []},
     "previous_response_id": "resp_1", "conversation": "conv_1", "background": True, "prompt": {"id": "pmpt_1"},
     "include": ["reasoning.encrypted_content"], "reasoning": {"effort": "high"}, "top_logprobs": 2,
-    "truncation": "auto",
+    "truncation": "auto", "messages": [{"role": "user", "content": "The sky is blue"}],
 }
 # A value per ignored field (each must leave the result unchanged).
 IGNORED_VALUES = {
@@ -58,7 +71,7 @@ def test_every_declared_field_is_in_exactly_one_class(path, model, fields: Endpo
 
 def _doc_rows() -> dict[str, dict[str, str]]:
     """docs/api.md's field tables: endpoint ('completions' / 'chat' / 'responses') -> field -> class."""
-    rows: dict[str, dict[str, str]] = {"completions": {}, "chat": {}, "responses": {}}
+    rows: dict[str, dict[str, str]] = {"completions": {}, "chat": {}, "responses": {}, "embeddings": {}}
     for line in API_DOC.read_text(encoding="utf-8").splitlines():
         m = re.match(r"^\| `([a-z_]+)` \| ([^|]+?) \| ([^|]+?) \|", line)
         if m:
@@ -68,7 +81,8 @@ def _doc_rows() -> dict[str, dict[str, str]]:
 
 
 @pytest.mark.parametrize(("endpoint", "fields"), [("completions", COMPLETION_FIELDS), ("chat", CHAT_FIELDS),
-                                                  ("responses", RESPONSES_FIELDS)])
+                                                  ("responses", RESPONSES_FIELDS),
+                                                  ("embeddings", EMBEDDING_FIELDS)])
 def test_docs_list_every_field_with_its_class(endpoint, fields: EndpointFields):
     documented = _doc_rows()[endpoint]
     expected = {name: kind for kind, table in fields.classes().items() for name in table}
@@ -88,6 +102,8 @@ def http(server):
 
 
 def _body(path: str, **extra) -> dict:
+    if path == "/v1/embeddings":
+        return {"input": "The sky is blue", **extra}
     if path == "/v1/responses":
         return {"input": "What color is the sky?", "max_output_tokens": 5, "temperature": 0, **extra}
     base = ({"prompt": "The sky is"} if path == "/v1/completions"
@@ -96,7 +112,10 @@ def _body(path: str, **extra) -> dict:
 
 
 def _reply(path: str, body: dict):
-    """What a field may not change: the text (completions), the message (chat), the output items' text."""
+    """What a field may not change: the text (completions), the message (chat), the output items' text, the
+    vector (embeddings)."""
+    if path == "/v1/embeddings":
+        return body["data"][0]["embedding"]
     if path == "/v1/responses":
         return [(item["type"], item.get("content"), item.get("arguments")) for item in body["output"]]
     return body["choices"][0]["text" if path == "/v1/completions" else "message"]
@@ -128,7 +147,7 @@ def test_ignored_fields_change_nothing_and_are_not_reported(http, path, model, f
 def test_unknown_fields_are_accepted_and_reported_once_per_name(http, caplog):
     with caplog.at_level(logging.WARNING):
         for _ in range(2):
-            for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+            for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"):
                 assert http.post(path, json=_body(path, made_up_field_x=1)).status_code == 200
     warnings = [rec.getMessage() for rec in caplog.records if "made_up_field_x" in rec.getMessage()]
     assert len(warnings) == 1 and "present in the request but ignored" in warnings[0]

@@ -22,7 +22,7 @@ schemathesis = pytest.importorskip("schemathesis")
 # get fewer.
 MAX_EXAMPLES = 50
 MAX_GENERATION_EXAMPLES = 25
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,8 @@ def test_the_schema_describes_every_body(fuzz_app):
     from starlette.testclient import TestClient
 
     doc = TestClient(fuzz_app).get("/openapi.json").json()
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/tokenize",
+                 "/detokenize"):
         ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         body = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
         assert body["properties"]["model"]["anyOf"][0] == {"enum": fuzz_app.state.tideserve.served_names}

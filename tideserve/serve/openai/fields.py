@@ -1,6 +1,7 @@
 """What the server does with every request field OpenAI or vLLM documents: no field is silently ignored.
 
-Each field of ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/responses`` is in exactly one class:
+Each field of ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` and ``/v1/embeddings`` is in
+exactly one class:
 - honoured: it changes the result as documented (structured output and tool calling included);
 - refused when set: a 400 "X is not supported: why", naming the field (``REFUSED``; the default value,
   and values that ask for nothing, pass);
@@ -240,6 +241,34 @@ RESPONSES_FIELDS = EndpointFields(
         "stream_options": "include_obfuscation pads OpenAI's stream events against side channels; the "
                           "events' content is the same",
         "max_tool_calls": "caps calls to hosted tools, which this server has none of",
+    },
+)
+
+
+EMBEDDING_FIELDS = EndpointFields(
+    honoured={
+        "model": _SHARED_HONOURED["model"],
+        "input": "text, a batch of texts (up to 2,048), token ids or a batch of token-id lists; each becomes "
+                 "one embedding, in order",
+        "encoding_format": "float (a list of numbers) or base64 (little-endian float32 bytes, what the openai "
+                           "SDK asks for by default and decodes)",
+        "dimensions": "accepted when it equals the model's hidden size; any other value is a 400 (the model "
+                      "is not a matryoshka model, so its embeddings cannot be shortened)",
+        "truncate_prompt_tokens": "keep each input's last N tokens (-1: max_model_len); without it an input "
+                                  "longer than the context is a 400",
+        "truncation_side": "left (default): truncate_prompt_tokens keeps the last N tokens; right: the first N",
+        "add_special_tokens": "add the tokenizer's special tokens (BOS) to a text input (default true)",
+        "normalize": "scale the vector to unit length (default: --pooler-config's, true)",
+        "priority": _SHARED_HONOURED["priority"],
+        "cache_salt": _SHARED_HONOURED["cache_salt"],
+        "request_id": "the request id (the response id is embd-ID) when no X-Request-Id header is sent",
+    },
+    refused={
+        "messages": Refusal("chat-formatted embedding inputs are not implemented; send the text in input",
+                            _is_none),
+    },
+    ignored={
+        "user": "an end-user id for OpenAI's abuse monitoring; the embedding does not depend on it",
     },
 )
 

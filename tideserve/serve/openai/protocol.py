@@ -282,6 +282,26 @@ class ResponsesRequest(OpenAIBaseModel):
     request_id: str | None = None
 
 
+class EmbeddingRequest(OpenAIBaseModel):
+    """``POST /v1/embeddings``: OpenAI's request plus vLLM's extras (truncation, normalization, priority)."""
+
+    model: str | None = None
+    # Text, a batch of texts, token ids, or a batch of token-id lists (OpenAI's four forms).
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # vLLM's extras
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] = "left"
+    add_special_tokens: bool = True
+    normalize: bool | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    request_id: str | None = None
+    messages: list[dict[str, Any]] | None = None  # vLLM's chat-embedding form: refused
+
+
 class TokenizeRequest(ChatTemplateOptions):
     model: str | None = None
     prompt: str | None = None

@@ -42,12 +42,14 @@ from tideserve.serve.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ResponsesRequest,
     TokenizeRequest,
 )
 from tideserve.serve.openai.serving import ClientDisconnected, RequestInfo, ServerState, unavailable_reason
 from tideserve.serve.openai.serving_chat import create_chat_completion, encode_messages
 from tideserve.serve.openai.serving_completion import create_completion
+from tideserve.serve.openai.serving_embedding import create_embedding
 from tideserve.serve.openai.serving_responses import create_response, response_not_stored
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,7 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/responses": ResponsesRequest,
+    "/v1/embeddings": EmbeddingRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
@@ -190,6 +193,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def responses(request: Request) -> Response:
         req = await parse_body(request, ResponsesRequest)
         return await _guarded(create_response(state, req, request, _info(request)))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        req = await parse_body(request, EmbeddingRequest)
+        return await _guarded(create_embedding(state, req, request, _info(request)))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> Response:
