@@ -53,10 +53,29 @@ def _load() -> tuple[ModuleType | None, str]:
             os.environ["TRITON_INTERPRET"] = previous
 
 
+def _library_mode_matches() -> bool:
+    """Triton's own library (``tl.zeros``, ``tl.sum``, ...) is decided in one mode when ``triton.language``
+    is first imported, and the interpreter can only call it if that import was interpreted."""
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(standard.zeros, InterpretedFunction) == INTERPRET
+
+
+# Imported while this file is collected, before any test runs: transformers imports triton (compiled mode)
+# as soon as a model is built, and a test module that builds one may run before these tests.
+_MODULE, _REASON = _load()
+
+
 @pytest.fixture(scope="session")
 def triton_attention() -> ModuleType:
     """tideserve.model.attention.triton, its kernels defined for this run's mode."""
-    module, reason = _load()
+    if _MODULE is None:
+        pytest.skip(_REASON)
+    assert _library_mode_matches(), (
+        "triton.language was imported before TRITON_INTERPRET was set for these tests, so its library "
+        "functions cannot run in the interpreter; import triton from this conftest first")
+    module, reason = _load()  # again, in case a test reloaded the kernel modules in the other mode
     if module is None:
         pytest.skip(reason)
     return module
