@@ -3,9 +3,9 @@
 Both embed the same batch of texts of varied length (LAST pooling, unit length: vLLM's embed task), in
 interleaved rounds on fresh texts (a repeated text would hit tideserve's prefix cache); transformers runs
 one padded forward per batch of ``--hf-batch-size`` texts of similar length (right padding, the last real
-token's state), in its fastest dtype here unless told. Prints input tokens/s per engine, the ratio per round and its median,
-and the largest difference between the two engines' vectors (cosine distance) as a check that both
-computed the same thing.
+token's state), in its fastest dtype here unless told. Prints input tokens/s per engine, the ratio per round
+and its median, and the largest difference between the two engines' vectors (cosine distance) as a check
+that both computed the same thing.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/embedding_throughput.py --num-texts 256 --repeats 3
 """
