@@ -187,3 +187,39 @@ def test_smollm2_embeddings_match_transformers(make_llm, hf_smollm2):
     for pooling, normalize in (("LAST", True), ("MEAN", False)):
         got = vectors(llm.embed(texts, PoolingParams(pooling_type=pooling, normalize=normalize)))
         assert_close(got, [reference(hf, p, pooling, normalize) for p in ids], atol=2e-4)
+
+
+HEADLESS = {"LlamaModel": lambda: LlamaConfig(**COMMON), "Qwen2Model": lambda: Qwen2Config(**COMMON)}
+
+
+@pytest.mark.parametrize("architecture", list(HEADLESS))
+def test_a_headless_embedding_checkpoint_embeds_and_refuses_generation(architecture, tmp_path, shared_model):
+    """Embedding models (e5-mistral, gte-Qwen2, ...) are saved as ``LlamaModel``/``Qwen2Model``: no LM head,
+    tensors named without "model.". They load, embed as transformers' AutoModel computes, and a generation
+    request is refused with what to use instead."""
+    from transformers import AutoModel
+
+    torch.manual_seed(0)
+    hf = AutoModel.from_config(HEADLESS[architecture](), attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.1)
+    hf.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), dtype="float32")
+    assert loaded.arch.architecture == architecture and not loaded.arch.generates
+    llm = LLM.from_loaded(loaded, shared_model(dtype="float32", quantization="none")[1], dtype="float32")
+    batch = prompts(256, lengths=(7, 60))
+    for pooling, normalize in (("LAST", True), ("MEAN", False)):
+        got = vectors(llm.embed(batch, PoolingParams(pooling_type=pooling, normalize=normalize)))
+        want = []
+        for p in batch:
+            with torch.no_grad():
+                states = hf(torch.tensor([p])).last_hidden_state[0]
+            vector = states[-1] if pooling == "LAST" else states.mean(dim=0)
+            want.append(torch.nn.functional.normalize(vector, dim=0) if normalize else vector)
+        assert_close(got, want)
+    with pytest.raises(ValueError, match=f"The model does not support generation: .* is an embedding model \\(a "
+                                         f"{architecture} checkpoint, without a language-model head\\). Use "
+                                         "/v1/embeddings"):
+        llm.generate([batch[0]], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished_requests()

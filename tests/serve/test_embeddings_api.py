@@ -108,3 +108,43 @@ def test_dimensions_equal_to_the_hidden_size_is_accepted(client, model):
 def test_an_unknown_model_is_a_404(client):
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="text-embedding-3-small", input="a")
+
+
+@pytest.fixture(scope="module")
+def headless_server(tmp_path_factory, smollm2_gguf_path, make_engine, server_thread):
+    """A tiny random ``LlamaModel`` checkpoint (an embedding model's layout: no LM head) with SmolLM2's
+    tokenizer, served."""
+    import torch
+    from transformers import AutoModel, LlamaConfig
+
+    from tideserve.serve.config import ServerConfig
+    from tideserve.serve.openai.server import build_app
+    from tideserve.tokenizer.tokenizer import load_tokenizer
+
+    directory = tmp_path_factory.mktemp("headless")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=512)
+    AutoModel.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    load_tokenizer(str(smollm2_gguf_path)).hf.save_pretrained(directory)
+    engine = make_engine(model=str(directory))
+    with server_thread(build_app(ServerConfig(), engine=engine)) as s:
+        yield s
+
+
+def test_an_embedding_model_serves_embeddings_and_refuses_generation(headless_server):
+    import httpx
+
+    with httpx.Client(base_url=headless_server.url, timeout=60) as http:
+        r = http.post("/v1/embeddings", json={"input": TEXTS})
+        assert r.status_code == 200, r.text
+        assert [len(d["embedding"]) for d in r.json()["data"]] == [64, 64, 64]
+        for path, body in [("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                           ("/v1/responses", {"input": "Hi"})]:
+            r = http.post(path, json=body)
+            assert r.status_code == 400, (path, r.text)
+            assert r.json()["error"]["message"].startswith(
+                "The model does not support generation: headless"), r.json()
+            assert "is an embedding model (a LlamaModel checkpoint, without a language-model head). Use " \
+                   "/v1/embeddings" in r.json()["error"]["message"]

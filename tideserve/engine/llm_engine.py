@@ -89,6 +89,9 @@ class LLMEngine:
         self.model_name = loaded.name
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else load_tokenizer(loaded.path)
         self.quantization = loaded.quantization  # "auto" resolved by the loader
+        if not self.arch.generates:
+            logger.info("%s is a %s checkpoint, without a language-model head: it serves embeddings only",
+                        self.model_name, self.arch.architecture)
         tp = args.parallel_config().tensor_parallel_size
         check_tensor_parallel(self.arch, tp, self.quantization)  # before anything starts or quantizes
         if self.quantization == "int8":
@@ -334,6 +337,11 @@ class LLMEngine:
             raise InvalidParameterError(f"Got priority {priority} but Priority scheduling is not enabled.",
                                         "priority")
 
+    def embedding_only_message(self, api: str = "generation") -> str:
+        return (f"The model does not support {api}: {self.model_name} is an embedding model (a "
+                f"{self.arch.architecture} checkpoint, without a language-model head). Use /v1/embeddings "
+                "(LLM.embed).")
+
     def check_embedding_length(self, num_prompt_tokens: int) -> None:
         """An embedding's input may fill the context (no token follows it)."""
         if num_prompt_tokens > self.max_model_len:
@@ -357,6 +365,8 @@ class LLMEngine:
         prefix-cache entries apart from requests without the same salt.
         """
         embedding = isinstance(params, PoolingParams)
+        if not embedding and not self.arch.generates:
+            raise ValueError(self.embedding_only_message())
         params = self.pooling_sampling_params(params) if embedding else params or SamplingParams()
         request_id = request_id or self.make_request_id()
         if request_id in self.output_processor.parents:

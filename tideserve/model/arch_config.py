@@ -61,6 +61,12 @@ class ArchConfig:
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling)
 
     @property
+    def generates(self) -> bool:
+        """False for a headless checkpoint (``LlamaModel``, ``Qwen2Model``, ...): an embedding model's
+        transformer saved without its language-model head, which serves embeddings only."""
+        return not self.architecture.endswith("Model")
+
+    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 
@@ -104,7 +110,9 @@ class ArchConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            # A headless checkpoint has no LM head: the embedding table stands in for the logits that the
+            # profiling pass and an embedding request's discarded sample compute.
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)) or architecture.endswith("Model"),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
         )

@@ -51,7 +51,8 @@ def gguf_config_fields(tensors: Collection[str]) -> dict[str, Any]:
 FAMILY = ModelFamily(
     name="llama",
     model_class="tideserve.model.llama:LlamaForCausalLM",
-    hf_architectures=("LlamaForCausalLM", "MistralForCausalLM"),
+    # LlamaModel / MistralModel: embedding models' checkpoints (the transformer without its LM head).
+    hf_architectures=("LlamaForCausalLM", "MistralForCausalLM", "LlamaModel", "MistralModel"),
     gguf_architectures={"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"},
     model_types={"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"},
     gguf_tensors=GGUF_TENSORS,

@@ -18,7 +18,7 @@ def hf_config_fields(config: Mapping[str, Any]) -> dict[str, Any]:
 FAMILY = ModelFamily(
     name="qwen2",
     model_class="tideserve.model.llama:LlamaForCausalLM",
-    hf_architectures=("Qwen2ForCausalLM",),
+    hf_architectures=("Qwen2ForCausalLM", "Qwen2Model"),  # Qwen2Model: an embedding model's checkpoint
     gguf_architectures={"qwen2": "Qwen2ForCausalLM"},
     model_types={"qwen2": "Qwen2ForCausalLM"},
     gguf_tensors=GGUF_TENSORS,

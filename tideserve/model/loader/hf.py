@@ -77,5 +77,8 @@ def load_hf(path: str, dtype: torch.dtype, device: torch.device | str, quantizat
                                    lambda w: ("q8_0", quantize_blocks(w, "q8_0")))
     elif quantization != "none":
         raise ValueError(f"quantization {quantization!r} is not applied while loading an HF checkpoint")
-    model.load_weights(iter_safetensors(files))
+    weights = iter_safetensors(files)
+    if not arch.generates:  # a headless checkpoint names its tensors without the "model." prefix
+        weights = ((name if name.startswith("model.") else f"model.{name}", tensor) for name, tensor in weights)
+    model.load_weights(weights)
     return model.eval(), arch

@@ -158,6 +158,9 @@ def check_logprobs(state: ServerState, k: int | None, param: str) -> None:
 def check_common(state: ServerState, req: SamplingRequest, fields: EndpointFields) -> None:
     """Checks both endpoints share: model, unknown fields (logged), refused fields, n and best_of."""
     state.check_model(req.model)
+    engine = state.engine.engine
+    if not engine.arch.generates:
+        raise bad_request(engine.embedding_only_message())
     if req.ignored_fields():
         state.log_ignored(req.ignored_fields())
     refuse_unsupported(req, fields)
