@@ -2,10 +2,10 @@
 
 Clients loop until the deadline, each request one of: a streaming completion read to the end, one
 cancelled at a random point (before the headers, after them, or a few chunks in), a non-streaming
-completion or chat, and now and then a hostile body (deeply nested JSON, a body over --max-body-size).
-/metrics is sampled every ``--interval`` seconds: the server's RSS, KV blocks used by requests, pool
-size, running and waiting requests. After the load stops, the used blocks and running requests must
-come back to zero; RSS is reported over time with its slope over the second half of the run.
+completion or chat, a batch of embeddings, and now and then a hostile body (deeply nested JSON, a body
+over --max-body-size). /metrics is sampled every ``--interval`` seconds: the server's RSS, KV blocks used
+by requests, pool size, running and waiting requests. After the load stops, the used blocks and running
+requests must come back to zero; RSS is reported over time with its slope over the second half of the run.
 
     .venv/bin/python benchmarks/soak.py --duration 180 --out docs/soak.json
 """
@@ -69,7 +69,13 @@ async def one(client: httpx.AsyncClient, rng: random.Random, i: int, max_tokens:
         async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             lines = [line async for line in r.aiter_lines() if line]
         return f"stream-{r.status_code}" if lines and lines[-1] == "data: [DONE]" else "stream-incomplete"
-    if rng.random() < 0.5:
+    kind = rng.random()
+    if kind < 0.25:  # a batch of embeddings, prefilled beside the completions
+        inputs = [PROMPTS[(i + k) % len(PROMPTS)] * rng.randint(1, 20) for k in range(rng.randint(1, 8))]
+        r = await client.post("/v1/embeddings", json={"input": inputs})
+        ok = r.status_code == 200 and len(r.json()["data"]) == len(inputs)
+        return f"embed-{r.status_code}" if ok else "embed-incomplete"
+    if kind < 0.625:
         r = await client.post("/v1/completions", json=body)
     else:
         r = await client.post("/v1/chat/completions", json={
