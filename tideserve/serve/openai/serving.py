@@ -19,12 +19,13 @@ from starlette.requests import Request
 
 from tideserve.engine.async_engine import AsyncEngine, RequestStream
 from tideserve.outputs import RequestOutput
+from tideserve.pooling_params import PoolingParams
 from tideserve.sampling_params import SamplingParams
 from tideserve.serve.config import ServerConfig
 from tideserve.serve.metrics import ServerMetrics
 from tideserve.serve.openai.errors import OpenAIError, bad_request, error_body, from_exception
 from tideserve.serve.openai.fields import EndpointFields, refuse_unsupported
-from tideserve.serve.openai.protocol import SamplingRequest
+from tideserve.serve.openai.protocol import EmbeddingRequest, SamplingRequest
 from tideserve.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -273,7 +274,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
     )
 
 
-def truncate_prompt(state: ServerState, req: SamplingRequest, token_ids: list[int]) -> list[int]:
+def truncate_prompt(state: ServerState, req: SamplingRequest | EmbeddingRequest, token_ids: list[int]) -> list[int]:
     """vLLM's truncate_prompt_tokens: keep the last N tokens (truncation_side "right": the first N);
     -1 means max_model_len. Without it, a prompt that does not fit is a 400."""
     k = req.truncate_prompt_tokens
@@ -293,7 +294,7 @@ def truncate_prompt(state: ServerState, req: SamplingRequest, token_ids: list[in
     return token_ids[:k] if req.truncation_side == "right" else token_ids[-k:]
 
 
-def resolve_request_id(raw: Request, info: RequestInfo, req: SamplingRequest) -> str:
+def resolve_request_id(raw: Request, info: RequestInfo, req: SamplingRequest | EmbeddingRequest) -> str:
     """The body's request_id names the request when no X-Request-Id header does (vLLM's order)."""
     if req.request_id is not None and "x-request-id" not in raw.headers:
         if not REQUEST_ID_PATTERN.match(req.request_id):
@@ -322,7 +323,8 @@ def safe_logprob(value: float | None) -> float | None:
 
 # ---------------------------------------------------------------------- running requests
 async def submit(state: ServerState, prompts: Sequence[tuple[str | None, list[int]]],
-                 params: SamplingParams, request_id: str, req: SamplingRequest) -> list[RequestStream]:
+                 params: SamplingParams | PoolingParams, request_id: str,
+                 req: SamplingRequest | EmbeddingRequest) -> list[RequestStream]:
     """Add one engine request per prompt (ids ``request_id``, or ``request_id-i`` for a batch), with the
     request's priority and cache salt.
 
