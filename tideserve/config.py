@@ -6,14 +6,12 @@ in ``EngineConfig.finalize``. User mistakes raise ``ValueError`` naming the para
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from tideserve.pooling_params import PoolerConfig, parse_pooler_config
-from tideserve.settings import KV_GROUP, setting
+from tideserve.settings import KV_GROUP, config_from_json, setting
 
 VALID_BLOCK_SIZES = (8, 16, 32, 64, 128)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -134,22 +132,8 @@ class KVEventsConfig:
 
 def parse_kv_events_config(value: Any) -> KVEventsConfig | None:
     """A KVEventsConfig from JSON text (the flag), a dict (Python) or one already built; None stays None."""
-    if value is None or isinstance(value, KVEventsConfig):
-        return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            example = '{"enable_kv_cache_events": true, "publisher": "zmq"}'
-            raise ValueError(f"kv_events_config must be a JSON object such as {example}, got {value!r} "
-                             f"({exc}).") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"kv_events_config must be a JSON object (a dict), got {value!r}.")
-    known = [f.name for f in dataclasses.fields(KVEventsConfig)]
-    unknown = sorted(set(value) - set(known))
-    if unknown:
-        raise ValueError(f"kv_events_config has unknown key(s) {unknown}; known: {known}.")
-    return KVEventsConfig(**value)
+    return config_from_json(value, KVEventsConfig, "kv_events_config",
+                            '{"enable_kv_cache_events": true, "publisher": "zmq"}')
 
 
 @dataclass

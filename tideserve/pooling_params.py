@@ -16,9 +16,10 @@ Plain Python (no torch): the configs import it.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from tideserve.settings import config_from_json
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
@@ -49,21 +50,7 @@ class PoolerConfig:
 def parse_pooler_config(value: Any) -> PoolerConfig | None:
     """A PoolerConfig from JSON text (the flag), a dict (Python) or one already built; None (the defaults)
     stays None."""
-    if value is None or isinstance(value, PoolerConfig):
-        return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f'pooler_config must be a JSON object such as {{"pooling_type": "MEAN", '
-                             f'"normalize": true}}, got {value!r} ({exc}).') from None
-    if not isinstance(value, dict):
-        raise ValueError(f"pooler_config must be a JSON object (a dict), got {value!r}.")
-    known = [f.name for f in fields(PoolerConfig)]
-    unknown = sorted(set(value) - set(known))
-    if unknown:
-        raise ValueError(f"pooler_config has unknown key(s) {unknown}; known: {known}.")
-    return PoolerConfig(**value)
+    return config_from_json(value, PoolerConfig, "pooler_config", '{"pooling_type": "MEAN", "normalize": true}')
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,25 @@ class Setting:
     unset: bool = False
     action: str | None = None
     convert: Callable[[Any], Any] | None = None
+
+
+def config_from_json(value: Any, cls: type, name: str, example: str) -> Any:
+    """A JSON-object setting (``--kv-events-config``, ``--pooler-config``) as ``cls``: from JSON text (the
+    flag), a dict (Python) or one already built; None stays None. Unknown keys are refused, listing the known."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} must be a JSON object such as {example}, got {value!r} ({exc}).") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object (a dict), got {value!r}.")
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ValueError(f"{name} has unknown key(s) {unknown}; known: {known}.")
+    return cls(**value)
 
 
 def setting(default: Any, **kwargs: Any) -> Any:

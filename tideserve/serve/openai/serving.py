@@ -12,6 +12,7 @@ import math
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -389,6 +390,23 @@ async def merged(state: ServerState, streams: Sequence[RequestStream]) -> AsyncI
             stream.abort()
             reasons = [c.finish_reason for c in out.outputs] if out is not None and out.finished else []
             timer.finish(_overall_reason(reasons))
+
+
+async def final_outputs(state: ServerState, raw: Request, streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    """Each stream's finished output, in order, for a non-streaming response. A client that disconnects
+    first aborts them all (ClientDisconnected); a request the server ended early is a 503."""
+
+    async def collect() -> list[RequestOutput | None]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async with aclosing(merged(state, streams)) as outputs:
+            async for i, out in outputs:
+                finals[i] = out
+        return finals
+
+    finals = await until_disconnected(raw, collect())
+    if any(out is None or not out.finished for out in finals):
+        raise OpenAIError(503, "The request was aborted by the server before it finished.")
+    return finals
 
 
 def _overall_reason(reasons: list[str | None]) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from tideserve.serve.openai.errors import OpenAIError, bad_request
+from tideserve.serve.openai.errors import bad_request
 from tideserve.serve.openai.fields import CHAT_FIELDS
 from tideserve.serve.openai.logprobs import chat_logprobs, padded, prompt_logprobs_json
 from tideserve.serve.openai.protocol import ChatCompletionRequest, usage
@@ -30,6 +30,7 @@ from tideserve.serve.openai.serving import (
     check_context,
     check_logprobs,
     compile_structured_outputs,
+    final_outputs,
     logprob_token_str,
     merged,
     resolve_request_id,
@@ -39,7 +40,6 @@ from tideserve.serve.openai.serving import (
     structured_outputs_from,
     submit,
     truncate_prompt,
-    until_disconnected,
 )
 from tideserve.serve.openai.tool_calls import (
     ToolDeltaStream,
@@ -119,16 +119,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         return StreamingResponse(_stream(state, req, streams, response_id, info, top_k, token_ids, echo, plan),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def collect():
-        final = None
-        async with aclosing(merged(state, streams)) as outputs:
-            async for _, out in outputs:
-                final = out
-        return final
-
-    final = await until_disconnected(raw, collect())
-    if final is None or not final.finished:
-        raise OpenAIError(503, "The request was aborted by the server before it finished.")
+    final, = await final_outputs(state, raw, streams)
     token_str = logprob_token_str(state, req)
     choices = []
     for c in final.outputs:

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tideserve.outputs import RequestOutput
-from tideserve.serve.openai.errors import OpenAIError, bad_request
+from tideserve.serve.openai.errors import bad_request
 from tideserve.serve.openai.fields import COMPLETION_FIELDS
 from tideserve.serve.openai.logprobs import CompletionLogprobs, padded, prompt_logprobs_json
 from tideserve.serve.openai.protocol import CompletionRequest, usage
@@ -28,6 +28,7 @@ from tideserve.serve.openai.serving import (
     check_context,
     check_logprobs,
     compile_structured_outputs,
+    final_outputs,
     logprob_token_str,
     merged,
     resolve_request_id,
@@ -37,7 +38,6 @@ from tideserve.serve.openai.serving import (
     structured_outputs_from,
     submit,
     truncate_prompt,
-    until_disconnected,
 )
 
 logger = logging.getLogger(__name__)
@@ -99,16 +99,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         return StreamingResponse(_stream(state, req, prompts, streams, response_id, info),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def collect() -> list[RequestOutput | None]:
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        async with aclosing(merged(state, streams)) as outputs:
-            async for i, out in outputs:
-                finals[i] = out
-        return finals
-
-    finals = await until_disconnected(raw, collect())
-    if any(out is None or not out.finished for out in finals):
-        raise OpenAIError(503, "The request was aborted by the server before it finished.")
+    finals = await final_outputs(state, raw, streams)
     choices = []
     for i, out in enumerate(finals):
         prompt = prompts[i]

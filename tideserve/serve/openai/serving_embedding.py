@@ -12,13 +12,11 @@ import asyncio
 import base64
 import logging
 import time
-from contextlib import aclosing
 
 import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tideserve.outputs import RequestOutput
 from tideserve.pooling_params import PoolingParams
 from tideserve.serve.openai.errors import OpenAIError, bad_request
 from tideserve.serve.openai.fields import EMBEDDING_FIELDS, refuse_unsupported
@@ -26,11 +24,10 @@ from tideserve.serve.openai.protocol import EmbeddingRequest
 from tideserve.serve.openai.serving import (
     RequestInfo,
     ServerState,
-    merged,
+    final_outputs,
     resolve_request_id,
     submit,
     truncate_prompt,
-    until_disconnected,
 )
 
 logger = logging.getLogger(__name__)
@@ -93,15 +90,8 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest, raw: Reque
     info.prompt_tokens = sum(len(t) for t in token_lists)
     streams = await submit(state, [(None, ids) for ids in token_lists], pooling, request_id, req)
 
-    async def collect() -> list[RequestOutput | None]:
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        async with aclosing(merged(state, streams)) as outputs:
-            async for i, out in outputs:
-                finals[i] = out
-        return finals
-
-    finals = await until_disconnected(raw, collect())
-    if any(out is None or not out.finished or out.embedding is None for out in finals):
+    finals = await final_outputs(state, raw, streams)
+    if any(out.embedding is None for out in finals):  # finished, but aborted
         raise OpenAIError(503, "The request was aborted by the server before it finished.")
     data = [{"object": "embedding", "index": i, "embedding": _encode(out.embedding, req.encoding_format)}
             for i, out in enumerate(finals)]
