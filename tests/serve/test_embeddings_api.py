@@ -1,6 +1,7 @@
 """/v1/embeddings through the openai SDK's ``client.embeddings``: one unit vector per input, in order, the
 same whether it comes as float lists or as the base64 the SDK asks for by default, the same for text and
-its token ids, and every input the server cannot embed gets a 400 that names it. One server for the module."""
+its token ids, a conversation in ``messages`` the same as its rendered tokens, and every input the server
+cannot embed gets a 400 that names it. One server for the module."""
 
 from __future__ import annotations
 
@@ -90,8 +91,13 @@ def test_truncation_keeps_the_last_tokens(client, model, http):
                                                      "have 576 dimensions"),
     ({"input": "a", "encoding_format": "int8"}, "encoding_format", "encoding_format: Input should be"),
     ({"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "truncate_prompt_tokens must be"),
-    ({"input": "a", "messages": [{"role": "user", "content": "a"}]}, "messages", "messages is not supported"),
-    ({}, "input", "input"),
+    ({"input": "a", "messages": [{"role": "user", "content": "a"}]}, "input", "Give exactly one of input and messages"),
+    ({}, "input", "Give exactly one of input and messages"),
+    ({"messages": [{"content": "a"}]}, "messages", "messages[0]"),
+    ({"messages": [{"role": "user", "content": "word " * 3000}]}, "messages",
+     "This model's maximum context length is"),
+    ({"messages": [{"role": "assistant", "content": "a"}], "continue_final_message": True,
+      "add_generation_prompt": True}, "continue_final_message", "Cannot set both `continue_final_message`"),
 ])
 def test_bad_inputs_get_a_400_naming_the_field(http, body, param, message):
     r = http.post("/v1/embeddings", json=body)
@@ -99,6 +105,46 @@ def test_bad_inputs_get_a_400_naming_the_field(http, body, param, message):
     err = r.json()["error"]
     assert err["param"] == param and err["message"].startswith(message), err
     assert http.get("/load").json().get("server_load", 0) == 0  # nothing was left running
+
+
+CONVERSATION = [{"role": "system", "content": "You sort support tickets."},
+                {"role": "user", "content": "My invoice shows the wrong address."}]
+
+
+def embed_messages(http, **body) -> tuple[np.ndarray, int]:
+    r = http.post("/v1/embeddings", json={"messages": CONVERSATION, "encoding_format": "float", **body})
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    assert len(reply["data"]) == 1 and reply["usage"]["prompt_tokens"] == reply["usage"]["total_tokens"]
+    return np.asarray(reply["data"][0]["embedding"]), reply["usage"]["prompt_tokens"]
+
+
+def test_messages_embed_as_their_rendered_conversation(client, model, http):
+    """vLLM's chat form: the chat template renders the conversation (no assistant header by default), and
+    the vector is the one its tokens give as an input."""
+    rendered = http.post("/tokenize", json={"messages": CONVERSATION, "add_generation_prompt": False}).json()
+    vector, count = embed_messages(http)
+    assert count == rendered["count"]
+    as_input = embed(client, model, rendered["tokens"], encoding_format="float")[0]
+    np.testing.assert_allclose(vector, as_input, atol=1e-5)
+    plain = embed(client, model, CONVERSATION[1]["content"], encoding_format="float")[0]
+    assert cosine(vector, plain) < 0.999  # the template's turns are part of what is embedded
+
+    prompted, prompted_count = embed_messages(http, add_generation_prompt=True)
+    with_header = http.post("/tokenize", json={"messages": CONVERSATION}).json()
+    assert prompted_count == with_header["count"] > count
+    np.testing.assert_allclose(prompted, embed(client, model, with_header["tokens"], encoding_format="float")[0],
+                               atol=1e-5)
+
+
+def test_messages_take_the_request_template_and_truncation(http):
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    vector, count = embed_messages(http, chat_template=template)
+    tokens = http.post("/tokenize", json={"messages": CONVERSATION, "chat_template": template,
+                                          "add_generation_prompt": False}).json()["tokens"]
+    assert count == len(tokens)
+    _, cut = embed_messages(http, chat_template=template, truncate_prompt_tokens=5)
+    assert cut == 5
 
 
 def test_dimensions_equal_to_the_hidden_size_is_accepted(client, model):

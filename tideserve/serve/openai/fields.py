@@ -257,16 +257,22 @@ EMBEDDING_FIELDS = EndpointFields(
         "truncate_prompt_tokens": "keep each input's last N tokens (-1: max_model_len); without it an input "
                                   "longer than the context is a 400",
         "truncation_side": "left (default): truncate_prompt_tokens keeps the last N tokens; right: the first N",
-        "add_special_tokens": "add the tokenizer's special tokens (BOS) to a text input (default true)",
+        "add_special_tokens": "add the tokenizer's special tokens (BOS) to a text input (default true); with "
+                              "messages, unset means what the chat template adds (exactly one BOS)",
+        "messages": "in place of input: one conversation (the chat endpoint's messages), rendered by the chat "
+                    "template and embedded as one input (vLLM's chat embedding form)",
+        "add_generation_prompt": "with messages: end the rendered conversation with the assistant's turn "
+                                 "header (default false: the conversation as it stands)",
+        "continue_final_message": CHAT_FIELDS.honoured["continue_final_message"],
+        "chat_template": CHAT_FIELDS.honoured["chat_template"],
+        "chat_template_kwargs": CHAT_FIELDS.honoured["chat_template_kwargs"],
+        "documents": CHAT_FIELDS.honoured["documents"],
         "normalize": "scale the vector to unit length (default: --pooler-config's, true)",
         "priority": _SHARED_HONOURED["priority"],
         "cache_salt": _SHARED_HONOURED["cache_salt"],
         "request_id": "the request id (the response id is embd-ID) when no X-Request-Id header is sent",
     },
-    refused={
-        "messages": Refusal("chat-formatted embedding inputs are not implemented; send the text in input",
-                            _is_none),
-    },
+    refused={},
     ignored={
         "user": "an end-user id for OpenAI's abuse monitoring; the embedding does not depend on it",
     },

@@ -282,12 +282,24 @@ class ResponsesRequest(OpenAIBaseModel):
     request_id: str | None = None
 
 
-class EmbeddingRequest(OpenAIBaseModel):
-    """``POST /v1/embeddings``: OpenAI's request plus vLLM's extras (truncation, normalization, priority)."""
+def _one_of_input_and_messages(schema: dict[str, Any]) -> None:
+    """The published schema says what the server checks: exactly one of the two, never null (clients and the
+    schema fuzzer then build requests that can succeed)."""
+    for name in ("input", "messages"):
+        prop = schema["properties"][name]
+        prop["anyOf"] = [option for option in prop.get("anyOf", []) if option.get("type") != "null"]
+        prop.pop("default", None)
+    schema["oneOf"] = [{"required": ["input"]}, {"required": ["messages"]}]
 
+
+class EmbeddingRequest(ChatTemplateOptions):
+    """``POST /v1/embeddings``: OpenAI's request plus vLLM's extras (truncation, normalization, priority, and a
+    conversation in ``messages`` in place of ``input``, rendered by the chat template)."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra=_one_of_input_and_messages)
     model: str | None = None
-    # Text, a batch of texts, token ids, or a batch of token-id lists (OpenAI's four forms).
-    input: str | list[str] | list[int] | list[list[int]]
+    # Text, a batch of texts, token ids, or a batch of token-id lists (OpenAI's four forms); or None with messages.
+    input: str | list[str] | list[int] | list[list[int]] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
@@ -299,7 +311,10 @@ class EmbeddingRequest(OpenAIBaseModel):
     priority: int = 0
     cache_salt: str | None = None
     request_id: str | None = None
-    messages: list[dict[str, Any]] | None = None  # vLLM's chat-embedding form: refused
+    # vLLM's chat-embedding form: one conversation, one embedding. No generation prompt by default (the text
+    # embedded is the conversation itself), as vLLM.
+    messages: list[dict[str, Any]] | None = Field(None, json_schema_extra=_MESSAGES_SCHEMA)
+    add_generation_prompt: bool = False
 
 
 class TokenizeRequest(ChatTemplateOptions):

@@ -29,6 +29,7 @@ from tideserve.serve.openai.serving import (
     submit,
     truncate_prompt,
 )
+from tideserve.serve.openai.serving_chat import encode_messages
 
 logger = logging.getLogger(__name__)
 MAX_INPUTS = 2048  # OpenAI's limit on one request's array of inputs
@@ -51,6 +52,11 @@ def _split_inputs(value: str | list) -> list[str | list[int]]:
 
 def _tokenize(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
     """Every input's token ids, checked against the context before any request is added."""
+    if (req.input is None) == (req.messages is None):
+        raise bad_request("Give exactly one of input and messages.", "input")
+    if req.messages is not None:  # one conversation, rendered as the chat endpoint renders it
+        explicit = req.add_special_tokens if "add_special_tokens" in req.model_fields_set else None
+        return [_checked(state, req, encode_messages(state, req, explicit), "", "messages")]
     inputs = _split_inputs(req.input)
     single = inputs[0] is req.input  # a text or one list of token ids: no index in the messages
     token_lists = []
@@ -60,13 +66,18 @@ def _tokenize(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
             _, token_ids = state.engine.tokenize_prompt(item, req.add_special_tokens)
         except ValueError as exc:
             raise bad_request(where + str(exc).replace("prompt", "input", 1), "input") from exc
-        token_ids = truncate_prompt(state, req, token_ids)
-        try:
-            state.engine.engine.check_embedding_length(len(token_ids))
-        except ValueError as exc:
-            raise bad_request(where + str(exc), "input") from exc
-        token_lists.append(token_ids)
+        token_lists.append(_checked(state, req, token_ids, where, "input"))
     return token_lists
+
+
+def _checked(state: ServerState, req: EmbeddingRequest, token_ids: list[int], where: str, param: str) -> list[int]:
+    """``token_ids`` truncated as the request asks, or a 400 when they still do not fit the context."""
+    token_ids = truncate_prompt(state, req, token_ids)
+    try:
+        state.engine.engine.check_embedding_length(len(token_ids))
+    except ValueError as exc:
+        raise bad_request(where + str(exc), param) from exc
+    return token_ids
 
 
 def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
