@@ -1,0 +1,89 @@
+"""Two builds of the quantized products alternated call by call in one process: this tree's kernels against
+another checkout's (``--base``, e.g. a ``git worktree`` of an earlier commit), on the same weights and inputs.
+
+Why: on a shared host the cores' speed moves by 2-3x within seconds (``benchmarks/amx_probe.c``), so two
+runs minutes apart compare two machines. Alternating each call between the builds puts both in the same
+phase; the figure is the median of the per-pair time ratios, and the outputs are compared bit for bit. The
+base build is compiled from the other checkout's sources with this tree's flags; its ``ts_qmat`` layout
+must be this tree's.
+
+    git worktree add /tmp/base HEAD~1
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/kernel_ab.py --base /tmp/base \\
+        --shapes q4_1:3072:576:64,q4_1:3072:576:2048,q8_0:49152:576:64
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from gguf_blocks import quantized_pair  # noqa: E402  (the tests' GGUF block writer)
+
+from tideserve import native  # noqa: E402
+from tideserve.native import quant  # noqa: E402
+
+
+def build_base(tree: Path, out_dir: Path) -> ctypes.CDLL:
+    """The other checkout's kernels, compiled with this tree's flags, with ts_qmatmul_f32's signature set."""
+    sources = [tree / "tideserve" / "native" / Path(s).name for s in native.SOURCES]
+    target = out_dir / "base_kernels.so"
+    subprocess.run([native.find_compiler() or "cc", *native.CFLAGS, *map(str, sources), "-o", str(target), "-lm"],
+                   check=True)
+    lib = ctypes.CDLL(str(target))
+    fn, ref = lib.ts_qmatmul_f32, quant._lib().ts_qmatmul_f32
+    fn.restype, fn.argtypes = ref.restype, ref.argtypes
+    return lib
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True, type=Path, help="the other checkout (its tideserve/native sources)")
+    ap.add_argument("--shapes", default="q4_1:3072:576:64,q4_1:576:1536:64,q8_0:49152:576:64,q4_1:3072:576:2048",
+                    help="comma-separated format:n:k:m")
+    ap.add_argument("--pairs", type=int, default=30, help="alternated calls of each build per shape")
+    args = ap.parse_args()
+    if not quant.available():
+        raise SystemExit("the native kernels could not be built here")
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"base": build_base(args.base, Path(tmp)), "this tree": quant._lib()}
+        gen = torch.Generator().manual_seed(0)
+        print(f"path {quant.qgemm_isa()}; threads {threads}")
+        for shape in args.shapes.split(","):
+            qtype, n, k, m = shape.split(":")
+            n, k, m = int(n), int(k), int(m)
+            data, _ = quantized_pair(torch.randn(n, k, generator=gen) * 0.05, qtype)
+            layout = quant.preferred_layout(qtype)
+            if layout != "rows":
+                data = quant.relayout(qtype, data, k, layout)
+            mat = quant.make_qmat([(qtype, data)], k, None, [layout])
+            x = torch.randn(m, k, generator=gen)
+            times: dict[str, list[float]] = {name: [] for name in libs}
+            outs: dict[str, torch.Tensor] = {}
+            for _ in range(args.pairs + 1):  # the first pair warms both
+                for name, lib in libs.items():
+                    out = torch.empty(m, n)
+                    t = time.perf_counter()
+                    if lib.ts_qmatmul_f32(ctypes.byref(mat), x.data_ptr(), k, m, 0, out.data_ptr(), n, threads):
+                        raise SystemExit(f"{name}: the product failed for {shape}")
+                    times[name].append(time.perf_counter() - t)
+                    outs[name] = out
+            base, ours = times["base"][1:], times["this tree"][1:]
+            ratio = statistics.median(b / o for b, o in zip(base, ours))
+            print(f"{shape}: base {statistics.median(base) * 1e3:.3f} ms, "
+                  f"this tree {statistics.median(ours) * 1e3:.3f} ms, "
+                  f"base / this tree {ratio:.2f} (median of {len(base)} pairs), same bits: "
+                  f"{torch.equal(outs['base'], outs['this tree'])}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
