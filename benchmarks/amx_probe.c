@@ -6,7 +6,11 @@
  *   - "products": tdpbf16ps alone, operands already in tiles (the unit's own rate);
  *   - "with loads": the same products with four tile loads from L1 per four products;
  *   - "model footprint": the kernel's loop over a 32-row panel at k = 576 and 64 rows of activations (the
- *     embedded model's decode step shape), 36 KiB and 72 KiB, from L1 and L2.
+ *     embedded model's decode step shape), 36 KiB and 72 KiB, from L1 and L2;
+ *   - "overlap": whether vector work runs while the tiles multiply, as the kernel needs for the decode of its
+ *     next weight panel: four products, then 64 register-only vpermw (the panel decode's table look-up, in
+ *     eight independent chains); reported as the share of the vector work's own time that the pair adds
+ *     to the products alone (0: fully hidden, 1: none of it overlaps).
  * On a shared host the rates move together by a factor of 2-3 when a neighbour takes the core's AMX unit:
  * timings of the engine taken minutes apart compare two different machines (docs/benchmarks.md, thirtieth
  * round), so figures are compared within one interleaved run.
@@ -69,6 +73,34 @@ static double products(long n, int reload) {
     return (now() - t) / (4.0 * n) * 1e9;
 }
 
+/* ns per iteration of four tile products (``tiles``) and/or ``VECTOR_OPS`` register-only vpermw (``vector``) */
+#define VECTOR_CHAINS 8
+#define VECTOR_OPS 64
+static double products_and_vector(long n, int tiles, int vector) {
+    __m512i chain[VECTOR_CHAINS];
+    for (int j = 0; j < VECTOR_CHAINS; j++) chain[j] = _mm512_set1_epi32(j + 1);
+    const __m512i index = _mm512_set1_epi16(3);
+    const double t = now();
+    for (long i = 0; i < n; i++) {
+        if (tiles) {
+            _tile_dpbf16ps(4, 0, 2);
+            _tile_dpbf16ps(5, 0, 3);
+            _tile_dpbf16ps(6, 1, 2);
+            _tile_dpbf16ps(7, 1, 3);
+        }
+        if (vector)
+            for (int g = 0; g < VECTOR_OPS / VECTOR_CHAINS; g++) {
+                for (int j = 0; j < VECTOR_CHAINS; j++) chain[j] = _mm512_permutexvar_epi16(chain[j], index);
+                __asm__ volatile("" ::: "memory"); /* keeps the groups in program order after the products */
+            }
+    }
+    const double elapsed = now() - t;
+    for (int j = 1; j < VECTOR_CHAINS; j++) chain[0] = _mm512_xor_si512(chain[0], chain[j]);
+    _mm512_store_si512((void *)sink, chain[0]);
+    _tile_stored(4, sink + 256, 64);
+    return elapsed / n * 1e9;
+}
+
 /* ns per tile product in the kernel's loop: a 32-row panel (row-major, k = 576) times 64 rows of x */
 static double model_footprint(long panels) {
     const double t = now();
@@ -116,12 +148,16 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < sizeof packed / 4; i++) packed[i] = 0x3f803f80u;
     for (size_t i = 0; i < sizeof small / 2; i++) small[i] = 0x3f80;
     const double flop = 16.0 * 16 * 32 * 2; /* one tile product */
-    printf("second  products ns (GFLOPS)   with loads ns (GFLOPS)   model footprint ns (GFLOPS), one core\n");
+    printf("second  products ns (GFLOPS)   with loads ns (GFLOPS)   model footprint ns (GFLOPS)   overlap: vector ns,"
+           " both ns, added share, one core\n");
     for (int s = 0; s < seconds; s++) {
         const double start = now();
         const double a = products(200000, 0), b = products(200000, 1), c = model_footprint(2000);
-        printf("%6d  %8.2f (%6.0f)        %8.2f (%6.0f)          %8.2f (%6.0f)\n", s, a, flop / a, b, flop / b, c,
-               flop / c);
+        _tile_loadd(0, small, 64); /* products() left tiles 0-3 holding the same finite values */
+        const double v = products_and_vector(100000, 0, 1), both = products_and_vector(100000, 1, 1);
+        const double alone = products_and_vector(100000, 1, 0);
+        printf("%6d  %8.2f (%6.0f)        %8.2f (%6.0f)          %8.2f (%6.0f)          %6.1f %6.1f %5.2f\n", s, a,
+               flop / a, b, flop / b, c, flop / c, v, both, (both - alone) / v);
         fflush(stdout);
         const double spent = now() - start;
         if (spent < 1.0) usleep((useconds_t)((1.0 - spent) * 1e6));
