@@ -3,7 +3,9 @@ another checkout's (``--base``, e.g. a ``git worktree`` of an earlier commit), o
 
 Why: on a shared host the cores' speed moves by 2-3x within seconds (``benchmarks/amx_probe.c``), so two
 runs minutes apart compare two machines. Alternating each call between the builds puts both in the same
-phase; the figure is the median of the per-pair time ratios, and the outputs are compared bit for bit. The
+phase; the figures are the median of the per-pair time ratios and the ratio of the total times (what a
+workload feels when the cores' phases differ now and then: a change that helps only then moves the total,
+not the median), and the outputs are compared bit for bit. The
 base build is compiled from the other checkout's sources with this tree's flags; its ``ts_qmat`` layout
 must be this tree's.
 
@@ -81,7 +83,8 @@ def main() -> None:
             ratio = statistics.median(b / o for b, o in zip(base, ours))
             print(f"{shape}: base {statistics.median(base) * 1e3:.3f} ms, "
                   f"this tree {statistics.median(ours) * 1e3:.3f} ms, "
-                  f"base / this tree {ratio:.2f} (median of {len(base)} pairs), same bits: "
+                  f"base / this tree {ratio:.2f} (median of {len(base)} pairs; {sum(base) / sum(ours):.2f} in total "
+                  f"time), same bits: "
                   f"{torch.equal(outs['base'], outs['this tree'])}", flush=True)
 
 

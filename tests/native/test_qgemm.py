@@ -473,6 +473,30 @@ def test_amx_tiles_over_several_chunks_of_rows(qtype, rows):
     torch.testing.assert_close(got.double(), want, rtol=1e-3, atol=2e-3 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("rows", [70, 530])
+def test_amx_tiles_give_the_same_bits_however_the_threads_share_the_panels(rows):
+    """Each thread starts from an even share of the panels and then takes the rest of another thread's
+    from its back, so the split changes with the cores' speed; a panel's outputs must not. With more
+    threads than panels (4 here) some threads start with nothing and only take; at 530 rows the second and
+    third chunks' tasks wait for a panel another thread decoded during the first."""
+    need("amx")
+    data, _ = weight("q4_1", n=100, k=256, seed=5)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(6))
+    mat = quant.make_qmat([("q4_1", data)], 256, torch.randn(100))
+    before = torch.get_num_threads()
+    results = {}
+    try:
+        for threads in (1, 2, 3, 7):
+            torch.set_num_threads(threads)
+            with quant.forced_isa("amx"):
+                results[threads] = [quant.qmatmul(x, mat, swiglu=True) for _ in range(3)]
+    finally:
+        torch.set_num_threads(before)
+    for threads, outs in results.items():
+        for got in outs:
+            assert torch.equal(got, results[1][0]), f"{threads} threads"
+
+
 def test_amx_tiles_redecode_a_weight_too_large_to_share():
     """Past 16 MiB decoded (here a 16,448-row table, as an LM head), each chunk of rows decodes the panels
     again instead of holding the whole weight in bfloat16; the product is the same."""

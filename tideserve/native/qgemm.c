@@ -14,7 +14,8 @@
  * - tiles (AMX, from TS_AMX_MIN_ROWS rows: batched decode, prefill): each thread decodes a panel of 32
  *   weight rows once to bfloat16 and multiplies it with the whole batch through tdpbf16ps, 16x16 output
  *   tiles accumulated in float over all of K; the next panel's decode runs between the current one's
- *   tile products. The input is rounded to bfloat16 (8 bits of mantissa,
+ *   tile products; threads start from an even share of the panels and take what another has left
+ *   (amx_claimed_panels). The input is rounded to bfloat16 (8 bits of mantissa,
  *   like the row kernels' 8-bit codes, but with no block scale to share);
  * - integer tiles (from tile_min_rows rows, on AMX CPUs up to the AMX tiles'; qgemm_tiles.h): the row kernels' int8
  *   arithmetic, but a panel of 16 weight rows is decoded once for the whole batch, in an order where each
@@ -629,6 +630,112 @@ static void amx_panel_tiles(const uint16_t *panel, const uint32_t *packed, int64
     }
 }
 
+/* A thread's list of amx_matmul tasks, [front, back) of it still unclaimed, in one word that the owner
+ * takes from the front and other threads from the back (compare-and-swap), on a cache line of its own. */
+typedef struct {
+    uint64_t range; /* front in the low 32 bits, back in the high 32 */
+    char pad[56];
+} ts_task_list;
+
+static inline uint64_t task_range(int64_t front, int64_t back) { return ((uint64_t)back << 32) | (uint64_t)front; }
+
+/* The next unclaimed index of list l, from its front (the owner) or its back (another thread); -1 if none. */
+static int64_t take_task(ts_task_list *l, int from_back) {
+    uint64_t cur = __atomic_load_n(&l->range, __ATOMIC_RELAXED);
+    for (;;) {
+        const int64_t front = (int64_t)(cur & 0xffffffffu), back = (int64_t)(cur >> 32);
+        if (front >= back) return -1;
+        const uint64_t want = from_back ? task_range(front, back - 1) : task_range(front + 1, back);
+        if (__atomic_compare_exchange_n(&l->range, &cur, want, 1, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+            return from_back ? back - 1 : front;
+    }
+}
+
+/* One claimed task: chunk of x and panel. */
+typedef struct {
+    int64_t chunk, panel;
+} ts_amx_task;
+
+/* Thread tid's next task: the front of its own list, else the back of another's. A thread's list is the
+ * even split's panels [lo, lo + count) for every chunk, chunk-major; 0 when every list is empty. */
+static int next_amx_task(ts_task_list *lists, int64_t nth, int64_t tid, int64_t panels, ts_amx_task *task) {
+    for (int64_t d = 0; d < nth; d++) {
+        const int64_t owner = (tid + d) % nth;
+        const int64_t j = take_task(&lists[owner], d > 0);
+        if (j < 0) continue;
+        const int64_t lo = panels * owner / nth, count = panels * (owner + 1) / nth - lo;
+        task->chunk = j / count;
+        task->panel = lo + j % count;
+        return 1;
+    }
+    return 0;
+}
+
+/* One thread's share of amx_matmul: tasks, each a (chunk of x, panel) pair. Each thread starts from the
+ * even split's share, chunk-major so that a chunk's packed rows stay in L2 while its panels pass, and once
+ * that is done takes tasks from the back of another thread's: on a shared host the two cores' tile units
+ * run at rates 2-3x apart for seconds at a time, each independently of the other (docs/benchmarks.md,
+ * thirty-first round), and an even split alone waits for the slower core at the end of every product.
+ * (Tasks handed out one by one from a single counter balanced as well, but interleaved the threads'
+ * weight rows: 4-14% slower than the even split on an LM head, 24 rows and 2,048 rows while the cores ran
+ * alike.) A thread decodes the
+ * panel of its next task while it multiplies the current one, into the other of its two buffers; or, when
+ * the decoded weight is ``shared`` by the chunks, into the panel's place there during the first chunk,
+ * after which ``ready[p]`` is set, and a later chunk's task on panel p waits for it. */
+static void amx_claimed_panels(const ts_qmat *w, const uint32_t *packed, int64_t kb, int64_t k, int64_t mp, int64_t m,
+                               int64_t panels, uint16_t *shared, int *ready, uint16_t *panel, uint8_t *copy,
+                               float *out, int64_t out_stride, ts_task_list *lists, int64_t nth, int64_t tid) {
+    const int64_t panel_values = TS_PANEL * k, chunk_tiles = TS_AMX_M_CHUNK / 16;
+    ts_panel_decode decoder;
+    int64_t first, col0, slot = 0;
+    ts_amx_task task, following;
+    int have = next_amx_task(lists, nth, tid, panels, &task);
+    /* whether the thread that claims a task decodes its panel */
+#define TS_DECODES(t) (shared == NULL || (t).chunk == 0)
+#define TS_DECODE_INTO(t, buffer) (shared != NULL ? shared + (t).panel * panel_values : panel + (buffer) * panel_values)
+    if (have && TS_DECODES(task)) {
+        const ts_qseg *seg = ts_panel_segment(w, task.panel, TS_PANEL, &first, &col0);
+        panel_decode_start(&decoder, seg, first * TS_PANEL, k, TS_DECODE_INTO(task, 0), copy);
+        panel_decode_some(&decoder, INT64_MAX);
+        if (shared != NULL) __atomic_store_n(&ready[task.panel], 1, __ATOMIC_RELEASE);
+    }
+    while (have) {
+        const int64_t mt_lo = task.chunk * chunk_tiles;
+        const int64_t mt_hi = mp / 16 < mt_lo + chunk_tiles ? mp / 16 : mt_lo + chunk_tiles;
+        const ts_qseg *seg = ts_panel_segment(w, task.panel, TS_PANEL, &first, &col0);
+        const int more = next_amx_task(lists, nth, tid, panels, &following);
+        ts_panel_decode *next = NULL;
+        if (more && TS_DECODES(following)) {
+            int64_t next_first, next_col0;
+            const ts_qseg *next_seg = ts_panel_segment(w, following.panel, TS_PANEL, &next_first, &next_col0);
+            panel_decode_start(&decoder, next_seg, next_first * TS_PANEL, k, TS_DECODE_INTO(following, 1 - slot), copy);
+            next = &decoder;
+        }
+        if (shared != NULL && !__atomic_load_n(&ready[task.panel], __ATOMIC_ACQUIRE)) {
+            /* Decoded by whichever thread took the panel's first chunk. Finish the panel this thread took
+             * to decode first: two threads each waiting for the panel the other would decode next would
+             * otherwise wait for ever. A thread that waits then holds no undecoded panel, and the panel
+             * waited for is claimed (by a thread that only waits likewise) or at the front of a list whose
+             * owner is not waiting. */
+            if (next != NULL) {
+                panel_decode_some(next, INT64_MAX);
+                __atomic_store_n(&ready[following.panel], 1, __ATOMIC_RELEASE);
+                next = NULL;
+            }
+            while (!__atomic_load_n(&ready[task.panel], __ATOMIC_ACQUIRE)) _mm_pause();
+        }
+        amx_panel_tiles(shared != NULL ? shared + task.panel * panel_values : panel + slot * panel_values, packed, kb,
+                        k, mt_lo, mt_hi, seg, first * TS_PANEL, col0, w->bias, m, out, out_stride, next);
+        panel_decode_some(next, INT64_MAX); /* whatever the tiles left */
+        if (next != NULL && shared != NULL) __atomic_store_n(&ready[following.panel], 1, __ATOMIC_RELEASE);
+        task = following;
+        have = more;
+        slot = 1 - slot;
+    }
+#undef TS_DECODES
+#undef TS_DECODE_INTO
+}
+
 static int amx_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_t m, int act, float *out,
                       int64_t out_stride, int num_threads) {
     const int64_t k = w->k, kb = k / TS_QBLOCK, mp = (m + 31) / 32 * 32;
@@ -645,6 +752,17 @@ static int amx_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_
         if (w->seg[s].layout == TS_LAYOUT_X8 && ts_qrow_bytes(w->seg[s].type, k) > copy_bytes)
             copy_bytes = ts_qrow_bytes(w->seg[s].type, k);
     int failed = 0;
+    ts_task_list *lists = aligned_alloc(64, sizeof(ts_task_list) * (size_t)(num_threads > 1 ? num_threads : 1));
+    if (lists == NULL) {
+        free(shared);
+        free(packed);
+        return -1;
+    }
+    int *ready = shared != NULL ? calloc((size_t)panels, sizeof(int)) : NULL; /* panel p of shared is decoded */
+    if (shared != NULL && ready == NULL) {
+        free(shared);
+        shared = NULL;
+    }
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         float *activated = act ? malloc(sizeof(float) * (size_t)(16 * k)) : NULL; /* a tile's SwiGLU rows */
@@ -654,6 +772,11 @@ static int amx_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_
         if ((act && activated == NULL) || (shared == NULL && panel == NULL) || (copy_bytes > 0 && copy == NULL)) {
 #pragma omp atomic write
             failed = 1;
+        }
+        { /* this thread's even share of the tasks (amx_claimed_panels); the loop's barrier publishes it */
+            const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+            const int64_t count = panels * (tid + 1) / nth - panels * tid / nth;
+            __atomic_store_n(&lists[tid].range, task_range(0, chunks * count), __ATOMIC_RELAXED);
         }
 #pragma omp for schedule(static)
         for (int64_t mt = 0; mt < mp / 16; mt++) { /* every tile of the padded rows: those past m are zero */
@@ -671,46 +794,16 @@ static int amx_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_
         if (!failed) {
             const ts_tilecfg cfg = ts_tilecfg_16x64(8);
             _tile_loadconfig(&cfg);
-            /* This thread's panels [lo, hi), once per chunk of x (the same split every time): step i multiplies
-             * panel lo + i % count while step i + 1's panel is decoded: into the other of two buffers, or, when
-             * the decoded weight is shared by the chunks, into its place there during the first chunk only. */
-            const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-            const int64_t lo = panels * tid / nth, count = panels * (tid + 1) / nth - lo;
-            ts_panel_decode decoder;
-            int64_t first, col0;
-            if (count > 0) {
-                const ts_qseg *seg = ts_panel_segment(w, lo, TS_PANEL, &first, &col0);
-                panel_decode_start(&decoder, seg, first * TS_PANEL, k, shared != NULL ? shared + lo * panel_values : panel,
-                                   copy);
-                panel_decode_some(&decoder, INT64_MAX);
-            }
-            for (int64_t i = 0; i < chunks * count; i++) {
-                const int64_t chunk = i / count, p = lo + i % count;
-                const int64_t mt_lo = chunk * (TS_AMX_M_CHUNK / 16);
-                const int64_t mt_hi = mp / 16 < mt_lo + TS_AMX_M_CHUNK / 16 ? mp / 16 : mt_lo + TS_AMX_M_CHUNK / 16;
-                const ts_qseg *seg = ts_panel_segment(w, p, TS_PANEL, &first, &col0);
-                const int64_t n0 = first * TS_PANEL;
-                const uint16_t *current = shared != NULL ? shared + p * panel_values : panel + (i % 2) * panel_values;
-                ts_panel_decode *next = NULL;
-                const int more = shared != NULL ? i + 1 < count : i + 1 < chunks * count;
-                if (more) {
-                    const int64_t q = lo + (i + 1) % count;
-                    int64_t next_first, next_col0;
-                    const ts_qseg *next_seg = ts_panel_segment(w, q, TS_PANEL, &next_first, &next_col0);
-                    panel_decode_start(&decoder, next_seg, next_first * TS_PANEL, k,
-                                       shared != NULL ? shared + q * panel_values : panel + ((i + 1) % 2) * panel_values,
-                                       copy);
-                    next = &decoder;
-                }
-                amx_panel_tiles(current, packed, kb, k, mt_lo, mt_hi, seg, n0, col0, w->bias, m, out, out_stride, next);
-                panel_decode_some(next, INT64_MAX); /* whatever the tiles left */
-            }
+            amx_claimed_panels(w, packed, kb, k, mp, m, panels, shared, ready, panel, copy, out, out_stride, lists,
+                               omp_get_num_threads(), omp_get_thread_num());
             _tile_release();
         }
         free(activated);
         free(copy);
         free(panel);
     }
+    free(lists);
+    free(ready);
     free(shared);
     free(packed);
     return failed ? -1 : 0;
