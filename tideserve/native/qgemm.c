@@ -678,10 +678,9 @@ static int next_amx_task(ts_task_list *lists, int64_t nth, int64_t tid, int64_t 
  * thirty-first round), and an even split alone waits for the slower core at the end of every product.
  * (Tasks handed out one by one from a single counter balanced as well, but interleaved the threads'
  * weight rows: 4-14% slower than the even split on an LM head, 24 rows and 2,048 rows while the cores ran
- * alike.) A thread decodes the
- * panel of its next task while it multiplies the current one, into the other of its two buffers; or, when
- * the decoded weight is ``shared`` by the chunks, into the panel's place there during the first chunk,
- * after which ``ready[p]`` is set, and a later chunk's task on panel p waits for it. */
+ * alike.) A thread decodes the panel of its next task while it multiplies the current one, into the other
+ * of its two buffers; or, when the decoded weight is ``shared`` by the chunks, into the panel's place there
+ * during the first chunk, after which ``ready[p]`` is set, and a later chunk's task on panel p waits for it. */
 static void amx_claimed_panels(const ts_qmat *w, const uint32_t *packed, int64_t kb, int64_t k, int64_t mp, int64_t m,
                                int64_t panels, uint16_t *shared, int *ready, uint16_t *panel, uint8_t *copy,
                                float *out, int64_t out_stride, ts_task_list *lists, int64_t nth, int64_t tid) {
