@@ -477,8 +477,9 @@ def test_amx_tiles_over_several_chunks_of_rows(qtype, rows):
 def test_amx_tiles_give_the_same_bits_however_the_threads_share_the_panels(rows):
     """Each thread starts from an even share of the panels and then takes the rest of another thread's
     from its back, so the split changes with the cores' speed; a panel's outputs must not. With more
-    threads than panels (4 here) some threads start with nothing and only take; at 530 rows the second and
-    third chunks' tasks wait for a panel another thread decoded during the first."""
+    threads than panels (4 here) some threads start with nothing; with every task in the first thread's
+    list the others take all of theirs from it (and the count of taken tasks shows they did). At 530 rows
+    the second and third chunks' tasks wait for a panel another thread decoded during the first."""
     need("amx")
     data, _ = weight("q4_1", n=100, k=256, seed=5)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(6))
@@ -490,6 +491,11 @@ def test_amx_tiles_give_the_same_bits_however_the_threads_share_the_panels(rows)
             torch.set_num_threads(threads)
             with quant.forced_isa("amx"):
                 results[threads] = [quant.qmatmul(x, mat, swiglu=True) for _ in range(3)]
+                taken = quant.amx_tasks_taken()
+                with quant.amx_tasks_in_one_list():
+                    results[threads] += [quant.qmatmul(x, mat, swiglu=True) for _ in range(20)]
+                if threads > 1:  # 20 calls: some of them give another thread a task before the first ends
+                    assert quant.amx_tasks_taken() > taken, f"{threads} threads took nothing"
     finally:
         torch.set_num_threads(before)
     for threads, outs in results.items():

@@ -157,6 +157,8 @@ def _declare_qgemm_exports(lib: ctypes.CDLL) -> None:
         "ts_qgemm_set_isa": (cint, [cint]),
         "ts_qgemm_set_tile_min_rows": (cint, [cint]),
         "ts_qgemm_set_gemv": (cint, [cint]),
+        "ts_qgemm_set_amx_one_list": (cint, [cint]),
+        "ts_qgemm_amx_tasks_taken": (i64, []),
         "ts_qgemm_tile_chunk_bytes": (i64, []),
         "ts_qgemm_quantize_rows_f32": (cint, [ptr, i64, i64, ptr, ptr, ptr]),
         "ts_qgemm_set_tile_chunk_bytes": (i64, [i64]),

@@ -36,6 +36,7 @@
 #define _GNU_SOURCE /* sysconf(_SC_LEVEL2_CACHE_SIZE) under -std=c11 */
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -90,6 +91,8 @@ static int gemv_max_rows(int isa, int64_t type) {
 }
 static int ts_tile_min_rows_override = 0; /* 0: each path's own threshold */
 static int ts_gemv_enabled = 1;           /* AVX2's matrix-vector kernel below the tiles (tests turn it off) */
+static int ts_amx_one_list = 0;           /* every AMX task starts in thread 0's list (tests: the others only take) */
+static int64_t ts_amx_taken = 0;          /* AMX tasks a thread took from another's list, since the library loaded */
 
 /* The integer tiles sweep a batch's rows in chunks whose int8 activations (with their scales) stay in L2
  * while every panel of a thread passes over them, each panel decoded once per chunk. Half the core's L2
@@ -656,14 +659,28 @@ typedef struct {
     int64_t chunk, panel;
 } ts_amx_task;
 
-/* Thread tid's next task: the front of its own list, else the back of another's. A thread's list is the
- * even split's panels [lo, lo + count) for every chunk, chunk-major; 0 when every list is empty. */
+/* The panels [*lo, *lo + *count) thread tid's list starts with, for every chunk: the even split's share,
+ * or (ts_qgemm_set_amx_one_list) all of them for thread 0 and none for the others. */
+static void amx_share(int64_t tid, int64_t nth, int64_t panels, int64_t *lo, int64_t *count) {
+    if (ts_amx_one_list) {
+        *lo = 0;
+        *count = tid == 0 ? panels : 0;
+        return;
+    }
+    *lo = panels * tid / nth;
+    *count = panels * (tid + 1) / nth - *lo;
+}
+
+/* Thread tid's next task: the front of its own list, else the back of another's. A list holds its
+ * share's panels for every chunk, chunk-major; 0 when every list is empty. */
 static int next_amx_task(ts_task_list *lists, int64_t nth, int64_t tid, int64_t panels, ts_amx_task *task) {
     for (int64_t d = 0; d < nth; d++) {
         const int64_t owner = (tid + d) % nth;
         const int64_t j = take_task(&lists[owner], d > 0);
         if (j < 0) continue;
-        const int64_t lo = panels * owner / nth, count = panels * (owner + 1) / nth - lo;
+        if (d > 0) __atomic_fetch_add(&ts_amx_taken, 1, __ATOMIC_RELAXED);
+        int64_t lo, count;
+        amx_share(owner, nth, panels, &lo, &count);
         task->chunk = j / count;
         task->panel = lo + j % count;
         return 1;
@@ -721,7 +738,12 @@ static void amx_claimed_panels(const ts_qmat *w, const uint32_t *packed, int64_t
                 __atomic_store_n(&ready[following.panel], 1, __ATOMIC_RELEASE);
                 next = NULL;
             }
-            while (!__atomic_load_n(&ready[task.panel], __ATOMIC_ACQUIRE)) _mm_pause();
+            /* spins a little, then yields: with more threads than cores the decoding thread may be waiting
+             * for this one's core */
+            for (int spins = 0; !__atomic_load_n(&ready[task.panel], __ATOMIC_ACQUIRE); spins++) {
+                if (spins < 4096) _mm_pause();
+                else sched_yield();
+            }
         }
         amx_panel_tiles(shared != NULL ? shared + task.panel * panel_values : panel + slot * panel_values, packed, kb,
                         k, mt_lo, mt_hi, seg, first * TS_PANEL, col0, w->bias, m, out, out_stride, next);
@@ -772,10 +794,10 @@ static int amx_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64_
 #pragma omp atomic write
             failed = 1;
         }
-        { /* this thread's even share of the tasks (amx_claimed_panels); the loop's barrier publishes it */
-            const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-            const int64_t count = panels * (tid + 1) / nth - panels * tid / nth;
-            __atomic_store_n(&lists[tid].range, task_range(0, chunks * count), __ATOMIC_RELAXED);
+        { /* this thread's share of the tasks (amx_claimed_panels); the loop's barrier publishes it */
+            int64_t lo, count;
+            amx_share(omp_get_thread_num(), omp_get_num_threads(), panels, &lo, &count);
+            __atomic_store_n(&lists[omp_get_thread_num()].range, task_range(0, chunks * count), __ATOMIC_RELAXED);
         }
 #pragma omp for schedule(static)
         for (int64_t mt = 0; mt < mp / 16; mt++) { /* every tile of the padded rows: those past m are zero */
@@ -847,6 +869,18 @@ int ts_qgemm_set_tile_min_rows(int rows) {
     ts_tile_min_rows_override = rows < 0 ? 0 : rows;
     return previous;
 }
+
+/* Whether every AMX task starts in thread 0's list (1) or each thread starts from an even share (0, the
+ * default): tests make the other threads take all their work from thread 0's list. Returns the previous
+ * setting. */
+int ts_qgemm_set_amx_one_list(int on) {
+    const int previous = ts_amx_one_list;
+    ts_amx_one_list = on != 0;
+    return previous;
+}
+
+/* AMX tasks threads took from another thread's list since the library loaded (tests: the taking ran). */
+int64_t ts_qgemm_amx_tasks_taken(void) { return __atomic_load_n(&ts_amx_taken, __ATOMIC_RELAXED); }
 
 /* Whether the matrix-vector kernel (qgemm_gemv.h) takes the products below the tiles' threshold
  * over the formats it has (1, the default) or the row kernels do (0: tests compare the two). Returns the

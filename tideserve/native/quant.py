@@ -79,6 +79,10 @@ def _lib() -> ctypes.CDLL | None:
     lib.ts_qgemm_set_tile_min_rows.argtypes = [cint]
     lib.ts_qgemm_set_gemv.restype = cint
     lib.ts_qgemm_set_gemv.argtypes = [cint]
+    lib.ts_qgemm_set_amx_one_list.restype = cint
+    lib.ts_qgemm_set_amx_one_list.argtypes = [cint]
+    lib.ts_qgemm_amx_tasks_taken.restype = i64
+    lib.ts_qgemm_amx_tasks_taken.argtypes = []
     lib.ts_qgemm_tile_chunk_bytes.restype = i64
     lib.ts_qgemm_tile_chunk_bytes.argtypes = []
     lib.ts_qgemm_set_tile_chunk_bytes.restype = i64
@@ -179,6 +183,28 @@ def set_tile_min_rows(rows: int) -> int:
     if lib is None:
         raise RuntimeError("the native kernels are not available")
     return lib.ts_qgemm_set_tile_min_rows(rows)
+
+
+@contextlib.contextmanager
+def amx_tasks_in_one_list() -> Iterator[None]:
+    """Within: every AMX product's tasks start in its first thread's list, so that the other threads can
+    only take theirs from it (tests of that taking)."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the native kernels are not available")
+    previous = lib.ts_qgemm_set_amx_one_list(1)
+    try:
+        yield
+    finally:
+        lib.ts_qgemm_set_amx_one_list(previous)
+
+
+def amx_tasks_taken() -> int:
+    """AMX tasks threads took from another thread's list since the library loaded."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the native kernels are not available")
+    return lib.ts_qgemm_amx_tasks_taken()
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -136,6 +136,8 @@ int ts_qgemm_isa(void);                      /* the best this CPU and build have
 int ts_qgemm_set_isa(int cap);               /* cap the path (tests); returns the previous cap */
 int ts_qgemm_set_tile_min_rows(int rows);    /* rows from which tiles replace row kernels (0: per path); returns previous */
 int ts_qgemm_set_gemv(int enabled);          /* AVX2 matrix-vector kernel below the tiles on/off; returns previous */
+int ts_qgemm_set_amx_one_list(int on);       /* every AMX task starts in thread 0's list (tests); returns previous */
+int64_t ts_qgemm_amx_tasks_taken(void);      /* AMX tasks taken from another thread's list, since load */
 int64_t ts_qgemm_tile_chunk_bytes(void);     /* activation bytes per chunk of rows the integer tiles sweep */
 int ts_qgemm_quantize_rows_f32(const float *x, int64_t m, int64_t k, int8_t *q, float *scale, float *sums); /* x's 8-bit blocks */
 int64_t ts_qgemm_set_tile_chunk_bytes(int64_t bytes); /* override it (0: half the L2); returns previous */
