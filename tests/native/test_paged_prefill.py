@@ -143,6 +143,37 @@ def test_the_bf16_forms_run_over_a_bf16_cache_only(kv_dtype, level, request):
 
 
 @needs_kernel
+@pytest.mark.parametrize("level", ["avx512bf16", "amx"])
+def test_the_bf16_forms_give_the_same_bits_with_keys_packed_once_or_gathered_per_item(level, request):
+    """A call of a bfloat16 form packs every chunk's keys and values once, then its work items read them;
+    past the packing's size limit each item gathers its own. Both read the same values in the same tiles:
+    the same bits, over partial key tiles, cached prefixes, chunks of one token and several thread counts.
+    The count of packing calls must move with the packing on and stay put with it off."""
+    if native.load_library() is None or level not in native.supported_isas():
+        pytest.skip(f"this CPU or build has no {level} path")
+    request.addfinalizer(lambda: native.set_isa("auto"))
+    assert native.set_isa(level) == level
+    cases = [([(0, 305), (40, 31), (0, 1), (17, 64)], 9, 3, 64, 16), ([(5, 20), (0, 97)], 8, 2, 32, 8),
+             ([(33, 40)], 4, 1, 128, 32), ([(0, 3), (33, 1), (0, 70)], 40, 1, 64, 16)]
+    for seed, (spans, *dims) in enumerate(cases):
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k_cache, v_cache, tables, starts, lens, computed = make_case(spans, *dims, seed=seed, dtype=dtype,
+                                                                            kv_dtype=torch.bfloat16)
+            args = (q, k_cache, v_cache, tables, starts, lens, computed, q.shape[-1] ** -0.5)
+            for threads in (1, 2, 3):
+                before = native.prefill_packed_calls()
+                packed = run_kernel(*args, num_threads=threads)
+                assert native.prefill_packed_calls() == before + 1
+                with native.prefill_items_gather_their_keys():
+                    gathered = run_kernel(*args, num_threads=threads)
+                assert native.prefill_packed_calls() == before + 1
+                assert torch.equal(packed.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                                   gathered.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+                want = reference(q.float(), k_cache.float(), v_cache.float(), *args[3:])
+                torch.testing.assert_close(packed.float(), want, **AMX_TOLERANCE)
+
+
+@needs_kernel
 def test_keys_are_read_from_the_steps_own_rows_with_block_size_one():
     """Fresh prompts over a cache of another dtype read their keys from the fused qkv rows (strided):
     each row id in the table is a slot of block size 1."""

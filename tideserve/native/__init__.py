@@ -32,7 +32,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -184,6 +185,8 @@ def _declare_isa_exports(lib: ctypes.CDLL) -> None:
         "ts_paged_prefill": (cint, [ptr, i64, cint, ptr, ptr, cint, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64,
                                     cint, i64, i64, i64, f32, cint]),
         "ts_paged_prefill_tiles": (cint, [cint, i64]),
+        "ts_paged_prefill_set_pack_limit": (i64, [i64]),
+        "ts_paged_prefill_packed_calls": (i64, []),
         "ts_rms_norm_bf16": (None, [ptr, ptr, ptr, i64, i64, f32, cint]),
         "ts_add_rms_norm_bf16": (None, [ptr, ptr, ptr, ptr, i64, i64, f32, cint]),
         "ts_rope_store_bf16": (None, [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, cint, cint]),
@@ -323,6 +326,29 @@ def prefill_form(kv_dtype: torch.dtype, head_dim: int) -> str | None:
     if lib is None or kv_dtype not in CACHE_DTYPE_CODES:
         return None
     return {1: "vdpbf16ps", 2: "amx tiles"}.get(int(lib.ts_paged_prefill_tiles(CACHE_DTYPE_CODES[kv_dtype], head_dim)))
+
+
+@contextmanager
+def prefill_items_gather_their_keys() -> Iterator[None]:
+    """Within: the bfloat16 forms of prefill attention do not pack a call's keys and values first, and each
+    work item gathers the keys it reads, as calls past the packing's size limit do (tests of that path)."""
+    lib = load_library()
+    if lib is None:
+        raise RuntimeError("the native kernels are not available")
+    previous = lib.ts_paged_prefill_set_pack_limit(0)
+    try:
+        yield
+    finally:
+        lib.ts_paged_prefill_set_pack_limit(previous)
+
+
+def prefill_packed_calls() -> int:
+    """Prefill-attention calls that packed their keys and values once for all their work items, since the
+    library loaded."""
+    lib = load_library()
+    if lib is None:
+        raise RuntimeError("the native kernels are not available")
+    return int(lib.ts_paged_prefill_packed_calls())
 
 
 def _plain_f32(*tensors: torch.Tensor | None) -> bool:

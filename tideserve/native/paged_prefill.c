@@ -29,7 +29,8 @@
  * head_dim a multiple of 32), the AVX-512 form with both products on tiles: scores transposed as
  * keys times the queries' bfloat16 pairs, which lands them in the AVX-512 form's layout for the same online
  * softmax, and outputs transposed as the values' key pairs times the probabilities rounded to bfloat16. A
- * float32 or fp8 cache keeps the AVX-512 form.
+ * float32 or fp8 cache keeps the AVX-512 form. The bfloat16 forms first pack each span's keys and values
+ * into the tiles' order, once per call, and every work item reads them there.
  */
 #include <float.h>
 #include <math.h>
@@ -81,6 +82,10 @@ typedef struct {
     float *rows;    /* [LANE_ROWS][head_dim], the rows of qt or ot untransposed */
     /* The AMX path's, bfloat16 (pairs of it as uint32 where a tile wants them): */
     uint16_t *kb, *vb; /* [KEY_TILE][head_dim], the tile's keys and values */
+    const uint16_t *ktile; /* the keys the products read: kb, or the call's packed keys (ts_paged_prefill) */
+    const uint32_t *vtile; /* the values' A tiles the products read: vt, or the call's packed ones */
+    const uint16_t *packed_k;  /* this item's KV head's keys, packed for the whole span, or NULL */
+    const uint32_t *packed_vt; /* and its values' A tiles */
     uint32_t *qb;      /* B tiles of the queries: [LANE_ROWS / 16][head_dim / 32][16][16] */
     uint32_t *vt;      /* A tiles of the values transposed: [head_dim / 16][16][16] */
     uint32_t *pb;      /* B tiles of the probabilities: [LANE_ROWS / 16][16][16] */
@@ -95,6 +100,10 @@ static float load_elem(const void *p, int dtype, int64_t i) {
 
 /* dst[0..n) = src[offset ..] widened to float32. */
 static void widen(int isa, const void *src, int dtype, int64_t offset, float *dst, int64_t n) {
+    if (dtype == TS_DTYPE_F32) { /* a float32 model's queries: a copy (element by element it was 8% of the kernel) */
+        memcpy(dst, (const float *)src + offset, (size_t)n * sizeof(float));
+        return;
+    }
 #ifdef TS_HAVE_AVX512
     if (isa >= TS_ISA_AVX512 && n % 16 == 0 && dtype != TS_DTYPE_F32) {
         for (int64_t d = 0; d < n; d += 16)
@@ -389,14 +398,14 @@ static void pack_queries_amx(scratch *w, int64_t dim, int64_t groups) {
     }
 }
 
-/* Keys and values kb .. kb + nk - 1 of KV head g (a bfloat16 cache) as rows of w->kb and w->vb (rows nk ..
- * KEY_TILE zero), and the values as A tiles of V^T: tile c row d holds (v[2r][16c + d], v[2r + 1][16c + d]) for
- * r < 16, which is the values' key pairs transposed. */
-static void gather_tile_amx(const prefill_args *a, scratch *w, const int64_t *table, int64_t g, int64_t kb,
-                            int64_t nk) {
+/* Keys and values kb .. kb + nk - 1 of KV head g (a bfloat16 cache) as rows of ``keys`` and w->vb (rows nk ..
+ * KEY_TILE zero), and the values as A tiles of V^T in ``vt``: tile c row d holds (v[2r][16c + d], v[2r + 1][16c +
+ * d]) for r < 16, which is the values' key pairs transposed. */
+static void gather_tile_amx_into(const prefill_args *a, scratch *w, const int64_t *table, int64_t g, int64_t kb,
+                                 int64_t nk, uint16_t *keys, uint32_t *vt) {
     const int64_t dim = a->head_dim;
     for (int64_t j = 0; j < KEY_TILE; j++) {
-        uint16_t *kd = w->kb + j * dim, *vd = w->vb + j * dim;
+        uint16_t *kd = keys + j * dim, *vd = w->vb + j * dim;
         if (j >= nk) {
             memset(kd, 0, (size_t)dim * sizeof(uint16_t));
             memset(vd, 0, (size_t)dim * sizeof(uint16_t));
@@ -415,8 +424,22 @@ static void gather_tile_amx(const prefill_args *a, scratch *w, const int64_t *ta
             const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w->vb + (2 * r + 1) * dim + 16 * c)));
             _mm512_storeu_si512(w->pairs + r * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
-        ts_transpose16x16((const float *)w->pairs, 16, (float *)(w->vt + c * 256), 16);
+        ts_transpose16x16((const float *)w->pairs, 16, (float *)(vt + c * 256), 16);
     }
+}
+
+/* The tile of keys kb .. kb + nk - 1 for the products: from the call's packed keys and values when there
+ * are, else gathered into the item's scratch. */
+static void gather_tile_amx(const prefill_args *a, scratch *w, const int64_t *table, int64_t g, int64_t kb,
+                            int64_t nk) {
+    if (w->packed_k != NULL) {
+        w->ktile = w->packed_k + kb * a->head_dim;
+        w->vtile = w->packed_vt + (kb / KEY_TILE) * (a->head_dim / 16) * 256;
+        return;
+    }
+    gather_tile_amx_into(a, w, table, g, kb, nk, w->kb, w->vt);
+    w->ktile = w->kb;
+    w->vtile = w->vt;
 }
 
 /* The probabilities of keys 0 .. nk - 1 (zero past them, up to the tile's 32) rounded to bfloat16 pairs of
@@ -456,7 +479,7 @@ static void scores_dpbf16(scratch *w, int64_t dim, int64_t groups, int64_t nk) {
             const __m512bh q1 = (__m512bh)_mm512_loadu_si512(w->qb + (groups > 1 ? ksteps * 256 : 0) + at);
             for (int i = 0; i < 8; i++) {
                 int32_t pair;
-                memcpy(&pair, w->kb + (j0 + i) * dim + 2 * pr, sizeof pair);
+                memcpy(&pair, w->ktile + (j0 + i) * dim + 2 * pr, sizeof pair);
                 const __m512bh kp = (__m512bh)_mm512_set1_epi32(pair);
                 acc[i][0] = _mm512_dpbf16_ps(acc[i][0], q0, kp);
                 if (groups > 1) acc[i][1] = _mm512_dpbf16_ps(acc[i][1], q1, kp);
@@ -481,7 +504,7 @@ static void pv_dpbf16(scratch *w, int64_t dim, int64_t groups, int64_t nk, __m51
             acc[i][0] = _mm512_mul_ps(_mm512_loadu_ps(od), alpha0);
             acc[i][1] = groups > 1 ? _mm512_mul_ps(_mm512_loadu_ps(od + 16), alpha1) : _mm512_setzero_ps();
         }
-        const uint32_t *vt = w->vt + (d0 / 16) * 256 + (d0 % 16) * 16; /* column d0 + i, key pair r: vt[16 i + r] */
+        const uint32_t *vt = w->vtile + (d0 / 16) * 256 + (d0 % 16) * 16; /* column d0 + i, key pair r: vt[16 i + r] */
         for (int64_t r = 0; r < pairs; r++) {
             const __m512bh p0 = (__m512bh)_mm512_loadu_si512(w->pb + r * 16);
             const __m512bh p1 = (__m512bh)_mm512_loadu_si512(w->pb + (groups > 1 ? 256 : 0) + r * 16);
@@ -519,7 +542,7 @@ static void scores_amx(scratch *w, int64_t dim, int64_t groups, int64_t nk) {
         _tile_zero(4);
         _tile_zero(5);
         for (int64_t ks = 0; ks < ksteps; ks++) {
-            _tile_loadd(0, w->kb + kg * 16 * dim + 32 * ks, dim * (int64_t)sizeof(uint16_t));
+            _tile_loadd(0, w->ktile + kg * 16 * dim + 32 * ks, dim * (int64_t)sizeof(uint16_t));
             _tile_loadd(1, w->qb + ks * 256, 64);
             _tile_dpbf16ps(4, 0, 1);
             if (groups > 1) {
@@ -548,7 +571,7 @@ static void pv_amx(scratch *w, int64_t dim, int64_t groups, int64_t nk, __m512 a
     const int64_t stride = LANE_ROWS * (int64_t)sizeof(float);
     for (int64_t c = 0; c < dim / 16; c++) {
         float *oc = w->ot + 16 * c * LANE_ROWS;
-        _tile_loadd(3, w->vt + c * 256, 64);
+        _tile_loadd(3, w->vtile + c * 256, 64);
         _tile_loadd(4, oc, stride);
         _tile_dpbf16ps(4, 3, 6);
         _tile_stored(4, oc, stride);
@@ -778,6 +801,27 @@ static void run_item(const prefill_args *a, int isa, scratch *w, int64_t span, i
         }
 }
 
+/* Up to this many bytes, the bfloat16 forms pack every span's keys and values once per call, before the
+ * work items: each item otherwise gathered (and transposed) every key its rows see, so a prompt's keys were
+ * gathered once per 32 rows of queries, a quarter of a long prompt's attention time (perf). Past it (very
+ * long contexts), items gather their own. */
+#define TS_PREFILL_PACK_MAX_BYTES ((int64_t)64 << 20)
+static int64_t ts_pack_limit = TS_PREFILL_PACK_MAX_BYTES; /* tests lower it to take the items' own gathers */
+static int64_t ts_packed_calls = 0;                       /* calls that packed, since the library loaded */
+
+int64_t ts_paged_prefill_set_pack_limit(int64_t bytes) {
+    const int64_t previous = ts_pack_limit;
+    ts_pack_limit = bytes < 0 ? TS_PREFILL_PACK_MAX_BYTES : bytes;
+    return previous;
+}
+
+int64_t ts_paged_prefill_packed_calls(void) { return __atomic_load_n(&ts_packed_calls, __ATOMIC_RELAXED); }
+
+/* Keys a span's packed keys and values hold: every key its queries see, in whole tiles. */
+static inline int64_t packed_keys(const prefill_args *a, int64_t s) {
+    return (a->computed[s] + a->query_lens[s] + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
+}
+
 int ts_paged_prefill_tiles(int kv_dtype, int64_t head_dim) {
 #ifdef TS_PREFILL_PAIRS
     const prefill_args probe = {.kv_dtype = kv_dtype, .head_dim = head_dim};
@@ -819,6 +863,26 @@ int ts_paged_prefill(const void *q, int64_t q_stride, int q_dtype, const void *k
     const int isa = ts_isa_level();
     const int64_t rows = tokens_per_item * group;
     int failed = 0;
+    /* The bfloat16 forms: every span's keys and values packed once per call (TS_PREFILL_PACK_MAX_BYTES). */
+    int64_t *packed_before = NULL, *pack_tiles_before = NULL;
+    uint16_t *packed = NULL;
+#ifdef TS_PREFILL_PAIRS
+    if (pairs_form(&a, isa)) {
+        packed_before = malloc((size_t)(num_spans + 1) * sizeof(int64_t));
+        pack_tiles_before = malloc((size_t)(num_spans + 1) * sizeof(int64_t));
+        if (packed_before != NULL && pack_tiles_before != NULL) {
+            packed_before[0] = pack_tiles_before[0] = 0;
+            for (int64_t s = 0; s < num_spans; s++) {
+                const int64_t padded = packed_keys(&a, s);
+                packed_before[s + 1] = packed_before[s] + num_kv_heads * 2 * padded * head_dim;
+                pack_tiles_before[s + 1] = pack_tiles_before[s] + num_kv_heads * (padded / KEY_TILE);
+            }
+            const int64_t bytes = packed_before[num_spans] * (int64_t)sizeof(uint16_t);
+            if (bytes > 0 && bytes <= ts_pack_limit) packed = aligned_alloc(64, (size_t)(bytes + 63) / 64 * 64);
+            if (packed != NULL) __atomic_fetch_add(&ts_packed_calls, 1, __ATOMIC_RELAXED);
+        }
+    }
+#endif
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         scratch w;
@@ -869,6 +933,25 @@ int ts_paged_prefill(const void *q, int64_t q_stride, int q_dtype, const void *k
             w.rows = w.st + (KEY_TILE + KEY_BLOCK) * LANE_ROWS;
             w.valid = valid;
         }
+        w.packed_k = NULL;
+        w.packed_vt = NULL;
+#ifdef TS_PREFILL_PAIRS
+        if (packed != NULL) {
+            const int64_t tasks = pack_tiles_before[num_spans];
+#pragma omp for schedule(dynamic, 4)
+            for (int64_t t = 0; t < tasks; t++) {
+                if (failed) continue;
+                int64_t s = 0;
+                while (pack_tiles_before[s + 1] <= t) s++;
+                const int64_t padded = packed_keys(&a, s), keys = computed[s] + query_lens[s];
+                const int64_t local = t - pack_tiles_before[s], per_head = padded / KEY_TILE;
+                const int64_t g = local / per_head, kb = (local % per_head) * KEY_TILE;
+                uint16_t *at = packed + packed_before[s] + g * 2 * padded * head_dim;
+                gather_tile_amx_into(&a, &w, tables + s * table_width, g, kb, keys - kb < KEY_TILE ? keys - kb : KEY_TILE,
+                                     at + kb * head_dim, (uint32_t *)(at + padded * head_dim) + (kb / KEY_TILE) * (head_dim / 16) * 256);
+            }
+        }
+#endif
         /* The last token tiles of a span see the most keys: hand them out first. */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < total; i++) {
@@ -881,6 +964,13 @@ int ts_paged_prefill(const void *q, int64_t q_stride, int q_dtype, const void *k
             const int64_t tile = tiles - 1 - local / num_kv_heads, g = local % num_kv_heads;
             const int64_t first = tile * tokens_per_item;
             const int64_t count = len - first < tokens_per_item ? len - first : tokens_per_item;
+#ifdef TS_PREFILL_PAIRS
+            if (packed != NULL) {
+                const uint16_t *at = packed + packed_before[s] + g * 2 * packed_keys(&a, s) * head_dim;
+                w.packed_k = at;
+                w.packed_vt = (const uint32_t *)(at + packed_keys(&a, s) * head_dim);
+            }
+#endif
             run_item(&a, isa, &w, s, g, first, count);
         }
 #ifdef TS_HAVE_AMX
@@ -892,5 +982,8 @@ int ts_paged_prefill(const void *q, int64_t q_stride, int q_dtype, const void *k
         free(valid);
     }
     free(items_before);
+    free(packed_before);
+    free(pack_tiles_before);
+    free(packed);
     return failed;
 }

@@ -91,6 +91,11 @@ int ts_paged_prefill(const void *q, int64_t q_stride, int q_dtype, const void *k
 /* 1 when ts_paged_prefill, at the ISA level in use, computes over keys and values of ``kv_dtype`` with
  * AMX tiles (queries and probabilities rounded to bfloat16), 0 when in float32. */
 int ts_paged_prefill_tiles(int kv_dtype, int64_t head_dim);
+/* The most bytes a call of the bfloat16 forms packs its spans' keys and values into (negative: the
+ * default); returns the previous limit. Past it, each work item gathers the keys it reads (tests). */
+int64_t ts_paged_prefill_set_pack_limit(int64_t bytes);
+/* Calls that packed their keys and values, since the library loaded. */
+int64_t ts_paged_prefill_packed_calls(void);
 
 /* ---------------------------------------------------------------- rows.c: row-wise kernels */
 
