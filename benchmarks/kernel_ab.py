@@ -14,6 +14,8 @@ must be this tree's.
         --shapes q4_1:3072:576:64,q4_1:3072:576:2048,q8_0:49152:576:64
 """
 
+# ruff: noqa: B023  (each shape's call closure runs within its own iteration, through alternate())
+
 from __future__ import annotations
 
 import argparse
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,6 +47,29 @@ def build_base(tree: Path, out_dir: Path) -> ctypes.CDLL:
     fn, ref = lib.ts_qmatmul_f32, quant._lib().ts_qmatmul_f32
     fn.restype, fn.argtypes = ref.restype, ref.argtypes
     return lib
+
+
+def alternate(libs: dict[str, ctypes.CDLL], call: Callable[[str, ctypes.CDLL], torch.Tensor],
+              pairs: int) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
+    """Each build's call timed in turn, ``pairs`` times after one warming pair: its times and last output."""
+    times: dict[str, list[float]] = {name: [] for name in libs}
+    outs: dict[str, torch.Tensor] = {}
+    for _ in range(pairs + 1):
+        for name, lib in libs.items():
+            t = time.perf_counter()
+            outs[name] = call(name, lib)
+            times[name].append(time.perf_counter() - t)
+    return times, outs
+
+
+def report(shape: str, times: dict[str, list[float]], outs: dict[str, torch.Tensor], digits: int = 2) -> None:
+    """The median of the per-pair ratios, the ratio of total times, and whether the outputs' bits agree."""
+    base, ours = times["base"][1:], times["this tree"][1:]
+    ratio = statistics.median(b / o for b, o in zip(base, ours))
+    print(f"{shape}: base {statistics.median(base) * 1e3:.{digits}f} ms, "
+          f"this tree {statistics.median(ours) * 1e3:.{digits}f} ms, "
+          f"base / this tree {ratio:.2f} (median of {len(base)} pairs; {sum(base) / sum(ours):.2f} in total "
+          f"time), same bits: {torch.equal(outs['base'], outs['this tree'])}", flush=True)
 
 
 def main() -> None:
@@ -69,23 +95,14 @@ def main() -> None:
                 data = quant.relayout(qtype, data, k, layout)
             mat = quant.make_qmat([(qtype, data)], k, None, [layout])
             x = torch.randn(m, k, generator=gen)
-            times: dict[str, list[float]] = {name: [] for name in libs}
-            outs: dict[str, torch.Tensor] = {}
-            for _ in range(args.pairs + 1):  # the first pair warms both
-                for name, lib in libs.items():
-                    out = torch.empty(m, n)
-                    t = time.perf_counter()
-                    if lib.ts_qmatmul_f32(ctypes.byref(mat), x.data_ptr(), k, m, 0, out.data_ptr(), n, threads):
-                        raise SystemExit(f"{name}: the product failed for {shape}")
-                    times[name].append(time.perf_counter() - t)
-                    outs[name] = out
-            base, ours = times["base"][1:], times["this tree"][1:]
-            ratio = statistics.median(b / o for b, o in zip(base, ours))
-            print(f"{shape}: base {statistics.median(base) * 1e3:.3f} ms, "
-                  f"this tree {statistics.median(ours) * 1e3:.3f} ms, "
-                  f"base / this tree {ratio:.2f} (median of {len(base)} pairs; {sum(base) / sum(ours):.2f} in total "
-                  f"time), same bits: "
-                  f"{torch.equal(outs['base'], outs['this tree'])}", flush=True)
+
+            def product(name: str, lib: ctypes.CDLL) -> torch.Tensor:
+                out = torch.empty(m, n)
+                if lib.ts_qmatmul_f32(ctypes.byref(mat), x.data_ptr(), k, m, 0, out.data_ptr(), n, threads):
+                    raise SystemExit(f"{name}: the product failed for {shape}")
+                return out
+
+            report(shape, *alternate(libs, product, args.pairs), digits=3)
 
 
 if __name__ == "__main__":

@@ -12,19 +12,20 @@ per-pair time ratios and the ratio of total times, and the outputs are compared 
         --shapes 50x82,16x256,4x1024,1x4096
 """
 
+# ruff: noqa: B023  (each shape's call closure runs within its own iteration, through alternate())
+
 from __future__ import annotations
 
 import argparse
-import statistics
+import ctypes
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_ab import build_base  # noqa: E402  (the other checkout's kernels, this tree's flags)
+from kernel_ab import alternate, build_base, report  # noqa: E402  (the other checkout's kernels, the A/B loop)
 
 from tideserve import native  # noqa: E402
 
@@ -60,25 +61,17 @@ def main() -> None:
             starts = torch.arange(spans, dtype=torch.int64) * length
             lens = torch.full((spans,), length, dtype=torch.int64)
             computed = torch.zeros(spans, dtype=torch.int64)
-            times: dict[str, list[float]] = {name: [] for name in libs}
-            outs: dict[str, torch.Tensor] = {}
-            for _ in range(max(6, args.tokens_per_shape // length) + 1):  # the first pair warms both
-                for name, lib in libs.items():
-                    out = torch.empty_like(q)
-                    t = time.perf_counter()
-                    if lib.ts_paged_prefill(q.data_ptr(), q.stride(0), 0, k_cache.data_ptr(), v_cache.data_ptr(), 1,
-                                            KV_HEADS * HEAD_DIM, tables.data_ptr(), blocks, BLOCK, starts.data_ptr(),
-                                            lens.data_ptr(), computed.data_ptr(), spans, out.data_ptr(), out.stride(0),
-                                            0, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, threads):
-                        raise SystemExit(f"{name}: the kernel failed for {shape}")
-                    times[name].append(time.perf_counter() - t)
-                    outs[name] = out
-            before, after = times["base"][1:], times["this tree"][1:]
-            ratio = statistics.median(b / o for b, o in zip(before, after))
-            print(f"{shape}: base {statistics.median(before) * 1e3:.2f} ms, "
-                  f"this tree {statistics.median(after) * 1e3:.2f} ms, base / this tree {ratio:.2f} "
-                  f"(median of {len(before)} pairs; {sum(before) / sum(after):.2f} in total time), "
-                  f"same bits: {torch.equal(outs['base'], outs['this tree'])}", flush=True)
+
+            def attend(name: str, lib: ctypes.CDLL) -> torch.Tensor:
+                out = torch.empty_like(q)
+                if lib.ts_paged_prefill(q.data_ptr(), q.stride(0), 0, k_cache.data_ptr(), v_cache.data_ptr(), 1,
+                                        KV_HEADS * HEAD_DIM, tables.data_ptr(), blocks, BLOCK, starts.data_ptr(),
+                                        lens.data_ptr(), computed.data_ptr(), spans, out.data_ptr(), out.stride(0),
+                                        0, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, threads):
+                    raise SystemExit(f"{name}: the kernel failed for {shape}")
+                return out
+
+            report(shape, *alternate(libs, attend, max(6, args.tokens_per_shape // length)))
 
 
 if __name__ == "__main__":
