@@ -7,7 +7,7 @@ phase; the figures are the median of the per-pair time ratios and the ratio of t
 workload feels when the cores' phases differ now and then: a change that helps only then moves the total,
 not the median), and the outputs are compared bit for bit. The
 base build is compiled from the other checkout's sources with this tree's flags; its ``ts_qmat`` layout
-must be this tree's.
+must be this tree's. ``TIDESERVE_QGEMM_ISA`` caps both builds' path (``avx2`` on a CPU that has more).
 
     git worktree add /tmp/base HEAD~1
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/kernel_ab.py --base /tmp/base \\
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import statistics
 import subprocess
 import sys
@@ -46,6 +47,10 @@ def build_base(tree: Path, out_dir: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     fn, ref = lib.ts_qmatmul_f32, quant._lib().ts_qmatmul_f32
     fn.restype, fn.argtypes = ref.restype, ref.argtypes
+    forced = os.environ.get("TIDESERVE_QGEMM_ISA", "").strip().lower()
+    if forced:  # the cap quant.py gave this tree's kernels at load, so that both builds run the same path
+        lib.ts_qgemm_set_isa.restype, lib.ts_qgemm_set_isa.argtypes = ctypes.c_int, [ctypes.c_int]
+        lib.ts_qgemm_set_isa(quant.ISA_NAMES.index(forced))
     return lib
 
 

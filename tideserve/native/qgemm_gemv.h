@@ -176,8 +176,10 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k)(const 
 }
 
 /* gemv_group over Q6_K. Per half of a 256-value unit, the 8 rows' 32-byte runs of low nibbles (two) and of
- * high bits (one) are each transposed once and serve its four sub-blocks; every 16 values have their own
- * int8 scale, and the offset -32 s is folded into the float step. */
+ * high bits (one) are each transposed once and serve its four sub-blocks. A code is its nibble and its two
+ * high bits moved to bits 4-5 by one shift (or none) and a mask each. Every 16 values' int8 scale multiplies
+ * their int16 sums in vpmaddwd (in place of ones), so a sub-block is one int32 dot per row; the offset -32 s
+ * and the unit's d are applied once per unit, in floats. */
 static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const int type, const int x8, const int R,
                                                                  const uint8_t *rows,
                                                                  int64_t row_bytes, int64_t kb, const ts_act *a,
@@ -185,13 +187,15 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const 
                                                                  float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
     (void)type; /* Q6_K */
     const int64_t halves = kb / 4, lines = (next_bytes + 63) / 64;
-    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
+    const __m256i low4 = _mm256_set1_epi8(0x0f), bits45 = _mm256_set1_epi8(0x30);
     __m256 acc[TS_GEMV_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t u = 0; u < kb / 8; u++) {
         const uint8_t *unit = rows + u * 210 * (x8 ? 8 : 1);
         __m256i scales[4]; /* scales[i] lane c: row c's int8 scales 4i .. 4i + 3 */
         const __m256 d = TS_SIMD(q6k_unit_header)(unit, x8, row_bytes, scales);
+        __m256 dots[TS_GEMV_ROWS], offsets[TS_GEMV_ROWS]; /* the unit's sum of xd x dot, and of s x xs */
+        for (int r = 0; r < R; r++) dots[r] = offsets[r] = _mm256_setzero_ps();
         for (int n = 0; n < 2; n++) {
             const int64_t half = u * 2 + n;
             for (int64_t l = half * lines / halves; l < (half + 1) * lines / halves; l++)
@@ -208,42 +212,47 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const 
                 TS_SIMD(rows8_words8)(unit + 64 * n + 32, row_bytes, ql[1]);
                 TS_SIMD(rows8_words8)(unit + 128 + 32 * n, row_bytes, qh);
             }
+#pragma GCC unroll 4
             for (int t = 0; t < 4; t++) { /* sub-block j = 4n + t: ql run t % 2, nibble t / 2, qh bits 2t */
                 const int j = 4 * n + t;
                 __m256i codes[8];
                 for (int g = 0; g < 8; g++) {
-                    const __m256i low = _mm256_and_si256(
-                        _mm256_srl_epi16(ql[t % 2][g], _mm_cvtsi32_si128(4 * (t / 2))), low4);
-                    const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh[g], _mm_cvtsi32_si128(2 * t)), low2);
-                    codes[g] = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+                    const __m256i low = t < 2 ? ql[t][g] : _mm256_srli_epi16(ql[t - 2][g], 4);
+                    const __m256i high = t == 0   ? _mm256_slli_epi16(qh[g], 4)
+                                         : t == 1 ? _mm256_slli_epi16(qh[g], 2)
+                                         : t == 2 ? qh[g]
+                                                  : _mm256_srli_epi16(qh[g], 2);
+                    codes[g] = _mm256_or_si256(_mm256_and_si256(low, low4), _mm256_and_si256(high, bits45));
                 }
-                __m256 scale[2]; /* values 0-15 and 16-31: int8 scales 2j and 2j + 1 */
-                for (int i = 0; i < 2; i++)
-                    scale[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(TS_SIMD(q6k_scale)(scales, 2 * j + i)));
+                __m256i scale16[2]; /* values 0-15 and 16-31: int8 scales 2j and 2j + 1, in both int16 halves */
+                __m256 scale[2];
+                for (int i = 0; i < 2; i++) {
+                    const __m256i s32 = TS_SIMD(q6k_scale)(scales, 2 * j + i);
+                    scale16[i] = _mm256_blend_epi16(_mm256_slli_epi32(s32, 16), s32, 0x55);
+                    scale[i] = _mm256_cvtepi32_ps(s32);
+                }
                 for (int r = 0; r < R; r++) {
                     const int64_t at = (r0 + r) * a->kb + u * 8 + j;
                     const int8_t *x = a->q + (r0 + r) * a->k + (u * 8 + j) * TS_QBLOCK;
-                    const __m256 xd = _mm256_set1_ps(a->d[at]);
                     const float *xs = a->s + 2 * at;
-                    for (int i = 0; i < 2; i++) {
-                        __m256i dot = _mm256_setzero_si256();
-                        for (int g = 4 * i; g < 4 * i + 4; g += 2) { /* 2 x 2 x 63 x 127 = 32,004 in int16 */
-                            int32_t x0, x1;
-                            memcpy(&x0, x + 4 * g, 4);
-                            memcpy(&x1, x + 4 * g + 4, 4);
-                            const __m256i pair =
-                                _mm256_add_epi16(_mm256_maddubs_epi16(codes[g], _mm256_set1_epi32(x0)),
-                                                 _mm256_maddubs_epi16(codes[g + 1], _mm256_set1_epi32(x1)));
-                            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pair, ones));
-                        }
-                        /* s * (xd * dot - 32 * sum of x's 16 values): the code's offset of -32 */
-                        const __m256 term =
-                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), xd, _mm256_set1_ps(-32.0f * xs[i]));
-                        acc[r] = _mm256_fmadd_ps(term, scale[i], acc[r]);
+                    __m256i dot = _mm256_setzero_si256(); /* 2 x 2 x 2 x 32,004 x 128 < 2^25 */
+                    for (int g = 0; g < 8; g += 2) { /* 2 x 2 x 63 x 127 = 32,004 in int16 */
+                        int32_t x0, x1;
+                        memcpy(&x0, x + 4 * g, 4);
+                        memcpy(&x1, x + 4 * g + 4, 4);
+                        const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(codes[g], _mm256_set1_epi32(x0)),
+                                                              _mm256_maddubs_epi16(codes[g + 1], _mm256_set1_epi32(x1)));
+                        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pair, scale16[g / 4]));
                     }
+                    dots[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(a->d[at]), dots[r]);
+                    offsets[r] = _mm256_fmadd_ps(scale[0], _mm256_set1_ps(xs[0]), offsets[r]);
+                    offsets[r] = _mm256_fmadd_ps(scale[1], _mm256_set1_ps(xs[1]), offsets[r]);
                 }
             }
         }
+        /* d x (sum of xd x dot - 32 x sum of s x xs): the code's offset of -32 */
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(d, _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), offsets[r], dots[r]), acc[r]);
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(res[r], acc[r]);
 }
