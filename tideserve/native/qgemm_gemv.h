@@ -353,7 +353,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const 
                                                                      float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
     (void)type; /* Q6_K */
     const int64_t halves = kb / 4, lines = (next_bytes + 63) / 64;
-    const __m512i low4 = _mm512_set1_epi8(0x0f), low2 = _mm512_set1_epi8(0x03);
+    const __m512i low4 = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);
     __m512i idx[4];
     TS_SIMD(zmm_step_pairs)(idx);
     __m512 acc[TS_GEMV_ROWS];
@@ -385,13 +385,18 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const 
                     qh[q] = TS_SIMD(zmm_pair)(v[2][2 * q], v[2][2 * q + 1]);
                 }
             }
+#pragma GCC unroll 4
             for (int t = 0; t < 4; t++) { /* sub-block j = 4n + t: ql run t % 2, nibble t / 2, qh bits 2t */
                 const int j = 4 * n + t;
                 __m512i codes[4];
-                for (int q = 0; q < 4; q++) {
-                    const __m512i low = _mm512_and_si512(_mm512_srl_epi16(ql[t % 2][q], _mm_cvtsi32_si128(4 * (t / 2))), low4);
-                    const __m512i high = _mm512_and_si512(_mm512_srl_epi16(qh[q], _mm_cvtsi32_si128(2 * t)), low2);
-                    codes[q] = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
+                for (int q = 0; q < 4; q++) { /* the nibble, and the high bits moved to bits 4-5 and masked */
+                    const __m512i low = t < 2 ? ql[t][q] : _mm512_srli_epi16(ql[t - 2][q], 4);
+                    const __m512i high = t == 0   ? _mm512_slli_epi16(qh[q], 4)
+                                         : t == 1 ? _mm512_slli_epi16(qh[q], 2)
+                                         : t == 2 ? qh[q]
+                                                  : _mm512_srli_epi16(qh[q], 2);
+                    /* 0xe4: bits where low4 is set from low, the others from the masked high bits */
+                    codes[q] = _mm512_ternarylogic_epi32(low, _mm512_and_si512(high, bits45), low4, 0xe4);
                 }
                 __m512 scale[2]; /* values 0-15 and 16-31: int8 scales 2j and 2j + 1, both halves */
                 for (int i = 0; i < 2; i++)
