@@ -79,9 +79,7 @@ def main() -> None:
     print(f"{args.batch} requests x {args.context} keys x {args.layers} layers, {args.kv_dtype} cache "
           f"({kv_bytes / 1e6:.0f} MB a call), threads {threads}")
     with tempfile.TemporaryDirectory() as tmp:
-        base = build_base(args.base, Path(tmp))
-        fn, ref = base.ts_paged_decode, ours.ts_paged_decode
-        fn.restype, fn.argtypes = ref.restype, ref.argtypes
+        base = build_base(args.base, Path(tmp), ("ts_paged_decode",))
         libs = {"base": base, "this tree": ours}
         for placement in args.placements.split(","):
             if placement not in PLACEMENTS:

@@ -38,15 +38,18 @@ from tideserve import native  # noqa: E402
 from tideserve.native import quant  # noqa: E402
 
 
-def build_base(tree: Path, out_dir: Path) -> ctypes.CDLL:
-    """The other checkout's kernels, compiled with this tree's flags, with ts_qmatmul_f32's signature set."""
+def build_base(tree: Path, out_dir: Path, exports: tuple[str, ...] = ("ts_qmatmul_f32",)) -> ctypes.CDLL:
+    """The other checkout's kernels, compiled with this tree's flags, with ``exports``' signatures copied from
+    this tree's library (the ones the caller alternates)."""
     sources = [tree / "tideserve" / "native" / Path(s).name for s in native.SOURCES]
     target = out_dir / "base_kernels.so"
     subprocess.run([native.find_compiler() or "cc", *native.CFLAGS, *map(str, sources), "-o", str(target), "-lm"],
                    check=True)
     lib = ctypes.CDLL(str(target))
-    fn, ref = lib.ts_qmatmul_f32, quant._lib().ts_qmatmul_f32
-    fn.restype, fn.argtypes = ref.restype, ref.argtypes
+    ours = quant._lib()  # native's library, with quant's signatures set too
+    for name in exports:
+        fn, ref = getattr(lib, name), getattr(ours, name)
+        fn.restype, fn.argtypes = ref.restype, ref.argtypes
     forced = os.environ.get("TIDESERVE_QGEMM_ISA", "").strip().lower()
     if forced:  # the cap quant.py gave this tree's kernels at load, so that both builds run the same path
         lib.ts_qgemm_set_isa.restype, lib.ts_qgemm_set_isa.argtypes = ctypes.c_int, [ctypes.c_int]

@@ -46,9 +46,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     print(f"prefill form: {native.prefill_form(torch.bfloat16, HEAD_DIM) or 'float32'}; threads {threads}")
     with tempfile.TemporaryDirectory() as tmp:
-        base = build_base(args.base, Path(tmp))
-        fn, ref = base.ts_paged_prefill, ours.ts_paged_prefill
-        fn.restype, fn.argtypes = ref.restype, ref.argtypes
+        base = build_base(args.base, Path(tmp), ("ts_paged_prefill",))
         libs = {"base": base, "this tree": ours}
         for shape in args.shapes.split(","):
             spans, length = (int(v) for v in shape.split("x"))
