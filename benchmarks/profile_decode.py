@@ -6,8 +6,10 @@ the step's linear layers alone at the same shapes: in float32, bfloat16 and int8
 through the loaded model's own layers (its quantized blocks where it has them: the dtype the step uses).
 That gives the "fraction of the matmul rate": the step's matmul FLOPs over the step time, against the rate
 the same GEMMs reach alone, i.e. their time alone over the step's. It is taken per round, since a shared
-host's speed moves by the minute, and reported as the median and range over rounds. A last ``--steps``
-are profiled with torch.profiler (top operators by self CPU time).
+host's speed moves by the minute, and reported as the median and range over rounds. Then ``--steps`` steps
+are split into phases (``phase_ms_per_step``: the native decode forward's own phases as it times them -
+norms, each product, rotary and the cache store, attention - then the LM head and the rest), and a last
+``--steps`` are profiled with torch.profiler (top operators by self CPU time: the Python path's view).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/profile_decode.py --batch 64 --steps 8
 """
@@ -81,6 +83,38 @@ def time_own_matmuls(model, batch: int, repeats: int = 7) -> float:
     return median_time(run, repeats, warmup=1)
 
 
+def time_phases(engine, model, steps: int) -> dict[str, float]:
+    """Milliseconds per step in each phase, over ``steps`` more steps: the native forward's own phases (a
+    profiler sees that call as one function; empty on the Python path, which the profile table covers), the
+    LM head, and the rest of the step (sampling, scheduling, the Python around them)."""
+    native_forward = getattr(model, "native_decode", None)
+    if native_forward is None:
+        return {}
+    lm_head = []
+    compute_logits = model.compute_logits
+
+    def timed_logits(*a, **k):
+        t0 = time.perf_counter()
+        out = compute_logits(*a, **k)
+        lm_head.append(time.perf_counter() - t0)
+        return out
+
+    model.compute_logits = timed_logits
+    native_forward.time_phases()
+    t0 = time.perf_counter()
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        wall = time.perf_counter() - t0
+        seconds = native_forward.phase_seconds()
+        native_forward.time_phases(False)
+        del model.compute_logits  # the instance attribute goes; the method is the class's again
+    seconds["lm_head"] = sum(lm_head)
+    seconds["rest"] = wall - sum(seconds.values())
+    return {name: round(s / steps * 1e3, 2) for name, s in seconds.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded SmolLM2)")
@@ -139,6 +173,8 @@ def main() -> None:
         rounds.append((statistics.median(step_times), gemm))
     step = statistics.median(st for st, _ in rounds)
 
+    phases = time_phases(engine, model, args.steps)
+
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             engine.step()
@@ -165,6 +201,7 @@ def main() -> None:
         "isolated_gemm_gflops": {k: flops / v / 1e9 for k, v in gemm.items()},
         "fraction_of_matmul_rate": {k: statistics.median(v) for k, v in fractions.items()},
         "fraction_of_matmul_rate_range": {k: [round(v[0], 3), round(v[-1], 3)] for k, v in fractions.items()},
+        "phase_ms_per_step": phases,
     }
     print(table)
     print(json.dumps(result, indent=2))

@@ -51,3 +51,21 @@ def test_native_decode_is_only_built_for_block_quantized_float32_models():
     int8, _ = quantize_model(model, "int8", torch.device("cpu"))
     assert int8.native_decode is None
     assert quantize_model(model.to(torch.bfloat16), "int4", torch.device("cpu"))[0].native_decode is None
+
+
+def test_timing_the_phases_changes_no_number_and_accounts_every_phase(mixed_batch):
+    """profile_decode.py reads where a native step's time goes from the call itself: turning that on must
+    leave the outputs bit for bit, and every phase must have run (its clock moved) in the decode step."""
+    from tideserve.model.native_decode import PHASES
+
+    qmodel, _ = quantize_model(tiny(False), "int4", torch.device("cpu"))
+    plain = mixed_batch(qmodel.arch.vocab_size).ours(qmodel, dtype=torch.bfloat16, backend="cpu-native")
+    assert qmodel.native_decode.phase_seconds() == {}  # off by default
+    qmodel.native_decode.time_phases()
+    timed = mixed_batch(qmodel.arch.vocab_size).ours(qmodel, dtype=torch.bfloat16, backend="cpu-native")
+    for got, want in zip(timed, plain, strict=True):
+        assert torch.equal(got, want)
+    seconds = qmodel.native_decode.phase_seconds()
+    assert list(seconds) == list(PHASES) and all(s > 0 for s in seconds.values()), seconds
+    qmodel.native_decode.time_phases(False)
+    assert qmodel.native_decode.phase_seconds() == {}

@@ -33,6 +33,10 @@ def _plain_f32(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
 
 
+# The phases the native call can time, in the order of TS_PHASE_* (tideserve_native.h).
+PHASES = ("norms", "qkv", "rope_store", "attention", "o", "gate_up", "down")
+
+
 class NativeDecodeForward:
     """Runs the decoder layers of a block-quantized float32 Llama-family model for decode-only steps.
 
@@ -46,6 +50,15 @@ class NativeDecodeForward:
         self.layers = layers  # kept alive: the kernel reads it through layers_ptr
         self.layers_ptr = ctypes.cast(layers, ctypes.c_void_p)
         self._cache_arrays: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
+        self._phase_seconds: ctypes.Array | None = None  # accumulated per phase while timing is on
+
+    def time_phases(self, on: bool = True) -> None:
+        """Start (from zero) or stop timing the call's phases; a profiler sees the call as one function."""
+        self._phase_seconds = (ctypes.c_double * len(PHASES))() if on else None
+
+    def phase_seconds(self) -> dict[str, float]:
+        """Wall seconds per phase (``PHASES``) since ``time_phases()``; empty when timing is off."""
+        return dict(zip(PHASES, self._phase_seconds, strict=True)) if self._phase_seconds is not None else {}
 
     def __deepcopy__(self, memo: dict) -> None:
         """A copied model gets no native forward: this one points at the original's weights."""
@@ -103,5 +116,6 @@ class NativeDecodeForward:
             tokens, arch.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, arch.intermediate_size,
             arch.rms_norm_eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
             lens.data_ptr(),
-            k0.shape[1], native.CACHE_DTYPE_CODES[k0.dtype], attn.scale, native.intra_op_threads())
+            k0.shape[1], native.CACHE_DTYPE_CODES[k0.dtype], attn.scale, native.intra_op_threads(),
+            self._phase_seconds)
         return failed == 0

@@ -138,7 +138,7 @@ def load_library() -> ctypes.CDLL | None:
     lib.ts_rope_store_f32.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, cint, cint]
     lib.ts_decode_forward_f32.restype = cint
     lib.ts_decode_forward_f32.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, ptr, ptr,
-                                          ptr, ptr, i64, ptr, i64, cint, f32, cint]
+                                          ptr, ptr, i64, ptr, i64, cint, f32, cint, ptr]
     _declare_isa_exports(lib)
     _declare_qgemm_exports(lib)
     _select_isa(lib)

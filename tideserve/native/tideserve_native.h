@@ -166,11 +166,15 @@ typedef struct {
     ts_qmat qkv, o, gate_up, down;       /* gate_up: 2 * intermediate rows, gate first */
 } ts_decoder_layer;
 
+/* The phases ts_decode_forward_f32 times when given a phase_seconds array (TS_NUM_PHASES doubles). */
+enum { TS_PHASE_NORMS, TS_PHASE_QKV, TS_PHASE_ROPE_STORE, TS_PHASE_ATTENTION, TS_PHASE_O, TS_PHASE_GATE_UP,
+       TS_PHASE_DOWN, TS_NUM_PHASES };
+
 int ts_decode_forward_f32(const ts_decoder_layer *layers, void *const *k_caches, void *const *v_caches,
                           int64_t num_layers, float *hidden, const float *final_norm, int64_t tokens,
                           int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t intermediate, float eps, const float *cos, const float *sin, const int64_t *slots,
                           const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
-                          int64_t block_size, int kv_dtype, float scale, int num_threads);
+                          int64_t block_size, int kv_dtype, float scale, int num_threads, double *phase_seconds);
 
 #endif /* TIDESERVE_NATIVE_H */
