@@ -150,7 +150,7 @@ def main() -> None:
     for _ in range(min(16, args.steps)):  # past the pool's growth at the first block boundary
         engine.step()
 
-    model = engine.runner.model
+    model = engine.executor.driver_worker.runner.model
     shapes = linear_shapes(model)
     flops = sum(2 * args.batch * k * n for _, k, n in shapes)
     shape_counts = Counter((k, n) for _, k, n in shapes)  # the layers repeat a few shapes

@@ -41,14 +41,14 @@ def run_once(args, mode: str, prefix: bool, prompt_len: int) -> dict:
               swap_space=args.swap_gib, enable_prefix_caching=prefix, max_num_seqs=args.num_requests)
     engine = llm.engine
     computed, copied_blocks = [0], [0]
-    execute = engine.runner.execute
+    execute = engine.executor.driver_worker.runner.execute
 
     def counting(out):
         computed[0] += out.total_num_scheduled_tokens
         copied_blocks[0] += len(out.swap_out) + len(out.swap_in)
         return execute(out)
 
-    engine.runner.execute = counting
+    engine.executor.driver_worker.runner.execute = counting
     prompts = prompts_of(llm.tokenizer, args.num_requests, prompt_len)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     start = time.perf_counter()
@@ -58,7 +58,7 @@ def run_once(args, mode: str, prefix: bool, prompt_len: int) -> dict:
     return {"seconds": seconds, "tok_s": args.num_requests * args.output_len / seconds,
             "preemptions": engine.scheduler.num_preemptions, "swap_ins": engine.scheduler.num_swap_ins,
             "computed": computed[0], "tokens": [o.outputs[0].token_ids for o in outs],
-            "copied_bytes": copied_blocks[0] * engine.kv_storage.bytes_per_block()}
+            "copied_bytes": copied_blocks[0] * engine.executor.driver_worker.kv_storage.bytes_per_block()}
 
 
 def main() -> None:

@@ -286,8 +286,14 @@ class ModelConfig:
         help='embeddings: {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": true|false} (default LAST, '
              'normalized, as vLLM\'s embed task)')
 
+    # vLLM's engine argument: the most alternatives per token a request's logprobs may ask for.
+    max_logprobs: int = setting(
+        20, help="largest logprobs / top_logprobs / prompt_logprobs a request may ask for")
+
     def __post_init__(self) -> None:
         self.pooler_config = parse_pooler_config(self.pooler_config)
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}.")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}.")
@@ -333,6 +339,11 @@ class ParallelConfig:
     # CPU: follow the cores actually free (see engine/threads.py); read by the engine from EngineArgs
     adaptive_threads: bool = setting(
         True, bool_flags="no", help="keep the intra-op thread count fixed even when other processes take cores")
+    # vLLM's name: a class whose methods join the worker's on every rank (LLM.collective_rpc calls them)
+    worker_extension_cls: str | None = setting(
+        None, metavar="MODULE.CLASS",
+        help="a class (package.module.Class) whose methods are added to the worker on every rank, called with "
+             "LLM.collective_rpc")
 
     def __post_init__(self) -> None:
         for name, flag, what in (

@@ -62,13 +62,13 @@ def test_the_warm_up_leaves_no_cached_prefix_for_the_timed_run(make_llm):
     texts = ["The tide comes in and the tide goes out, twice a day, " * 3, "Paged attention splits the cache " * 4]
     requests = [SampleRequest(t, tok.encode(t), 2) for t in texts]
     computed = [0]
-    execute = llm.engine.runner.execute
+    execute = llm.engine.executor.driver_worker.runner.execute
 
     def counting(out):
         computed[0] += out.total_num_scheduled_tokens
         return execute(out)
 
-    llm.engine.runner.execute = counting
+    llm.engine.executor.driver_worker.runner.execute = counting
     run_offline_benchmark(llm, requests, warmup=2, progress=False)
     prompts = sum(r.prompt_len for r in requests)
     # warm-up and timed run each compute every prompt token and one decode per request

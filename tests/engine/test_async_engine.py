@@ -176,7 +176,7 @@ def test_idle_engine_thread_shrinks_the_pool_without_steps(shared_model):
     engine = AsyncEngine.from_loaded(args, *shared_model(args), log_stats_interval=None)
     try:
         inner = engine.engine
-        floor = inner.pool.policy.min_blocks
+        floor = inner.pool.min_blocks
 
         async def burst():
             async def one(i):

@@ -37,7 +37,7 @@ def test_cuda_engine_gives_transformers_greedy_tokens_and_logprobs(make_llm):
     # benchmarks/gpu_check.sh names a model of the default's shape where the embedded one is not installed
     model = os.environ.get("TIDESERVE_TEST_MODEL") or None
     llm = make_llm(model=model, dtype="float32", device="cuda", max_model_len=256)
-    assert llm.engine.runner.device.type == "cuda"
+    assert llm.engine.executor.driver_worker.runner.device.type == "cuda"
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
                                                    logprobs=0))
     hf = _transformers_model(Path(model or default_model_path()), "cuda")

@@ -21,7 +21,8 @@ def test_engines_on_one_loaded_model_share_weights_and_own_their_kv(shared_model
     b = LLM.from_loaded(loaded, tokenizer, max_model_len=256, block_size=32, num_blocks=16,
                         enable_prefix_caching=False)
     assert a.engine.model is b.engine.model is loaded.model and a.tokenizer is tokenizer
-    assert a.engine.kv_storage.caches[0][0].data_ptr() != b.engine.kv_storage.caches[0][0].data_ptr()
+    assert (a.engine.executor.driver_worker.kv_storage.caches[0][0].data_ptr()
+            != b.engine.executor.driver_worker.kv_storage.caches[0][0].data_ptr())
     assert (a.engine.kv_manager.block_size, b.engine.kv_manager.block_size) == (16, 32)
     outs_a = [o.outputs[0].token_ids for o in a.generate(PROMPTS, GREEDY)]
     assert outs_a == [o.outputs[0].token_ids for o in b.generate(PROMPTS, GREEDY)]

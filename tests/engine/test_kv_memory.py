@@ -89,7 +89,8 @@ def test_seeded_sampling_is_unchanged_by_preemption(make_llm):
     assert token_lists(llm.generate(chats(llm), SEEDED)) == want
     assert llm.engine.scheduler.num_preemptions > 0
     llm.engine.step()  # the runner hears of the last finished requests on the next step, even an empty one
-    assert not llm.engine.runner.generators and not llm.engine.runner.requests
+    assert (not llm.engine.executor.driver_worker.runner.generators
+            and not llm.engine.executor.driver_worker.runner.requests)
 
 
 def test_swap_pool_full_falls_back_to_recompute(make_llm, reference, caplog):
@@ -182,7 +183,7 @@ def test_unwritten_kv_slots_never_reach_attention(make_llm, reference, garbage_p
     """Decode attention reads whole blocks; slots no token wrote must not turn outputs into NaN."""
     llm = make_llm(dtype="float32", max_model_len=512, block_size=16, enable_prefix_caching=False)
     engine = llm.engine
-    assert engine.runner.kv_caches[0][0].isnan().all()
+    assert engine.executor.driver_worker.runner.kv_caches[0][0].isnan().all()
 
     def action(engine):
         if midway == "shrink":
@@ -200,7 +201,7 @@ def test_block_size_changes_only_while_nothing_holds_kv(make_llm, reference, gar
     llm = make_llm(dtype="float32", max_model_len=512, block_size=16, enable_prefix_caching=False)
     engine = llm.engine
     prompts = chats(llm)
-    ptr = engine.runner.kv_caches[0][0].data_ptr()
+    ptr = engine.executor.driver_worker.runner.kv_caches[0][0].data_ptr()
     refused = {}
     outs = run_with_midway(llm, prompts[:2], 3,
                            lambda e: refused.setdefault("ok", e.pool.change_block_size(64, "test")))
@@ -208,13 +209,14 @@ def test_block_size_changes_only_while_nothing_holds_kv(make_llm, reference, gar
     assert outs == reference[:2]
     for new_block_size in (64, 8):
         assert engine.pool.change_block_size(new_block_size, "test")  # idle now: the request just finished
-        assert engine.kv_manager.block_size == engine.runner.block_size == new_block_size
-        assert engine.kv_manager.num_blocks == engine.kv_storage.num_blocks
+        assert engine.kv_manager.block_size == engine.executor.driver_worker.runner.block_size == new_block_size
+        assert engine.kv_manager.num_blocks == engine.executor.driver_worker.kv_storage.num_blocks
         assert token_lists(llm.generate(prompts, GREEDY)) == reference
     assert any("KV block size changed 16 -> 64 (no request held KV: nothing copied)" in r.message
                for r in caplog.records)
     if garbage_pool == "reserved":
-        assert engine.runner.kv_caches[0][0].data_ptr() == ptr  # the same memory, read in other chunks
+        # the same memory, read in other chunks
+        assert engine.executor.driver_worker.runner.kv_caches[0][0].data_ptr() == ptr
 
 
 def test_elastic_pool_grows_under_load_and_shrinks_when_idle(make_llm, reference):
@@ -236,7 +238,7 @@ def test_elastic_pool_grows_under_load_and_shrinks_when_idle(make_llm, reference
     for t in (1.0, 2.5, 4.0):
         clock[0] = t
         engine.maintain()
-    assert engine.kv_manager.num_blocks == engine.pool.policy.min_blocks < peak
+    assert engine.kv_manager.num_blocks == engine.pool.min_blocks < peak
 
 
 def test_memory_pressure_shrinks_the_pool_instead_of_crashing(make_llm):
@@ -287,12 +289,12 @@ def test_bfloat16_kv_cache_halves_the_bytes_and_keeps_the_answers(make_llm, refe
 
     llm = make_llm(dtype="float32", enable_prefix_caching=False, max_model_len=512, kv_cache_dtype="bfloat16",
                    attention_backend="cpu-native" if decode_path == "native" else "torch")
-    runner = llm.engine.runner
+    runner = llm.engine.executor.driver_worker.runner
     assert runner.kv_caches[0][0].dtype == torch.bfloat16
     assert runner.attn_backend.name == ("cpu-native" if decode_path == "native" else "torch")
     arch = llm.engine.arch
     bf16_bytes = 2 * arch.num_hidden_layers * 16 * arch.num_key_value_heads * arch.head_dim * 2
-    assert llm.engine.kv_storage.bytes_per_block(16) == bf16_bytes
+    assert llm.engine.executor.driver_worker.kv_storage.bytes_per_block(16) == bf16_bytes
     got = token_lists(llm.generate(chats(llm), GREEDY))
     for ours, want in zip(got, reference):
         assert ours[:8] == want[:8]
@@ -310,12 +312,12 @@ def test_fp8_kv_cache_quarters_the_bytes_and_both_paths_agree(make_llm, referenc
 
     kwargs = dict(dtype="float32", enable_prefix_caching=False, max_model_len=512, kv_cache_dtype="fp8")
     llm = make_llm(**kwargs, attention_backend="cpu-native" if decode_path == "native" else "torch")
-    runner = llm.engine.runner
+    runner = llm.engine.executor.driver_worker.runner
     assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
     assert runner.attn_backend.name == ("cpu-native" if decode_path == "native" else "torch")
     arch = llm.engine.arch
     fp8_bytes = 2 * arch.num_hidden_layers * 16 * arch.num_key_value_heads * arch.head_dim
-    assert llm.engine.kv_storage.bytes_per_block(16) == fp8_bytes
+    assert llm.engine.executor.driver_worker.kv_storage.bytes_per_block(16) == fp8_bytes
     got = token_lists(llm.generate(chats(llm), GREEDY))
     for ours, want in zip(got, reference):
         assert ours[:4] == want[:4]
@@ -372,13 +374,13 @@ def test_fp8_cache_swaps_out_and_back_by_its_bytes(make_llm):
 def count_computed_tokens(engine) -> list[int]:
     """Wrap the runner so every token a forward pass computes is counted."""
     counted = [0]
-    execute = engine.runner.execute
+    execute = engine.executor.driver_worker.runner.execute
 
     def counting(out):
         counted[0] += out.total_num_scheduled_tokens
         return execute(out)
 
-    engine.runner.execute = counting
+    engine.executor.driver_worker.runner.execute = counting
     return counted
 
 
@@ -410,7 +412,7 @@ def test_failed_growth_backs_off_and_the_engine_keeps_serving(make_llm, referenc
     caplog.set_level(logging.WARNING)
     llm = make_llm(dtype="float32", max_model_len=512, enable_prefix_caching=False)
     engine = llm.engine
-    store = engine.kv_storage.device_store
+    store = engine.executor.driver_worker.kv_storage.device_store
     floor = engine.kv_manager.num_blocks
     real_resize = store.resize
 
@@ -440,9 +442,9 @@ def test_failed_shrink_changes_nothing(make_llm, reference, monkeypatch):
     def failing_resize(num_blocks):
         raise KVStoreGrowError("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(engine.kv_storage.device_store, "resize", failing_resize)
+    monkeypatch.setattr(engine.executor.driver_worker.kv_storage.device_store, "resize", failing_resize)
     engine.pool.shrink(50, "test")
-    assert engine.kv_manager.num_blocks == engine.kv_storage.num_blocks == 200
+    assert engine.kv_manager.num_blocks == engine.executor.driver_worker.kv_storage.num_blocks == 200
     engine.kv_manager.check_invariants()
     monkeypatch.undo()
     assert token_lists(llm.generate(chats(llm), GREEDY)) == reference
@@ -467,8 +469,8 @@ def test_idle_pool_keeps_the_shared_prefix_and_little_else(make_llm):
     system_blocks = len(llm.tokenizer.encode_chat([{"role": "system", "content": SYSTEM}])) // 16 - 1
     assert hit_blocks >= system_blocks
     # Unhit prefixes were given back, but for those the floor's reserve holds anyway (free blocks).
-    assert hit_blocks <= pool.num_cached_free() <= hit_blocks + engine.pool.policy.min_blocks
-    assert engine.kv_manager.num_blocks <= 1.1 * hit_blocks + engine.pool.policy.min_blocks < peak
+    assert hit_blocks <= pool.num_cached_free() <= hit_blocks + engine.pool.min_blocks
+    assert engine.kv_manager.num_blocks <= 1.1 * hit_blocks + engine.pool.min_blocks < peak
     out = llm.generate([chats(llm)[2]], GREEDY)[0]
     assert out.num_cached_tokens >= system_blocks * 16
 
@@ -539,18 +541,19 @@ def test_watermark_growth_commits_its_pages_ahead_and_the_answers_stay(make_llm,
     """With every watermark growth large enough to commit ahead, the pool still grows (a step or more
     later, once its pages are in) and greedy answers are those of the reference."""
     from tideserve.engine import pool_controller
+    from tideserve.worker import worker
     from tideserve.worker.kv_store import ReservedKVStore
 
     caplog.set_level(logging.INFO)
     monkeypatch.setattr(pool_controller, "COMMIT_AHEAD_MIN_BYTES", 0)
-    monkeypatch.setattr(pool_controller, "host_core_free", lambda: True)
+    monkeypatch.setattr(worker, "host_core_free", lambda: True)
     ranges = []
     real = ReservedKVStore._commit_range
     monkeypatch.setattr(ReservedKVStore, "_commit_range",
                         lambda self, start, end, on_done=None: (ranges.append(end - start),
                                                                  real(self, start, end, on_done)))
     llm = make_llm(dtype="float32", enable_prefix_caching=False, max_model_len=512)
-    assert isinstance(llm.engine.pool.storage.device_store, ReservedKVStore)
+    assert isinstance(llm.engine.executor.driver_worker.kv_storage.device_store, ReservedKVStore)
     outs = llm.generate(chats(llm) * 4, GREEDY)
     assert token_lists(outs) == reference * 4
     assert ranges and all(r > 0 for r in ranges)  # background commits ran
@@ -564,12 +567,13 @@ def test_with_every_core_in_the_step_a_background_commit_is_lent_one(make_llm, r
     reference's. A single core commits on the engine's thread instead."""
     from tideserve.engine import pool_controller
     from tideserve.native import cores
+    from tideserve.worker import worker
     from tideserve.worker.kv_store import ReservedKVStore
 
     caplog.set_level(logging.INFO)
     monkeypatch.setattr(pool_controller, "COMMIT_AHEAD_MIN_BYTES", 0)
-    monkeypatch.setattr(pool_controller, "host_core_free", lambda: False)
-    monkeypatch.setattr(pool_controller, "intra_op_threads", lambda: 2)
+    monkeypatch.setattr(worker, "host_core_free", lambda: False)
+    monkeypatch.setattr(worker, "intra_op_threads", lambda: 2)
     lent_while_committing = []
     real = ReservedKVStore._commit_range
 
@@ -579,7 +583,7 @@ def test_with_every_core_in_the_step_a_background_commit_is_lent_one(make_llm, r
 
     monkeypatch.setattr(ReservedKVStore, "_commit_range", commit_range)
     llm = make_llm(dtype="float32", enable_prefix_caching=False, max_model_len=512)
-    assert isinstance(llm.engine.pool.storage.device_store, ReservedKVStore)
+    assert isinstance(llm.engine.executor.driver_worker.kv_storage.device_store, ReservedKVStore)
     outs = llm.generate(chats(llm) * 4, GREEDY)
     assert token_lists(outs) == reference * 4
     assert lent_while_committing and all(n == 1 for n in lent_while_committing)
@@ -588,7 +592,7 @@ def test_with_every_core_in_the_step_a_background_commit_is_lent_one(make_llm, r
     assert llm.engine.pool.num_background_commits >= 1
 
     lent_while_committing.clear()
-    monkeypatch.setattr(pool_controller, "intra_op_threads", lambda: 1)
+    monkeypatch.setattr(worker, "intra_op_threads", lambda: 1)
     llm = make_llm(dtype="float32", enable_prefix_caching=False, max_model_len=512)
     outs = llm.generate(chats(llm) * 4, GREEDY)
     assert token_lists(outs) == reference * 4
@@ -633,7 +637,7 @@ def test_an_allocation_inside_a_commit_under_way_grows_by_what_it_needs(make_llm
     monkeypatch.setattr(KVCacheStorage, "committed_ahead_blocks", property(lambda self: ahead["resident"]))
     monkeypatch.setattr(KVCacheStorage, "commit_goal_blocks", property(lambda self: ahead["goal"]))
     monkeypatch.setattr(KVCacheStorage, "commit_in_flight", property(lambda self: ahead["in_flight"]))
-    monkeypatch.setattr(pool.policy, "grow_target", lambda num_blocks, *args: num_blocks + 100)  # the policy's
+    monkeypatch.setattr(pool.policy, "grow_target", lambda geometry, *args: geometry.num_blocks + 100)  # the policy's
     resized = []
     real_resize = KVCacheStorage.resize
     monkeypatch.setattr(KVCacheStorage, "resize", lambda self, b: (resized.append(b), real_resize(self, b)))
@@ -651,11 +655,12 @@ def test_a_bursts_first_allocation_commits_what_the_requests_hold_in_the_backgro
     the burst's answers are the reference's, and every core comes back."""
     from tideserve.engine import pool_controller
     from tideserve.native import cores
+    from tideserve.worker import worker
     from tideserve.worker.kv_store import KVCacheStorage, ReservedKVStore
 
     monkeypatch.setattr(pool_controller, "COMMIT_AHEAD_MIN_BYTES", 0)
-    monkeypatch.setattr(pool_controller, "host_core_free", lambda: False)
-    monkeypatch.setattr(pool_controller, "intra_op_threads", lambda: 2)
+    monkeypatch.setattr(worker, "host_core_free", lambda: False)
+    monkeypatch.setattr(worker, "intra_op_threads", lambda: 2)
     goals, lent = [], []
     real_commit_ahead = KVCacheStorage.commit_ahead
 
@@ -666,7 +671,7 @@ def test_a_bursts_first_allocation_commits_what_the_requests_hold_in_the_backgro
 
     monkeypatch.setattr(KVCacheStorage, "commit_ahead", commit_ahead)
     llm = make_llm(dtype="float32", enable_prefix_caching=False, max_model_len=512)
-    assert isinstance(llm.engine.pool.storage.device_store, ReservedKVStore)
+    assert isinstance(llm.engine.executor.driver_worker.kv_storage.device_store, ReservedKVStore)
     pool = llm.engine.pool
     n = pool.kv.num_blocks
     for ids in chats(llm) * 4:
@@ -683,17 +688,17 @@ def test_a_bursts_first_allocation_commits_what_the_requests_hold_in_the_backgro
     while llm.engine.has_unfinished_requests():
         outs += [o for o in llm.engine.step() if o.finished]
     assert sorted(token_lists(outs)) == sorted(reference * 4)
-    pool.storage.device_store._join_ahead()
+    llm.engine.executor.driver_worker.kv_storage.device_store._join_ahead()
     assert cores.lent_cores() == 0
 
 
 def test_a_core_is_free_only_when_the_step_leaves_one(monkeypatch):
     import torch
 
-    from tideserve.engine import pool_controller
+    from tideserve.worker import worker
 
-    monkeypatch.setattr(pool_controller.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(worker.os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # the intra-op threads the kernels compute with
-    assert not pool_controller.host_core_free()
+    assert not worker.host_core_free()
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the governor left one
-    assert pool_controller.host_core_free()
+    assert worker.host_core_free()

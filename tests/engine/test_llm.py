@@ -200,3 +200,17 @@ def test_prompt_tokens_count_when_their_prefill_is_done(make_llm):
         seen.append(engine.stats().prompt_tokens)
     assert seen[-1] == sum(map(len, ids))
     assert sorted(set(seen)) == [0, len(ids[0]), sum(map(len, ids))]  # one request at a time, each once
+
+
+def test_reset_prefix_cache_makes_the_next_request_prefill_its_whole_prompt(llm):
+    prompt = "The quick brown fox jumps over the lazy dog. " * 6
+    params = SamplingParams(temperature=0, max_tokens=2)
+    first = llm.generate(prompt, params)[0]
+    stats = llm.engine.kv_manager.prefix_stats
+    hits = stats.hits
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == first.outputs[0].token_ids
+    assert stats.hits > hits  # the second run read its prefix from the cache
+    assert llm.reset_prefix_cache() is True
+    hits = stats.hits
+    llm.generate(prompt, params)
+    assert stats.hits == hits  # nothing left to hit

@@ -48,7 +48,7 @@ def torch_path() -> Iterator[tuple[list, str]]:
         records: list[logging.LogRecord] = []
         handler = logging.Handler()
         handler.emit = records.append  # type: ignore[method-assign]
-        engine_logger = logging.getLogger("tideserve.engine.llm_engine")
+        engine_logger = logging.getLogger("tideserve.engine.builder")
         engine_logger.addHandler(handler)
         level = engine_logger.level
         engine_logger.setLevel(logging.INFO)
@@ -75,13 +75,13 @@ def test_torch_only_path_still_runs(torch_path):
 def test_bf16_native_greedy_follows_the_torch_path(make_llm, torch_path, caplog):
     caplog.set_level(logging.INFO)
     llm = make_llm(dtype="bfloat16", enable_prefix_caching=False, max_model_len=256)
-    assert llm.engine.dtype == llm.engine.kv_dtype == llm.engine.runner.kv_caches[0][0].dtype
+    assert llm.engine.dtype == llm.engine.kv_dtype == llm.engine.executor.driver_worker.runner.kv_caches[0][0].dtype
     assert str(llm.engine.dtype) == "torch.bfloat16"
     assert "decode attention: cpu-native (native kernel" in decode_attention_line(caplog)
     # Every kernel bound at load: the backend's rotary + store and decode attention, every norm's pass.
-    backend = llm.engine.runner.attn_backend
+    backend = llm.engine.executor.driver_worker.runner.attn_backend
     assert backend.name == "cpu-native" and backend.rope_store is not None
-    norms = [m for m in llm.engine.runner.model.modules() if isinstance(m, RMSNorm)]
+    norms = [m for m in llm.engine.executor.driver_worker.runner.model.modules() if isinstance(m, RMSNorm)]
     assert norms and all(m._kernels is not None for m in norms)
     calls = []
     kernel = backend._paged_decode
@@ -106,5 +106,5 @@ def test_default_dtype_runs_the_native_kernels(make_llm, caplog):
     caplog.set_level(logging.INFO)
     auto = str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
     llm = make_llm(dtype=auto, enable_prefix_caching=False, max_model_len=256)
-    assert llm.engine.runner.attn_backend.name == "cpu-native"
+    assert llm.engine.executor.driver_worker.runner.attn_backend.name == "cpu-native"
     assert "decode attention: cpu-native (native kernel" in decode_attention_line(caplog)

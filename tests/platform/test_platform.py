@@ -111,15 +111,15 @@ def test_cpu_peak_of_a_run_sees_its_allocation() -> None:
 
 
 def test_a_fake_device_is_what_the_engine_budgets_from(make_llm, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="tideserve.engine.llm_engine")
+    caplog.set_level(logging.INFO, logger="tideserve.engine.builder")
     device = FakeDevice(memory=3 * GiB)
     llm = make_llm(dtype="float32", max_model_len=128, memory_probe=device)
     engine = llm.engine
     assert "memory probe: fake device, 3.00 GiB" in caplog.text
     assert engine.pool.account.available_bytes == 2 * GiB
     budget_blocks = engine.pool.account.budget_bytes // engine.pool.bytes_per_block
-    assert 0 < engine.kv_manager.num_blocks <= engine.pool.policy.max_blocks <= budget_blocks
-    engine.pool._resize(engine.pool.policy.max_blocks, "test")  # as if a burst had grown it to its ceiling
+    assert 0 < engine.kv_manager.num_blocks <= engine.pool.max_blocks <= budget_blocks
+    engine.pool._resize(engine.pool.max_blocks, "test")  # as if a burst had grown it to its ceiling
     grown = engine.kv_manager.num_blocks
     device.used = device.memory - engine.pool.account.margin_bytes // 2  # something else took the memory
     engine.step()
@@ -129,11 +129,11 @@ def test_a_fake_device_is_what_the_engine_budgets_from(make_llm, caplog: pytest.
 def test_an_engine_turning_idle_hands_freed_memory_back_once(make_llm, monkeypatch) -> None:
     """The engine keeps a step's activations in the allocator between steps (tune_allocator), so when the
     last request ends the pool's upkeep returns what they freed, once per busy spell."""
-    from tideserve.engine import pool_controller
+    from tideserve.worker.worker import Worker
 
     calls: list[object] = []
-    monkeypatch.setattr(pool_controller, "release_freed_memory", calls.append)
     llm = make_llm(dtype="float32", max_model_len=128)
+    monkeypatch.setattr(Worker, "release_freed_memory", lambda worker: calls.append(worker.device))
     CpuPlatform(torch.device("cpu")).tune_allocator()  # idempotent; never raises
     engine = llm.engine
     engine.maintain()
@@ -141,4 +141,4 @@ def test_an_engine_turning_idle_hands_freed_memory_back_once(make_llm, monkeypat
     llm.generate("The capital of France is", SamplingParams(max_tokens=3))
     engine.maintain()
     engine.maintain()
-    assert calls == [engine.runner.device]
+    assert calls == [engine.executor.driver_worker.runner.device]

@@ -35,9 +35,9 @@ def test_fp8_cache_serves_the_openai_sdk_and_idles_empty(fp8_server, wait_until)
     server, engine = fp8_server
     inner = engine.engine
     assert inner.kv_dtype == torch.float8_e4m3fn
-    assert inner.kv_storage.caches[0][0].dtype == torch.float8_e4m3fn
+    assert inner.executor.driver_worker.kv_storage.caches[0][0].dtype == torch.float8_e4m3fn
     native_calls = []
-    backend = inner.runner.attn_backend
+    backend = inner.executor.driver_worker.runner.attn_backend
     if backend.name == "cpu-native":  # the kernel, not torch's fallback, reads the cache
         decode = backend._paged_decode
         backend._paged_decode = lambda *a: native_calls.append(1) or decode(*a)

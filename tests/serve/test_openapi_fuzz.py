@@ -27,8 +27,8 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", 
 
 @pytest.fixture(scope="module")
 def fuzz_app(make_engine):
-    engine = make_engine(max_model_len=64, num_blocks=64, max_num_seqs=8)
-    return build_app(ServerConfig(max_n=2, max_logprobs=5, max_body_bytes=64 * 1024), engine=engine)
+    engine = make_engine(max_model_len=64, num_blocks=64, max_num_seqs=8, max_logprobs=5)
+    return build_app(ServerConfig(max_n=2, max_body_bytes=64 * 1024), engine=engine)
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,7 @@ def test_replayed_decodes_give_the_eager_tokens(make_llm):
     want = tokens(eager.generate(PROMPTS, GREEDY))
 
     llm = make_llm(dtype="float32", max_model_len=256, enable_prefix_caching=False, attention_backend="cpu-native")
-    runner = llm.engine.runner
+    runner = llm.engine.executor.driver_worker.runner
     assert runner.enable_graphs(max_num_seqs=8, max_model_len=256, capture=eager_capture)
     got = tokens(llm.generate(PROMPTS, GREEDY))
     assert got == want
@@ -62,9 +62,9 @@ def test_replayed_decodes_give_the_eager_tokens(make_llm):
 def test_graphs_are_recaptured_when_the_kv_pool_changes(make_llm):
     llm = make_llm(dtype="float32", max_model_len=256, enable_prefix_caching=False, attention_backend="cpu-native")
     engine = llm.engine
-    assert engine.runner.enable_graphs(max_num_seqs=8, max_model_len=256, capture=eager_capture)
+    assert engine.executor.driver_worker.runner.enable_graphs(max_num_seqs=8, max_model_len=256, capture=eager_capture)
     want = tokens(llm.generate(PROMPTS[:2], GREEDY))
-    graphs = engine.runner.graphs
+    graphs = engine.executor.driver_worker.runner.graphs
     before = graphs.num_captures
     assert before >= 1
     engine.pool._resize(engine.kv_manager.num_blocks + 64, "test")  # the pool grows: every graph is stale
@@ -74,8 +74,9 @@ def test_graphs_are_recaptured_when_the_kv_pool_changes(make_llm):
 
 def test_the_torch_backend_stays_eager(make_llm):
     llm = make_llm(dtype="float32", max_model_len=256, attention_backend="torch")
-    assert not llm.engine.runner.enable_graphs(max_num_seqs=8, max_model_len=256, capture=eager_capture)
-    assert llm.engine.runner.graphs is None
+    assert not llm.engine.executor.driver_worker.runner.enable_graphs(max_num_seqs=8, max_model_len=256,
+                                                                      capture=eager_capture)
+    assert llm.engine.executor.driver_worker.runner.graphs is None
 
 
 @pytest.mark.cuda
@@ -86,9 +87,9 @@ def test_cuda_graphs_give_the_eager_tokens(make_llm):
                      enable_prefix_caching=False)
     want = tokens(eager.generate(PROMPTS, GREEDY))
     llm = make_llm(model=model, dtype="bfloat16", device="cuda", max_model_len=256, enable_prefix_caching=False)
-    assert llm.engine.runner.graphs is not None
+    assert llm.engine.executor.driver_worker.runner.graphs is not None
     assert tokens(llm.generate(PROMPTS, GREEDY)) == want
-    assert llm.engine.runner.graphs.num_replays > 0
+    assert llm.engine.executor.driver_worker.runner.graphs.num_replays > 0
 
 
 @pytest.mark.cuda
@@ -100,7 +101,7 @@ def test_cuda_graphs_are_recaptured_after_the_kv_pool_changes_twice(make_llm):
     llm = make_llm(model=model, dtype="bfloat16", device="cuda", max_model_len=256, enable_prefix_caching=False)
     engine = llm.engine
     want = tokens(llm.generate(PROMPTS, GREEDY))
-    graphs = engine.runner.graphs
+    graphs = engine.executor.driver_worker.runner.graphs
     assert graphs is not None and graphs.num_captures > 0
     for _ in range(2):
         before = graphs.num_captures

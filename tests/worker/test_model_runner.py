@@ -58,12 +58,12 @@ def test_batched_decodes_give_the_same_tokens_as_requests_alone(make_llm, monkey
         request.addfinalizer(lambda: quant.set_tile_min_rows(previous))
     llm = make_llm(dtype="float32", max_model_len=1024, enable_prefix_caching=False, quantization=quantization,
                    attention_backend="torch" if decode_path == "torch" else "cpu-native")
-    backend = llm.engine.runner.attn_backend
+    backend = llm.engine.executor.driver_worker.runner.attn_backend
     if decode_path == "native":  # count the bound kernel's calls
         kernel = backend._paged_decode
         backend._paged_decode = lambda *a: calls.append(True) or kernel(*a)
     elif quantization == "int4":  # every decode-only step runs the decoder layers in one native call
-        model = llm.engine.runner.model
+        model = llm.engine.executor.driver_worker.runner.model
         one_call = model.native_decode
         assert one_call is not None
         model.native_decode = lambda *a: calls.append(one_call(*a)) or calls[-1]
@@ -102,7 +102,7 @@ def test_a_step_past_the_slab_size_runs_as_slabs_with_the_same_results(make_llm,
     their logprobs are those of one pass per step."""
     llm = make_llm(dtype="float32", max_model_len=1024, enable_prefix_caching=False, max_num_batched_tokens=512,
                    max_num_seqs=8)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.driver_worker.runner
     words = "tide moon harbour boat gull rope bread sand shell wave storm flag".split()
     prompts = [" ".join(words[: 3 + i] * (3 + 9 * (i % 3))) for i in range(6)]  # ~10 to ~300 tokens
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)

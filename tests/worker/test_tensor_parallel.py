@@ -73,7 +73,7 @@ def test_tp2_greedy_equals_tp1_and_pool_moves_stay_in_lockstep(name, tiny_checkp
     assert pool._resize(pool.kv.num_blocks + 24, "test")  # then a grow
     assert _greedy(two, prompts) == want
     assert two.engine.kv_manager.prefix_stats.hits > 0
-    assert pool.change_block_size(32, "test") and two.engine.kv_storage.block_size == 32
+    assert pool.change_block_size(32, "test") and two.engine.executor.driver_worker.kv_storage.block_size == 32
     assert _greedy(two, prompts) == want
     del two
     assert not _wait_gone(ranks), "a rank outlived `del llm`"

@@ -92,7 +92,7 @@ def run_offline_benchmark(llm: Any, requests: list[SampleRequest], *, max_concur
         _run(llm, warm, max_concurrency, ignore_eos, temperature, seed, None)
         # The warm-up's prompts are timed again below: had they stayed in the prefix cache, their prefill
         # would be skipped, which no first sight of a workload does.
-        llm.engine.kv_manager.reset_prefix_cache()
+        llm.reset_prefix_cache()
     bar = None
     if progress:
         from tqdm import tqdm

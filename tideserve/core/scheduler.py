@@ -48,6 +48,11 @@ class NewRequestData:
     num_computed_tokens: int  # includes any prefix-cache hit
     structured_output: Any = None  # the request's grammar matcher (the runner masks its samples with it)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Sent to another rank without its grammar matcher: only rank 0 samples, and a matcher holds
+        native state that does not pickle."""
+        return {**self.__dict__, "structured_output": None}
+
 
 @dataclass
 class CachedRequestData:

@@ -22,12 +22,14 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tideserve.engine.input_processor import EngineRequest
 from tideserve.engine.stat_logger import StatLogger
 from tideserve.engine.stats import EngineStats
 from tideserve.outputs import RequestOutput
+from tideserve.pooling_params import PoolingParams
 from tideserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -112,13 +114,8 @@ class RequestStream:
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt: str | Sequence[int]
-    params: SamplingParams
-    prompt_token_ids: list[int] | None
+    request: EngineRequest  # checked by the input processor; its request_id is set
     stream: RequestStream
-    priority: int = 0
-    cache_salt: str | None = None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -149,7 +146,7 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._stopping = False
         self._stats: EngineStats = engine.stats()
-        self._num_waiting = len(engine.scheduler.waiting)
+        self._num_waiting = engine.num_waiting_requests()
         self._stats_time = 0.0
         self._busy_since: float | None = None  # monotonic start of the step (or pool upkeep) now running
         self._stats_listeners = list(stats_listeners)
@@ -196,10 +193,35 @@ class AsyncEngine:
         the server compiles a request's constraint off the engine thread before submitting it."""
         return self.engine.structured_output
 
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.arch.vocab_size
+
+    def cache_info(self) -> dict[str, str]:
+        """vLLM's ``cache_config_info`` labels: the KV cache's settings as the server reports them."""
+        cache = self.engine.cache_config
+        return {"block_size": str(cache.block_size), "num_gpu_blocks": str(self._stats.kv_cache_pool_blocks),
+                "enable_prefix_caching": str(cache.enable_prefix_caching)}
+
     def tokenize_prompt(self, prompt: str | Sequence[int],
                         add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """The engine's own prompt validation and tokenization; read-only, so safe from any thread."""
-        return self.engine.tokenize_prompt(prompt, add_special_tokens)
+        return self.engine.input_processor.tokenize_prompt(prompt, add_special_tokens)
+
+    def embedding_only_message(self, api: str = "generation") -> str | None:
+        """Why this model cannot serve ``api`` (it has no language-model head), or None when it can."""
+        if self.engine.arch.generates:
+            return None
+        return self.engine.input_processor.embedding_only_message(api)
+
+    def process_inputs(self, prompt: str | Sequence[int], params: SamplingParams | PoolingParams | None = None,
+                       request_id: str | None = None, prompt_token_ids: list[int] | None = None,
+                       priority: int = 0, cache_salt: str | None = None, *, names: Mapping[str, str] | None = None,
+                       max_n: int | None = None) -> EngineRequest:
+        """Every check of a request, as the offline API makes them (``InputProcessor.process``); read-only,
+        so any thread may call it (a long prompt is best tokenized off the event loop)."""
+        return self.engine.input_processor.process(prompt, params, request_id, prompt_token_ids, priority,
+                                                   cache_salt, names=names, max_n=max_n)
 
     @property
     def is_healthy(self) -> bool:
@@ -234,24 +256,32 @@ class AsyncEngine:
             return len(self._active)
 
     # ---------------------------------------------------------------- submission (any thread, asyncio)
-    async def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
+    async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | PoolingParams,
                           request_id: str | None = None,
                           prompt_token_ids: list[int] | None = None, priority: int = 0,
                           cache_salt: str | None = None) -> RequestStream:
-        """Submit a request; returns its stream once the engine accepted it (``priority`` and
+        """Check and submit a request; returns its stream once the engine accepted it (``priority`` and
         ``cache_salt`` as in ``LLMEngine.add_request``).
 
-        Raises the engine's ``ValueError`` for invalid input (including a duplicate ``request_id``),
+        Raises the input processor's ``ValueError`` for invalid input (and for a duplicate ``request_id``),
         ``QueueFullError`` at ``max_queue`` and ``EngineDeadError`` when the loop is not running.
         """
         self._check_alive()
-        request_id = request_id or uuid.uuid4().hex
+        request = await asyncio.to_thread(self.process_inputs, prompt, params, request_id, prompt_token_ids,
+                                          priority, cache_salt)
+        return await self.add(request)
+
+    async def add(self, request: EngineRequest) -> RequestStream:
+        """Submit a request the input processor checked (``process_inputs``); returns its stream once the
+        engine thread has queued it (errors as for ``add_request``)."""
+        self._check_alive()
+        request_id = request.request_id = request.request_id or uuid.uuid4().hex
         stream = RequestStream(request_id, asyncio.get_running_loop(), self)
         with self._active_lock:
             if request_id in self._active:
                 raise ValueError(f"request_id {request_id!r} is already in use.")
             self._active[request_id] = stream
-        command = _Add(request_id, prompt, params, prompt_token_ids, stream, priority, cache_salt)
+        command = _Add(request, stream)
         with self._cond:
             depth = self._pending_adds + self._num_waiting
             if self.max_queue is not None and depth >= self.max_queue:
@@ -371,26 +401,24 @@ class AsyncEngine:
         if not command.future.set_running_or_notify_cancel():
             return  # the caller gave up before the request was applied
         try:
-            self.engine.add_request(command.prompt, command.params, request_id=command.request_id,
-                                    prompt_token_ids=command.prompt_token_ids, priority=command.priority,
-                                    cache_salt=command.cache_salt)
+            self.engine.add(command.request)
         except Exception as exc:  # the caller gets it; the engine is unchanged
             command.future.set_exception(exc)
             return
-        self._targets[command.request_id] = command.stream
+        self._targets[command.request.request_id] = command.stream
         command.future.set_result(None)
 
     def _count_applied(self, num_adds: int) -> None:
         """Move applied adds from the pending count to the scheduler's queue in one step (no gap)."""
         if num_adds:
-            waiting = len(self.engine.scheduler.waiting)
+            waiting = self.engine.num_waiting_requests()
             with self._cond:
                 self._pending_adds -= num_adds
                 self._num_waiting = waiting
 
     def _set_num_waiting(self) -> None:
         """The scheduler's queue length, read every step: cheap, unlike a full stats snapshot."""
-        waiting = len(self.engine.scheduler.waiting)
+        waiting = self.engine.num_waiting_requests()
         with self._cond:
             self._num_waiting = waiting
 

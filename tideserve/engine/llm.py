@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from tideserve.engine.input_processor import EngineRequest
 from tideserve.engine.llm_engine import EngineArgs, LLMEngine
 from tideserve.model.loader import LoadedModel
 from tideserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
@@ -73,6 +74,21 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's ``LLM.reset_prefix_cache``): the next request prefills
+        its whole prompt. True when nothing stays cached."""
+        return self.engine.reset_prefix_cache()
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run ``method`` on the worker of every rank (vLLM's ``LLM.collective_rpc``): a ``Worker``
+        function, or the name of a method of ``worker_extension_cls``, called as ``method(worker, *args,
+        **kwargs)``; returns every rank's answer in rank order."""
+        if timeout is not None:
+            raise ValueError(f"timeout={timeout!r} is not supported: a collective call runs between steps until "
+                             "every rank has answered; leave timeout at None.")
+        return self.engine.collective_rpc(method, *args, kwargs=kwargs)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
@@ -85,15 +101,10 @@ class LLM:
         prompts = [_plain_prompt(p) for p in prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
         priorities = self._priorities(priority, len(prompts))
-        # Validate every prompt before adding any, so a bad one loses nothing.
-        checked = []
-        for prompt, p in zip(prompts, params):
-            text, token_ids = self.engine.tokenize_prompt(prompt)
-            self.engine.check_lengths(len(token_ids), p)
-            p.check_token_ids(self.engine.arch.vocab_size)
-            self._check_constraint(p)
-            checked.append((prompt, token_ids, p))
-        return self._run(checked, use_tqdm, priorities)
+        # Check every prompt before adding any, so a bad one loses nothing.
+        checked = [self.engine.input_processor.process(prompt, p, priority=rank)
+                   for prompt, p, rank in zip(prompts, params, priorities)]
+        return self._run(checked, use_tqdm)
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -110,16 +121,14 @@ class LLM:
         priorities = self._priorities(priority, len(conversations))
         template = load_chat_template(chat_template)
         checked = []
-        for conv, p in zip(conversations, params):
+        for conv, p, rank in zip(conversations, params, priorities):
             token_ids = self.engine.tokenizer.encode_chat(
                 conv, add_generation_prompt=add_generation_prompt, chat_template=template,
                 chat_template_kwargs=chat_template_kwargs, continue_final_message=continue_final_message,
                 tools=tools)
-            self.engine.check_lengths(len(token_ids), p)
-            p.check_token_ids(self.engine.arch.vocab_size)
-            self._check_constraint(p)
-            checked.append((self.engine.tokenizer.decode(token_ids, skip_special_tokens=False), token_ids, p))
-        return self._run(checked, use_tqdm, priorities)
+            text = self.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
+            checked.append(self.engine.input_processor.process(text, p, prompt_token_ids=token_ids, priority=rank))
+        return self._run(checked, use_tqdm)
 
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
               use_tqdm: bool = False, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
@@ -132,46 +141,30 @@ class LLM:
             prompts = [prompts]
         prompts = [_plain_prompt(p) for p in prompts]
         pooling = pooling_params or PoolingParams()
-        self.engine.pooling_sampling_params(pooling)  # refuses bad pooling parameters before anything is added
+        processor = self.engine.input_processor
         checked = []
         for prompt in prompts:
-            _, token_ids = self.engine.tokenize_prompt(prompt)
+            text, token_ids = processor.tokenize_prompt(prompt)
             if truncate_prompt_tokens is not None:
                 token_ids = token_ids[-truncate_prompt_tokens:]
-            self.engine.check_embedding_length(len(token_ids))
-            checked.append((prompt, token_ids))
-        order: dict[str, int] = {}
-        for i, (prompt, token_ids) in enumerate(checked):
-            rid = self.engine.add_request(prompt if isinstance(prompt, str) else token_ids, pooling,
-                                          prompt_token_ids=token_ids)
-            order[rid] = i
-        results = self._drain(order, use_tqdm, len(checked))
+            checked.append(processor.process(text, pooling, prompt_token_ids=token_ids))
+        results = self._run(checked, use_tqdm)
         return [EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(r.embedding))
                 for r in results]
 
-    def _priorities(self, priority: Sequence[int] | None, n: int) -> list[int]:
+    @staticmethod
+    def _priorities(priority: Sequence[int] | None, n: int) -> list[int]:
         if priority is None:
             return [0] * n
         priority = list(priority)
         if len(priority) != n:
             raise ValueError(f"priority has {len(priority)} entries but there are {n} prompts.")
-        for value in priority:
-            self.engine.check_priority(value)
         return priority
 
-    def _check_constraint(self, params: SamplingParams) -> None:
-        """Compile a structured-output constraint up front: an invalid one fails before anything runs."""
-        if params.structured_outputs is not None:
-            self.engine.structured_output.compile(params.structured_outputs)
-
-    def _run(self, items: list[tuple[Prompt, list[int], SamplingParams]], use_tqdm: bool,
-             priorities: list[int]) -> list[RequestOutput]:
-        order: dict[str, int] = {}
-        for i, (prompt, token_ids, p) in enumerate(items):
-            text = prompt if isinstance(prompt, str) else None
-            rid = self.engine.add_request(text or token_ids, p, prompt_token_ids=token_ids, priority=priorities[i])
-            order[rid] = i
-        return self._drain(order, use_tqdm, len(items))
+    def _run(self, requests: list[EngineRequest], use_tqdm: bool) -> list[RequestOutput]:
+        """Add the checked requests and step until every one is done; outputs in their order."""
+        order = {self.engine.add(request): i for i, request in enumerate(requests)}
+        return self._drain(order, use_tqdm, len(requests))
 
     def _drain(self, order: dict[str, int], use_tqdm: bool, total: int) -> list[RequestOutput]:
         """Step until every request is done; their final outputs in ``order``'s positions."""

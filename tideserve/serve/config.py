@@ -52,8 +52,6 @@ class ServerConfig:
     rate_limit: int | None = setting(  # per API key (or per client address)
         None, group=SERVER_GROUP, help="requests per minute per API key")
     max_queue: int | None = setting(None, group=SERVER_GROUP, help="waiting requests beyond which new ones get 429")
-    max_logprobs: int = setting(
-        20, group=SERVER_GROUP, help="largest logprobs / top_logprobs / prompt_logprobs a request may ask for")
     max_body_bytes: int = setting(16 * 2**20, group=SERVER_GROUP, name="max_body_size", type=_byte_size,
                                   help="largest request body, e.g. 16MiB")
     shutdown_timeout: float = setting(30.0, group=SERVER_GROUP, help="seconds SIGTERM waits for in-flight requests")
@@ -90,7 +88,7 @@ class ServerConfig:
     tool_call_parser: str | None = setting(
         None, group=SERVER_GROUP, choices=tuple(sorted(TOOL_PARSERS)),
         help="the model's tool-call format: hermes (Hermes, Qwen2.5), llama3_json (Llama 3.x), mistral")
-    # Samples per prompt; guards against a request that would never finish. Not a flag.
+    # Samples per prompt this server accepts (at most the engine's cap, input_processor.MAX_N). Not a flag.
     max_n: int = 128
 
     def __post_init__(self) -> None:
@@ -101,8 +99,6 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 (or unset), got {value!r}.")
-        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}.")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes!r}.")
         if not self.engine_stall_timeout >= 0:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tideserve.core.kv_cache.geometry import KVGeometry, KVStoreLimits
 from tideserve.platform import platform_for
 
 logger = logging.getLogger(__name__)
@@ -165,8 +166,18 @@ class KVStore(ABC):
         block count (the same bytes, or fewer)."""
 
     @abstractmethod
+    def limits(self) -> KVStoreLimits:
+        """What bounds a growth of this store (a reservation, or a copy beside the old pool)."""
+
     def max_blocks_within(self, spare_bytes: int) -> int:
         """The largest pool size a resize can reach when ``spare_bytes`` more memory may be taken."""
+        return self.limits().max_blocks_within(self.geometry_now(), spare_bytes)
+
+    def geometry_now(self) -> KVGeometry:
+        """This store's block size and count as a geometry (its own bytes per token)."""
+        layout = self.layout
+        return KVGeometry(layout.num_layers, layout.token_bytes, str(layout.dtype).removeprefix("torch."),
+                          self.block_size, self.num_blocks)
 
     def copy_blocks(self, moves: list[tuple[int, int]]) -> None:
         """Copy the KV of block ``src`` to block ``dst`` for each (src, dst): compaction's only copy."""
@@ -440,8 +451,8 @@ class ReservedKVStore(KVStore):
         self._build_views()
         return new_num
 
-    def max_blocks_within(self, spare_bytes: int) -> int:
-        return min(self.capacity_blocks, self.num_blocks + max(0, spare_bytes) // self.bytes_per_block())
+    def limits(self) -> KVStoreLimits:
+        return KVStoreLimits(copies_on_resize=False, capacity_tokens=self.capacity_tokens)
 
     def fill_slots(self, slots: torch.Tensor, value: float = 0.0) -> None:
         """One call for every layer: the regions read as [2 * layers, tokens, heads * dim]."""
@@ -522,9 +533,9 @@ class CopyKVStore(KVStore):
         self._build_views()
         return new_num
 
-    def max_blocks_within(self, spare_bytes: int) -> int:
+    def limits(self) -> KVStoreLimits:
         # The new tensor is allocated while the old one still exists: it must fit beside it.
-        return max(self.num_blocks, max(0, spare_bytes) // self.bytes_per_block())
+        return KVStoreLimits(copies_on_resize=True)
 
     def fill_slots(self, slots: torch.Tensor, value: float = 0.0) -> None:
         s = as_copyable(self.storage)
@@ -557,15 +568,15 @@ def create_swap_store(layout: KVLayout, device: torch.device, block_size: int, n
 
 
 class KVCacheStorage:
-    """The worker's KV memory: the device pool and the host swap tier, and every move of their bytes.
+    """A worker's KV memory: the device pool and the host swap tier, and every move of their bytes.
 
     Why one object: the cache manager decides block ids; something must move the data those decisions
     imply (grow or shrink the pool, copy compacted blocks down, swap requests out and back, re-read the
     pool at another block size, clear slots nobody wrote), and the runner should only build batches over
-    ``caches``. Here the device store is the worker side's one source of the block size and block count:
-    the runner reads them from it, and the pool controller sets the cache manager's from it after each
-    change. Until ``attach`` is called (the pool is sized after a profiling pass, which needs the runner)
-    the block size is the planned one.
+    ``caches``. The engine's ``KVGeometry`` says what the pool should be; ``apply_geometry`` makes the
+    stores match it, and the stores' own block size and count are what the runner reads. Until a store
+    is attached (the pool is sized after a profiling pass, which needs the runner) the block size is the
+    planned one.
     """
 
     def __init__(self, layout: KVLayout, device: torch.device, block_size: int) -> None:
@@ -579,11 +590,29 @@ class KVCacheStorage:
         """Take the device pool (``create_kv_store``); from now on its block size is the only one."""
         self.device_store = store
 
-    def create_store(self, num_blocks: int, reserve_bytes: int, static: bool) -> None:
-        """Make and attach the device pool (``create_kv_store``) at the planned block size: one call that a
-        tensor-parallel driver can repeat on every rank (worker/tp_executor.py)."""
+    def create_store(self, num_blocks: int, reserve_bytes: int, static: bool, block_size: int | None = None) -> None:
+        """Make and attach the device pool (``create_kv_store``) at ``block_size`` (default: the planned
+        one); ``reserve_bytes`` is the largest it may grow to, ``static`` commits it all now."""
+        if block_size is not None:
+            self._planned_block_size = block_size
         self.attach(create_kv_store(self.layout, self.device, self.block_size, num_blocks, reserve_bytes,
                                     static=static))
+
+    def limits(self) -> KVStoreLimits:
+        return self.device_store.limits()
+
+    def apply_geometry(self, geometry: KVGeometry) -> None:
+        """Make the device pool and the swap tier match ``geometry``: a block-size change (only while no
+        block holds live KV) or a resize (``KVStoreGrowError``, changing nothing, when growth fails)."""
+        if geometry.block_size != self.block_size:
+            num_blocks = self.change_block_size(geometry.block_size)
+            if num_blocks != geometry.num_blocks:
+                self.resize(geometry.num_blocks)
+        elif geometry.num_blocks != self.num_blocks:
+            self.resize(geometry.num_blocks)
+        swap_blocks = self.swap_store.num_blocks if self.swap_store is not None else 0
+        if swap_blocks != geometry.num_swap_blocks:
+            self.allocate_swap(geometry.num_swap_blocks)
 
     # ----------------------------------------------------------------- geometry
     @property

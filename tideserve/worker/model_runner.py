@@ -85,10 +85,10 @@ class ModelRunner:
         # Seeded requests' generators, by request id. Kept across preemption (a resumed request draws on
         # from where it stopped, so its tokens are those of an uninterrupted run); dropped when it finishes.
         self.generators: dict[str, torch.Generator] = {}
-        # Structured output: computes the token masks of requests with a grammar (set by the engine).
+        # Structured output: computes the token masks of requests with a grammar (set by the worker).
         self.structured_output: Any = None
         # False on tensor-parallel ranks other than the driver: they compute the logits (a collective) but
-        # the driver samples, and sends them the tokens with the next step (worker/tp_worker.py).
+        # the driver samples, and they learn its tokens with the next step (worker/worker.py).
         self.samples = True
         # Captured decode steps (worker/cuda_graphs.py), set by enable_graphs; None: every step eager.
         self.graphs: DecodeGraphs | None = None
@@ -115,7 +115,7 @@ class ModelRunner:
     PROFILE_TOKENS = 256  # a profiling pass at this many tokens, scaled linearly to the real budget
 
     @torch.inference_mode()
-    def profile_activation_bytes(self, num_tokens: int, max_num_seqs: int) -> int:
+    def profile_activation_bytes(self, num_tokens: int, max_num_seqs: int, block_size: int | None = None) -> int:
         """Peak activation memory of a forward pass over num_tokens prompt tokens (plus sampler logits).
 
         Measured by the platform (CUDA's allocator peak; on CPU the resident-set high-water mark after a
@@ -131,8 +131,9 @@ class ModelRunner:
         logits = max_num_seqs * arch.vocab_size * 4 * 3  # logits, probabilities, sort buffers (fp32)
         estimate = num_tokens * per_token + logits
 
-        scratch = CopyKVStore(self.layout, self.device, self.block_size, -(-n // self.block_size), zero=True)
-        meta = self.attn_backend.build_metadata(BatchLayout.single_prefill(n, self.block_size))
+        block_size = block_size or self.block_size
+        scratch = CopyKVStore(self.layout, self.device, block_size, -(-n // block_size), zero=True)
+        meta = self.attn_backend.build_metadata(BatchLayout.single_prefill(n, block_size))
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
         measured = self.platform.measure_peak_bytes(

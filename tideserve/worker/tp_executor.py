@@ -1,22 +1,17 @@
-"""The driver's side of tensor parallelism: start the ranks, and keep them in lockstep with the engine.
+"""Tensor parallelism's executor: start the other ranks, and run every collective call on all of them.
 
 Why the driver is rank 0 (not a pure driver process): the engine's process already holds the scheduler,
 the KV cache manager and the tokenizer, and on a small machine one process fewer is one fewer set of
-threads fighting for cores. So the engine's own ``ModelRunner`` runs rank 0's shard, and the objects the
-engine and the pool controller call are wrapped here:
-
-- ``TensorParallelRunner``: every step (the scheduler's ``SchedulerOutput``, grammar matchers stripped,
-  plus the tokens the driver sampled in the previous step), every compaction's block moves and every
-  profiling pass is sent to the other ranks before rank 0 runs it;
-- ``TensorParallelKVStorage``: creating the pool, resizing it (all ranks or none: a rank that cannot
-  grow rolls every rank back), changing its block size and the swap tier's moves, on every rank;
-- ``TensorParallelMemoryProbe``: the budget is the smallest rank's (each rank reports its probe; ranks
-  that share one host's memory divide it).
+threads fighting for cores. So the engine's own process holds rank 0's ``Worker``, and each other rank
+is a process of its own running the same ``Worker`` over its shard (worker/tp_rank.py). A collective
+call is pickled to the other ranks over the control channel, run on rank 0's worker, and, unless only
+rank 0's answer is wanted, the answers are gathered; an exception on any rank comes back with the
+answers and is raised once every rank has answered.
 
 A rank that exits is seen by a monitor thread and by the next collective (gloo fails as soon as a peer's
 connection closes); from then on every call raises ``TensorParallelError`` naming the rank and its exit
 status, so the engine loop dies, pending requests fail and the server's /health answers 503. Shutdown
-(``close``, garbage collection or interpreter exit) stops every rank and waits for it, bounded.
+(``shutdown``, garbage collection or interpreter exit) stops every rank and waits for it, bounded.
 """
 
 from __future__ import annotations
@@ -31,17 +26,16 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import replace
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from tideserve.core.scheduler import SchedulerOutput
 from tideserve.platform import platform_for
-from tideserve.worker.kv_store import KVCacheStorage, KVStoreGrowError
-from tideserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+from tideserve.worker.executor import Executor, Method, bind
 from tideserve.worker.parallel_state import RENDEZVOUS_TIMEOUT_S, RendezvousInfo, TensorParallelGroup
-from tideserve.worker.tp_worker import DEVICE_ENV, PARENT_PID_ENV, THREADS_ENV, WorkerSetup
+from tideserve.worker.tp_rank import DEVICE_ENV, PARENT_PID_ENV, THREADS_ENV, Call, Outcome, RankSetup
+from tideserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -100,10 +94,13 @@ def _stop_processes(procs: list[subprocess.Popen], timeout: float = STOP_TIMEOUT
                 proc.wait(timeout)
 
 
-class TensorParallelExecutor:
-    """Starts ranks 1..N-1 as child processes, joins them (env://) and relays the driver's commands."""
+class TensorParallelExecutor(Executor):
+    """Starts ranks 1..N-1 as child processes, joins them (env://), builds rank 0's worker in this process
+    (``make_driver`` gets the joined group: the driver shards its model over it), and runs collective
+    calls on every rank."""
 
-    def __init__(self, world_size: int, device: torch.device, setup: WorkerSetup) -> None:
+    def __init__(self, world_size: int, device: torch.device, setup: RankSetup,
+                 make_driver: Callable[[TensorParallelGroup], Worker]) -> None:
         self.world_size = world_size
         self.platform = platform_for(device)
         self._failure: TensorParallelError | None = None
@@ -123,16 +120,23 @@ class TensorParallelExecutor:
             base_env[THREADS_ENV] = str(threads)
         for rank in range(1, world_size):
             env = {**base_env, **RendezvousInfo(addr, port, world_size, rank).env()}
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "tideserve.worker.tp_worker"], env=env))
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "tideserve.worker.tp_rank"], env=env))
         self._finalizer = weakref.finalize(self, _Resources.release, self._resources)
         try:
             self.group = self._resources.group = self._join(RendezvousInfo(addr, port, world_size, 0), device)
             self.group.send(setup)
+            driver_error = None
+            try:
+                self.driver_worker = make_driver(self.group)
+            except Exception as exc:  # the others still report before this one is raised
+                driver_error = exc
             errors = [e for e in self.group.gather(None)[1:] if e is not None]
+            if driver_error is not None:
+                raise driver_error
             if errors:
                 raise ValueError(f"a tensor-parallel rank could not load the model: {errors[0]}")
         except BaseException:
-            self.close()
+            self.shutdown()
             raise
         self._monitor = threading.Thread(target=self._watch, name="tideserve-tp-monitor", daemon=True)
         self._monitor.start()
@@ -208,17 +212,31 @@ class TensorParallelExecutor:
                 dead = self._dead_rank()
             raise self._fail(dead or f"a tensor-parallel collective failed ({exc})") from exc
 
-    # ----------------------------------------------------------------- commands
-    def run(self, name: str, *args: Any, local: Any = None, reply: bool = False) -> Any:
-        """Send ``name(*args)`` to the other ranks, run ``local()`` here; with ``reply``, gather every
-        rank's answer (rank 0's is ``local()``'s) and return the list."""
-        with self._guard():
-            self.group.send((name, args))
-            value = local() if local is not None else None
-            return self.group.gather(value) if reply else value
+    def check_health(self) -> None:
+        self.check_alive()
+
+    # ----------------------------------------------------------------- collective calls
+    def collective_rpc(self, method: Method, *args: Any, kwargs: dict[str, Any] | None = None,
+                       unique_reply_rank: int | None = None) -> Any:
+        if unique_reply_rank not in (None, 0):
+            raise ValueError(f"unique_reply_rank={unique_reply_rank}: only rank 0 answers alone (it is the one "
+                             "in the engine's process).")
+        reply = unique_reply_rank is None
+        kwargs = kwargs or {}
+        with self._guard():  # a failed send or gather means a rank is gone; the method's own errors pass
+            self.group.send(Call(method, args, kwargs, reply))
+            local = Outcome.of(lambda: bind(self.driver_worker, method)(*args, **kwargs))
+            outcomes: list[Outcome] = self.group.gather(None) if reply else [local]
+        outcomes[0] = local
+        for rank, outcome in enumerate(outcomes):
+            if outcome.error is not None:
+                if rank:
+                    outcome.error.add_note(f"raised on tensor-parallel rank {rank}")
+                raise outcome.error
+        return [outcome.value for outcome in outcomes] if reply else local.value
 
     # ----------------------------------------------------------------- shutdown
-    def close(self) -> None:
+    def shutdown(self) -> None:
         """Stop every rank (a shutdown message when they can take one, then SIGTERM/SIGKILL), bounded."""
         if self._closed:
             return
@@ -226,7 +244,7 @@ class TensorParallelExecutor:
         group = getattr(self, "group", None)
         if group is not None and self._failure is None:
             with contextlib.suppress(Exception):
-                group.send(("shutdown", ()))
+                group.send(None)  # no more calls
             deadline = time.monotonic() + STOP_TIMEOUT_S
             for proc in self.procs:
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -235,137 +253,3 @@ class TensorParallelExecutor:
         self.group = None
         if self._saved_threads is not None:
             torch.set_num_threads(self._saved_threads)
-
-
-class TensorParallelRunner:
-    """The engine's runner under tensor parallelism: rank 0's ``ModelRunner``, each step mirrored."""
-
-    def __init__(self, local: ModelRunner, executor: TensorParallelExecutor) -> None:
-        self._local = local
-        self._executor = executor
-        self._sampled: dict[str, int] = {}  # the last step's tokens, sent to the ranks with the next one
-        self.kv_storage = TensorParallelKVStorage(local.kv_storage, executor)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._local, name)
-
-    @property
-    def structured_output(self) -> Any:
-        return self._local.structured_output
-
-    @structured_output.setter
-    def structured_output(self, value: Any) -> None:
-        self._local.structured_output = value
-
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        message = replace(out, new_requests=[replace(n, structured_output=None) for n in out.new_requests])
-        result = self._executor.run("execute", message, self._sampled, local=lambda: self._local.execute(out))
-        self._sampled = {rid: s.token_id for rid, s in result.sampled.items()}
-        return result
-
-    def apply_moves(self, moves: list[tuple[int, int]]) -> None:
-        if moves:
-            self._executor.run("apply_moves", moves, local=lambda: self._local.apply_moves(moves))
-
-    def forget_finished(self) -> None:
-        self._executor.run("forget_finished", local=self._local.forget_finished)
-
-    def profile_activation_bytes(self, num_tokens: int, max_num_seqs: int) -> int:
-        """Every rank measures its own peak; the budget takes the largest."""
-        peaks = self._executor.run("profile", num_tokens, max_num_seqs, reply=True,
-                                   local=lambda: self._local.profile_activation_bytes(num_tokens, max_num_seqs))
-        return max(peaks)
-
-
-class TensorParallelKVStorage:
-    """Rank 0's ``KVCacheStorage``; every change of the pool's geometry happens on every rank."""
-
-    def __init__(self, local: KVCacheStorage, executor: TensorParallelExecutor) -> None:
-        self._local = local
-        self._executor = executor
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._local, name)
-
-    def create_store(self, num_blocks: int, reserve_bytes: int, static: bool) -> None:
-        self._executor.run("create_store", num_blocks, reserve_bytes, static,
-                           local=lambda: self._local.create_store(num_blocks, reserve_bytes, static))
-
-    def resize(self, num_blocks: int) -> None:
-        """All ranks resize or none does: when one cannot get the memory, the others go back."""
-        before = self._local.num_blocks
-        errors = self._executor.run("resize", num_blocks, reply=True, local=lambda: self._try_resize(num_blocks))
-        failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-        if not failed:
-            return
-        self._executor.run("resize", before, reply=True, local=lambda: self._try_resize(before))
-        rank, error = failed[0]
-        raise KVStoreGrowError(f"rank {rank}: {error}")
-
-    def _try_resize(self, num_blocks: int) -> str | None:
-        if self._local.num_blocks == num_blocks:
-            return None
-        try:
-            self._local.resize(num_blocks)
-        except KVStoreGrowError as exc:
-            return str(exc)
-        return None
-
-    def change_block_size(self, new_block_size: int) -> int:
-        return self._executor.run("change_block_size", new_block_size,
-                                  local=lambda: self._local.change_block_size(new_block_size))
-
-    def allocate_swap(self, num_swap_blocks: int) -> None:
-        self._executor.run("allocate_swap", num_swap_blocks,
-                           local=lambda: self._local.allocate_swap(num_swap_blocks))
-
-    def release_idle_swap(self) -> None:
-        self._executor.run("release_idle_swap", local=self._local.release_idle_swap)
-
-
-class TensorParallelMemoryProbe:
-    """The smallest rank's answer (core's ``MemoryProbe``), in rank 0's units.
-
-    The pool has one block count on every rank, but a rank's block may hold more KV heads than another's
-    (uneven KV-head splits), so each rank's answer is scaled by rank 0's bytes per block over its own;
-    ranks on one host share its memory, so there each gets its share in proportion to its bytes per
-    block (for equal shards: the host's memory divided by the number of ranks on it).
-    """
-
-    def __init__(self, local: Any, executor: TensorParallelExecutor, token_bytes: int) -> None:
-        self._local = local
-        self._executor = executor
-        self._token_bytes = token_bytes  # rank 0's KV bytes per token
-        self._total: int | None = None
-
-    def _ask(self) -> tuple[int, int]:
-        here = os.uname().nodename
-        answers = self._executor.run(
-            "probe", reply=True,
-            local=lambda: (here, self._local.available_bytes(), self._local.total_bytes(), self._token_bytes))
-        shared = self._executor.platform.host_memory
-        local_bytes = sum(b for host, _, _, b in answers if host == here)
-        available, total = [], []
-        for host, avail, tot, kv_bytes in answers:
-            per = local_bytes if shared and host == here else kv_bytes
-            available.append(avail * self._token_bytes // per)
-            total.append(tot * self._token_bytes // per)
-        return min(available), min(total)
-
-    def available_bytes(self) -> int:
-        available, self._total = self._ask()
-        return available
-
-    def total_bytes(self) -> int:
-        if self._total is None:
-            self._total = self._ask()[1]
-        return self._total
-
-    def used_by_process_bytes(self) -> int:
-        return self._local.used_by_process_bytes()
-
-    def describe(self) -> str:
-        describe = getattr(self._local, "describe", None)
-        what = describe() if describe is not None else type(self._local).__name__
-        return (f"{what}; tensor parallel over {self._executor.world_size} ranks: the smallest rank's answer, "
-                "host memory shared among its ranks by their KV bytes per block")

@@ -1,8 +1,8 @@
 """The elastic KV pool's decisions: budget, when to grow or shrink, and which block size to use.
 
 Plain Python over numbers (no torch), so every decision can be tested with a fake clock and a fake
-memory probe. The engine carries the decisions out (the cache manager moves block ids, the runner moves
-the KV data).
+memory probe. The pool controller (engine/pool_controller.py) carries the decisions out: the cache
+manager moves block ids, the workers move the KV data.
 
 The account, from measurement:
     budget = available - activation_peak - margin
@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tideserve.config import VALID_BLOCK_SIZES as BLOCK_SIZES
+from tideserve.core.kv_cache.geometry import KVGeometry
 from tideserve.settings import KV_GROUP, setting
 
 MARGIN_FLOOR = 256 * 2**20
@@ -112,14 +113,36 @@ class ElasticConfig:
 
 @dataclass
 class ElasticPolicy:
+    """When to grow, shrink and compact, with the pool's floor and ceiling kept in bytes.
+
+    Bytes, not blocks: a block-size change leaves both bounds as they are, and each decision converts them
+    with the geometry it is asked about, so no count is ever rescaled by hand.
+    """
+
     config: ElasticConfig
-    min_blocks: int  # the floor: a small reserve, kept even when idle
-    max_blocks: int  # the budget, in blocks: re-read from the machine while the engine runs
+    floor_bytes: int  # the idle reserve: kept even when idle
+    ceiling_bytes: int  # the budget: re-read from the machine while the engine runs
     _low_since: float | None = None
     _low_idle: bool = False  # whether _low_since counts an idle period
     _fragmented_since: float | None = None
 
-    def grow_target(self, num_blocks: int, num_used: int, extra_needed: int,
+    def min_blocks(self, geometry: KVGeometry) -> int:
+        """The floor in blocks of ``geometry`` (at least one)."""
+        return max(1, -(-self.floor_bytes // geometry.bytes_per_block))
+
+    def max_blocks(self, geometry: KVGeometry) -> int:
+        """The ceiling in blocks of ``geometry`` (never under the floor)."""
+        return max(self.min_blocks(geometry), geometry.blocks_for_bytes(self.ceiling_bytes))
+
+    def follow_machine(self, reachable_bytes: int) -> None:
+        """The machine now allows a pool of ``reachable_bytes``: the ceiling follows, up or down."""
+        self.ceiling_bytes = max(0, reachable_bytes)
+
+    def cap(self, pool_bytes: int) -> None:
+        """Memory pressure: the ceiling drops to what the pool holds now, until the machine is read again."""
+        self.ceiling_bytes = min(self.ceiling_bytes, pool_bytes)
+
+    def grow_target(self, geometry: KVGeometry, num_used: int, extra_needed: int,
                     reachable: int | Callable[[], int],
                     demand: int | Callable[[], int] | None = None) -> int | None:
         """New pool size when usage crosses the high watermark, or when an allocation needs
@@ -133,11 +156,12 @@ class ElasticPolicy:
         headroom beyond it can never be used until more requests come, and committing it is not free
         (on VMs whose host reclaims freed guest pages, first touches cost milliseconds per MiB, on
         the cores the steps need). A new request raises the demand, and the pool grows again."""
+        num_blocks = geometry.num_blocks
         want = num_used + extra_needed
         if extra_needed == 0 and want <= num_blocks * self.config.high_watermark:
             return None
         target = min(max(math.ceil(num_blocks * self.config.grow_factor),
-                         math.ceil(want / self.config.high_watermark)), self.max_blocks)
+                         math.ceil(want / self.config.high_watermark)), self.max_blocks(geometry))
         # Cheapest bound first: a pool at its budget (usage high, a queue waiting) asks nothing more.
         if target > num_blocks and demand is not None:
             target = min(target, max(want, demand() if callable(demand) else demand))
@@ -147,7 +171,7 @@ class ElasticPolicy:
             target = min(target, reachable)
         return target if target > num_blocks else None
 
-    def shrink_target(self, num_blocks: int, num_used: int, now: float, idle: bool = False,
+    def shrink_target(self, geometry: KVGeometry, num_used: int, now: float, idle: bool = False,
                       num_cache_kept: int = 0) -> int | None:
         """New (smaller) pool size once usage has stayed under the low watermark for shrink_delay_s.
 
@@ -158,6 +182,7 @@ class ElasticPolicy:
         already as small as it should be, so a burst that follows an idle period is not shrunk at once
         for the idle period's low usage.
         """
+        num_blocks = geometry.num_blocks
         if num_used >= num_blocks * self.config.low_watermark or idle != self._low_idle:
             self._low_since = None
             self._low_idle = idle
@@ -167,12 +192,37 @@ class ElasticPolicy:
             self._low_since = now
         if now - self._low_since < self.config.shrink_delay_s:
             return None
+        floor = self.min_blocks(geometry)
         if idle:
-            target = num_used + max(self.min_blocks, num_cache_kept)
+            target = num_used + max(floor, num_cache_kept)
         else:
-            target = max(self.min_blocks, math.ceil(num_used / self.config.shrink_target_usage))
+            target = max(floor, math.ceil(num_used / self.config.shrink_target_usage))
         self._low_since = now if target >= num_blocks else None
         return target if target < num_blocks else None
+
+    def commit_ahead_target(self, geometry: KVGeometry, target: int, known_blocks: int,
+                            demand: Callable[[], int], reachable: Callable[[], int]) -> int:
+        """How far a background commit goes for a growth to ``target``: at least there, and on to what the
+        requests already in the engine will hold (``known_blocks``) below the high watermark (a burst's
+        prompts are known when it arrives, and each of its prefill steps would otherwise cross the
+        watermark again, a step at a time), within the budget, the machine and the requests' demand."""
+        known = math.ceil(known_blocks / self.config.high_watermark)
+        if known <= target:
+            return target
+        return max(target, min(known, self.max_blocks(geometry), demand(), reachable()))
+
+    def cache_to_keep(self, geometry: KVGeometry, num_hit: int, num_unhit: int) -> int:
+        """Cached-prefix blocks an idle pool keeps: every one that was hit, and the newest unhit ones up to
+        ``idle_unhit_cache_bytes`` (the reserve's free blocks hold more of them)."""
+        return num_hit + min(num_unhit, geometry.blocks_for_bytes(self.config.idle_unhit_cache_bytes))
+
+    def pressure_target(self, geometry: KVGeometry, available_bytes: int, margin_bytes: int) -> int | None:
+        """The pool size that gives back what the machine lacks when free memory fell under the safety
+        margin (something else took it), or None when it did not."""
+        deficit = margin_bytes - available_bytes
+        if deficit <= 0:
+            return None
+        return max(1, geometry.num_blocks - math.ceil(deficit / geometry.bytes_per_block))
 
     def should_compact(self, fragmentation: float, now: float) -> bool:
         if fragmentation <= self.config.fragmentation_threshold:

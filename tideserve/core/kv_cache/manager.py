@@ -278,6 +278,35 @@ class KVCacheManager:
     def grow(self, num_new_blocks: int) -> None:
         self.pool.grow(num_new_blocks)
 
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix."""
+        return self.pool.num_cached_free()
+
+    def num_hit_cached_blocks(self) -> int:
+        """Free blocks holding a cached prefix that some request has reused (a shared system prompt)."""
+        return sum(1 for i in self.pool.cached_free_by_value() if self.pool.blocks[i].num_hits > 0)
+
+    def num_request_blocks(self, request_id: str) -> int:
+        """Blocks in ``request_id``'s table (0 when it holds none)."""
+        return len(self.req_blocks.get(request_id, ()))
+
+    def highest_used_id(self) -> int:
+        """Id of the highest block a request holds, or -1: the pool cannot shrink below it."""
+        return self.pool.highest_used_id()
+
+    def swap_in_use(self) -> bool:
+        """Whether any swap block holds a swapped-out request's KV."""
+        return self.swap is not None and self.swap.num_free < self.swap.num_blocks
+
+    def swap_high_water(self) -> int:
+        """Most swap blocks in use at once since the tier's memory was last handed back (0 without one)."""
+        return self.swap.high_water if self.swap is not None else 0
+
+    def swap_memory_released(self) -> None:
+        """The swap tier's pages went back to the system: its high-water mark starts over."""
+        if self.swap is not None:
+            self.swap.high_water = 0
+
     def num_held_blocks(self) -> int:
         """Blocks that are used or hold a cached prefix: what a pool keeping its cache cannot drop."""
         return self.pool.num_blocks - len(self.pool.empty_block_ids())

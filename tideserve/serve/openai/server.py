@@ -233,7 +233,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(request: Request) -> JSONResponse:
         req = await parse_body(request, DetokenizeRequest)
         state.check_model(req.model)
-        vocab = state.engine.engine.arch.vocab_size
+        vocab = state.engine.vocab_size
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"tokens: token id {bad} is out of range: it must be in [0, {vocab}).", "tokens")

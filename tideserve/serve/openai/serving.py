@@ -11,7 +11,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from tideserve.engine.async_engine import AsyncEngine, RequestStream
+from tideserve.engine.input_processor import EngineRequest
+from tideserve.errors import InvalidParameterError
 from tideserve.outputs import RequestOutput
 from tideserve.pooling_params import PoolingParams
 from tideserve.sampling_params import SamplingParams
@@ -71,11 +73,7 @@ class ServerState:
         """Serve ``engine``: names, metrics and the stats listener are set up here."""
         name = self.config.served_model_name
         self.served_names = [n for n in (name or "").split(",") if n] or [engine.model_name]
-        cache = engine.engine.cache_config
-        cache_info = {"block_size": str(cache.block_size),
-                      "num_gpu_blocks": str(engine.stats().kv_cache_pool_blocks),
-                      "enable_prefix_caching": str(cache.enable_prefix_caching)}
-        self.metrics.attach_engine(self.served_names[0], engine.stats, cache_info)
+        self.metrics.attach_engine(self.served_names[0], engine.stats, engine.cache_info())
         engine.add_stats_listener(self.metrics.on_engine_stats)
         self._token_str = functools.lru_cache(maxsize=65536)(
             lambda tid: engine.tokenizer.decode([tid], skip_special_tokens=False))
@@ -127,51 +125,26 @@ def unavailable_reason(state: ServerState) -> str | None:
 
 
 # ---------------------------------------------------------------------- checks
-def check_context(state: ServerState, num_prompt_tokens: int, max_tokens: int | None,
-                  prompt_param: str, max_tokens_param: str = "max_tokens") -> None:
-    """Refuse what cannot fit in the context, with the wording clients match on."""
-    limit = state.engine.max_model_len
-    what = "messages" if prompt_param == "messages" else "prompt"
-    if num_prompt_tokens >= limit:
-        if max_tokens:
-            detail = (f"However, you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} "
-                      f"in the {what}, {max_tokens} in the completion).")
-        else:
-            detail = (f"However, your {what} has {num_prompt_tokens} tokens, which leaves no room for "
-                      "any output token.")
-        raise bad_request(f"This model's maximum context length is {limit} tokens. {detail} "
-                          f"Please reduce the length of the {what}.", prompt_param)
-    if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
-        raise bad_request(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {what}, {max_tokens} in "
-            f"the completion). Please reduce the length of the {what} or of the completion "
-            f"({max_tokens_param} <= {limit - num_prompt_tokens}).", max_tokens_param)
-
-
-def check_logprobs(state: ServerState, k: int | None, param: str) -> None:
-    cap = state.config.max_logprobs
-    if k is not None and k > cap:
-        raise bad_request(f"Requested sample logprobs of {k}, which is greater than max allowed: {cap}", param)
+# Request-shape checks only: every limit of the engine (context length, samples, logprobs, token ids,
+# priority, salt) is checked once, by the engine's input processor, when ``submit`` hands it the request.
+def check_logprobs(k: int | None, param: str) -> None:
+    """A logprobs field the request spells its own way (top_logprobs) must not be negative."""
     if k is not None and k < 0:
         raise bad_request(f"{param} must be an integer >= 0, got {k}.", param)
 
 
 def check_common(state: ServerState, req: SamplingRequest, fields: EndpointFields) -> None:
-    """Checks both endpoints share: model, unknown fields (logged), refused fields, n and best_of."""
+    """Checks both endpoints share: model, a model that generates, unknown fields (logged), refused
+    fields, best_of with stream."""
     state.check_model(req.model)
-    engine = state.engine.engine
-    if not engine.arch.generates:
-        raise bad_request(engine.embedding_only_message())
+    refused = state.engine.embedding_only_message()
+    if refused is not None:
+        raise bad_request(refused)
     if req.ignored_fields():
         state.log_ignored(req.ignored_fields())
     refuse_unsupported(req, fields)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be set when stream is true.", "stream_options")
-    for name in ("n", "best_of"):
-        value = getattr(req, name)
-        if value is not None and value > state.config.max_n:
-            raise bad_request(f"{name} must be <= {state.config.max_n}, got {value}.", name)
     if req.stream and req.best_of is not None and req.best_of > req.n:
         raise bad_request(f"best_of is not supported with stream: the best {req.n} of {req.best_of} samples "
                           "are known only when all have finished (OpenAI refuses this too); stream with "
@@ -325,19 +298,37 @@ def safe_logprob(value: float | None) -> float | None:
 # ---------------------------------------------------------------------- running requests
 async def submit(state: ServerState, prompts: Sequence[tuple[str | None, list[int]]],
                  params: SamplingParams | PoolingParams, request_id: str,
-                 req: SamplingRequest | EmbeddingRequest) -> list[RequestStream]:
-    """Add one engine request per prompt (ids ``request_id``, or ``request_id-i`` for a batch), with the
-    request's priority and cache salt.
+                 req: SamplingRequest | EmbeddingRequest,
+                 names: Mapping[str, str] | None = None) -> list[RequestStream]:
+    """Check every prompt through the engine's input processor (``names``: the request's names for the
+    engine's parameters), then add one engine request per prompt (ids ``request_id``, or ``request_id-i``
+    for a batch), with the request's priority and cache salt.
 
-    All or nothing: if one is refused, those already added are aborted.
+    All or nothing: nothing is added unless every prompt passes, and if one is refused when added, those
+    already added are aborted.
     """
-    streams: list[RequestStream] = []
-    try:
+    names = dict(names or {})
+    prompt_field = names.get("prompt", "prompt")
+
+    def process_all() -> list[EngineRequest]:
+        checked = []
         for i, (text, token_ids) in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(await state.engine.add_request(text or token_ids, params, rid,
-                                                          prompt_token_ids=token_ids, priority=req.priority,
-                                                          cache_salt=req.cache_salt))
+            try:
+                checked.append(state.engine.process_inputs(
+                    text or token_ids, params, rid, prompt_token_ids=token_ids, priority=req.priority,
+                    cache_salt=req.cache_salt, names=names, max_n=state.config.max_n))
+            except InvalidParameterError as exc:
+                if len(prompts) > 1 and exc.param == prompt_field:  # say which prompt of the batch
+                    raise bad_request(f"{prompt_field}[{i}]: {exc}", prompt_field) from exc
+                raise
+        return checked
+
+    requests = await asyncio.to_thread(process_all)  # long prompts must not stall the event loop
+    streams: list[RequestStream] = []
+    try:
+        for request in requests:
+            streams.append(await state.engine.add(request))
     except BaseException:
         for s in streams:
             s.abort()

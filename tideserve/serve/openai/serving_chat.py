@@ -27,7 +27,6 @@ from tideserve.serve.openai.serving import (
     RequestInfo,
     ServerState,
     check_common,
-    check_context,
     check_logprobs,
     compile_structured_outputs,
     final_outputs,
@@ -82,8 +81,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
     top_k = (req.top_logprobs or 0) if req.logprobs else None
-    check_logprobs(state, top_k, "top_logprobs")
-    check_logprobs(state, req.prompt_logprobs, "prompt_logprobs")
+    check_logprobs(top_k, "top_logprobs")
+    check_logprobs(req.prompt_logprobs, "prompt_logprobs")
     if req.max_completion_tokens is not None:
         max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
     else:
@@ -98,7 +97,6 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     # Rendering and encoding long chats must not stall the event loop.
     token_ids = await asyncio.to_thread(encode_messages, state, req, req.add_special_tokens, plan.tools)
     token_ids = truncate_prompt(state, req, token_ids)
-    check_context(state, len(token_ids), max_tokens, "messages", max_tokens_param)
     if constraint is not None:
         await compile_structured_outputs(state, constraint, constraint_field)
     try:
@@ -112,7 +110,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if state.config.log_prompts:
         logger.info("request_id=%s messages=%r", request_id, req.messages)
     info.prompt_tokens = len(token_ids)
-    streams = await submit(state, [(None, token_ids)], params, request_id, req)
+    names = {"prompt": "messages", "max_tokens": max_tokens_param, "logprobs": "top_logprobs"}
+    streams = await submit(state, [(None, token_ids)], params, request_id, req, names)
     response_id = f"chatcmpl-{request_id}"
     echo = _echo_text(req)
     if req.stream:

@@ -25,7 +25,6 @@ from tideserve.serve.openai.serving import (
     RequestInfo,
     ServerState,
     check_common,
-    check_context,
     check_logprobs,
     compile_structured_outputs,
     final_outputs,
@@ -64,13 +63,12 @@ def _tokenize(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
     for i, prompt in enumerate(_split_prompts(req.prompt)):
         try:
             text, token_ids = state.engine.tokenize_prompt(prompt, req.add_special_tokens)
-        except ValueError as exc:
-            where = "prompt" if isinstance(req.prompt, str) or prompt is req.prompt else f"prompt[{i}]"
-            raise bad_request(f"{where}: {exc}", "prompt") from exc
+        except ValueError as exc:  # the input processor's words; a batch says which prompt
+            single = isinstance(req.prompt, str) or prompt is req.prompt
+            raise bad_request(str(exc) if single else f"prompt[{i}]: {exc}", "prompt") from exc
         truncated = truncate_prompt(state, req, token_ids)
         if text is None or len(truncated) != len(token_ids):
             text = state.engine.tokenizer.decode(truncated, skip_special_tokens=False)
-        check_context(state, len(truncated), req.max_tokens, "prompt")
         prompts.append(_Prompt(text, truncated))
     return prompts
 
@@ -78,8 +76,8 @@ def _tokenize(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request,
                             info: RequestInfo) -> Response:
     check_common(state, req, COMPLETION_FIELDS)
-    check_logprobs(state, req.logprobs, "logprobs")
-    check_logprobs(state, req.prompt_logprobs, "prompt_logprobs")
+    check_logprobs(req.logprobs, "logprobs")
+    check_logprobs(req.prompt_logprobs, "prompt_logprobs")
     request_id = resolve_request_id(raw, info, req)
     constraint, constraint_field = structured_outputs_from(req)
     prompts = await asyncio.to_thread(_tokenize, state, req)  # long prompts must not stall the event loop

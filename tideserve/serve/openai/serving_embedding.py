@@ -56,7 +56,7 @@ def _tokenize(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
         raise bad_request("Give exactly one of input and messages.", "input")
     if req.messages is not None:  # one conversation, rendered as the chat endpoint renders it
         explicit = req.add_special_tokens if "add_special_tokens" in req.model_fields_set else None
-        return [_checked(state, req, encode_messages(state, req, explicit), "", "messages")]
+        return [truncate_prompt(state, req, encode_messages(state, req, explicit))]
     inputs = _split_inputs(req.input)
     single = inputs[0] is req.input  # a text or one list of token ids: no index in the messages
     token_lists = []
@@ -66,18 +66,8 @@ def _tokenize(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
             _, token_ids = state.engine.tokenize_prompt(item, req.add_special_tokens)
         except ValueError as exc:
             raise bad_request(where + str(exc).replace("prompt", "input", 1), "input") from exc
-        token_lists.append(_checked(state, req, token_ids, where, "input"))
+        token_lists.append(truncate_prompt(state, req, token_ids))
     return token_lists
-
-
-def _checked(state: ServerState, req: EmbeddingRequest, token_ids: list[int], where: str, param: str) -> list[int]:
-    """``token_ids`` truncated as the request asks, or a 400 when they still do not fit the context."""
-    token_ids = truncate_prompt(state, req, token_ids)
-    try:
-        state.engine.engine.check_embedding_length(len(token_ids))
-    except ValueError as exc:
-        raise bad_request(where + str(exc), param) from exc
-    return token_ids
 
 
 def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
@@ -93,13 +83,13 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest, raw: Reque
     refuse_unsupported(req, EMBEDDING_FIELDS)
     try:
         pooling = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
-        state.engine.engine.pooling_sampling_params(pooling)  # refuses dimensions the model does not have
     except ValueError as exc:
         raise bad_request(str(exc), "dimensions") from exc
     request_id = resolve_request_id(raw, info, req)
     token_lists = await asyncio.to_thread(_tokenize, state, req)  # long inputs must not stall the event loop
     info.prompt_tokens = sum(len(t) for t in token_lists)
-    streams = await submit(state, [(None, ids) for ids in token_lists], pooling, request_id, req)
+    names = {"prompt": "messages" if req.messages is not None else "input"}
+    streams = await submit(state, [(None, ids) for ids in token_lists], pooling, request_id, req, names)
 
     finals = await final_outputs(state, raw, streams)
     if any(out.embedding is None for out in finals):  # finished, but aborted

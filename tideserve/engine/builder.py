@@ -1,0 +1,211 @@
+"""Builds an engine: settings checked, weights prepared, workers started and asked for their memory, the
+KV geometry fixed and handed out, and every part the engine steps with assembled.
+
+Why apart from the engine: assembling (quantization, tensor-parallel ranks, profiling, sizing the pool,
+grammars, CUDA graphs, threads, KV events) happens once and in an order that matters; stepping happens
+forever. ``build_engine`` does the first and returns an ``LLMEngine`` that only adds, aborts and steps.
+
+The order: checks that cost nothing come first (a tensor-parallel split that cannot work is refused
+before any process starts); the workers are asked for their memory after the weights are in place and
+the profiling pass has run, so the budget is what is truly left; the KV events socket is bound last, so
+a failed start-up leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tideserve.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    KV_CACHE_TORCH_DTYPES,
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    resolve_max_model_len,
+)
+from tideserve.core.kv_cache.elastic import ElasticConfig
+from tideserve.core.kv_cache.geometry import KVGeometry, KVStoreLimits
+from tideserve.core.kv_cache.manager import KVCacheManager
+from tideserve.core.scheduler import Scheduler
+from tideserve.engine.arg_utils import EngineArgs
+from tideserve.engine.input_processor import InputProcessor
+from tideserve.engine.kv_events import create_publisher
+from tideserve.engine.kv_sizing import KVPlan, memory_account, plan_kv_cache
+from tideserve.engine.loaded_model import match_loaded
+from tideserve.engine.memory_probe import WorkersMemoryProbe
+from tideserve.engine.output_processor import OutputProcessor
+from tideserve.engine.pool_controller import PoolController
+from tideserve.engine.threads import ThreadGovernor
+from tideserve.model.layers.quantization import CALIBRATION_TEXT, calibrate, model_weight_bytes, quantize_model
+from tideserve.model.loader import LoadedModel
+from tideserve.model.tensor_parallel import check_tensor_parallel, shard_model
+from tideserve.platform import Platform, platform_for, resolve_device
+from tideserve.structured_output.manager import StructuredOutputManager
+from tideserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
+from tideserve.worker.executor import Executor, UniprocExecutor
+from tideserve.worker.tp_executor import TensorParallelExecutor
+from tideserve.worker.tp_rank import RankSetup
+from tideserve.worker.worker import Worker, worker_class
+
+if TYPE_CHECKING:
+    from tideserve.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+GiB = 2**30
+
+
+def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
+                 tokenizer: Tokenizer | None = None) -> LLMEngine:
+    """An engine over ``loaded`` (see the module docstring); ``tokenizer`` None: read from the model's path."""
+    from tideserve.engine.llm_engine import LLMEngine
+
+    args = EngineArgs.coerce(args)
+    model_config, cache_config, sched_config = args.configs()
+    requested = None if model_config.device == "auto" else resolve_device(model_config.device)
+    loaded, device = match_loaded(model_config, loaded, requested)
+    platform = platform_for(device)
+    platform.tune_allocator()
+    torch.manual_seed(model_config.seed)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(loaded.path)
+    arch = loaded.arch
+    if not arch.generates:
+        logger.info("%s is a %s checkpoint, without a language-model head: it serves embeddings only",
+                    loaded.name, arch.architecture)
+    parallel = args.parallel_config()
+    check_tensor_parallel(arch, parallel.tensor_parallel_size, loaded.quantization)  # before any rank starts
+    model = _prepare_weights(loaded, tokenizer, device)
+    max_model_len = resolve_max_model_len(model_config.max_model_len, arch.max_position_embeddings,
+                                          model_config.allow_long_max_model_len)
+    _check_batched_tokens(sched_config, args.max_num_batched_tokens, max_model_len)
+    kv_dtype = (platform.auto_kv_dtype(loaded.dtype, loaded.quantization) if cache_config.kv_cache_dtype == "auto"
+                else getattr(torch, KV_CACHE_TORCH_DTYPES[cache_config.kv_cache_dtype]))
+    # Grammars end where the model may stop: EOS and every other end-of-generation id it has.
+    structured_output = StructuredOutputManager(
+        tokenizer.hf, arch.vocab_size, [*tokenizer.stop_token_ids, *arch.eos_token_ids])
+    executor = _start_workers(args, model_config, loaded, model, device, kv_dtype,
+                              cache_config.initial_block_size, structured_output)
+    try:
+        memory = WorkersMemoryProbe(executor, platform.host_memory)
+        logger.info("memory probe: %s", memory.describe())
+        token_bytes = executor.collective_rpc(Worker.kv_token_bytes)[0]
+        kv_dtype_name = str(kv_dtype).removeprefix("torch.")
+        logger.info("KV cache dtype %s (%d bytes per token); decode attention: %s", kv_dtype_name,
+                    2 * arch.num_hidden_layers * token_bytes,
+                    executor.collective_rpc(Worker.describe_attention, unique_reply_rank=0))
+        shape = KVGeometry(arch.num_hidden_layers, token_bytes, kv_dtype_name, cache_config.initial_block_size, 0)
+        plan = _plan(cache_config, sched_config, args.elastic_config(), executor, memory, model, shape,
+                     max_model_len)
+        limits = KVStoreLimits.tightest(executor.collective_rpc(
+            Worker.initialize_kv_cache, plan.geometry, plan.reserve_bytes, plan.policy is None))
+        geometry = plan.geometry
+        kv_manager = KVCacheManager(geometry.num_blocks, geometry.block_size, cache_config.enable_prefix_caching,
+                                    extra_key=loaded.name)
+        kv_manager.enable_swap(geometry.num_swap_blocks)
+        scheduler = Scheduler(sched_config, kv_manager, max_model_len)
+        pool = PoolController(geometry, limits, kv_manager, scheduler, executor, memory, plan.account, plan.policy,
+                              max_model_len, cache_config.auto_block_size)
+        _enable_cuda_graphs(platform, model_config, executor, sched_config.max_num_seqs, max_model_len)
+        # Under tensor parallelism the ranks split the cores between them (worker/tp_executor.py).
+        thread_governor = (ThreadGovernor() if args.adaptive_threads and platform.computes_on_host
+                           and executor.world_size == 1 else None)
+        pool.log_pool("elastic pool, start" if plan.policy else "static pool")
+        # What loading and the profiling pass freed goes back now: the allocator keeps freed activations for
+        # the next step (tune_allocator), and a server sharing the machine must see them free at start-up.
+        executor.collective_rpc(Worker.release_freed_memory)
+        processor = InputProcessor(tokenizer, arch, loaded.name, max_model_len, model_config, sched_config,
+                                   structured_output)
+        # Last, so a failed start-up leaves no socket bound.
+        kv_events = create_publisher(cache_config.kv_events_config)
+        if kv_events is not None:
+            kv_manager.enable_events()
+    except BaseException:
+        executor.shutdown()
+        raise
+    return LLMEngine(
+        args=args, model_config=model_config, cache_config=cache_config, scheduler_config=sched_config,
+        loaded=loaded, model=executor.driver_worker.model, device=device, platform=platform, kv_dtype=kv_dtype,
+        tokenizer=tokenizer, max_model_len=max_model_len, executor=executor, memory=memory, kv_manager=kv_manager,
+        scheduler=scheduler, pool=pool, input_processor=processor, output_processor=OutputProcessor(tokenizer),
+        structured_output=structured_output, thread_governor=thread_governor, kv_events=kv_events)
+
+
+def _prepare_weights(loaded: LoadedModel, tokenizer: Tokenizer, device: torch.device) -> torch.nn.Module:
+    """The weights the engine runs: int8 quantized here (SmoothQuant-calibrated on a short text), or as
+    loaded (the loader already applied GGUF blocks, int4 and float dtypes)."""
+    if loaded.quantization == "int8":
+        act_max = calibrate(loaded.model, tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False), device)
+        model, saved = quantize_model(loaded.model, loaded.quantization, device, act_max)
+        logger.info("quantization int8 (per-token activations, SmoothQuant-calibrated): weights now %.2f GiB "
+                    "(%.2f GiB saved)", model_weight_bytes(model) / GiB, saved / GiB)
+        return model
+    if loaded.quantization != "none":
+        from tideserve.native.quant import kernels_summary
+
+        how = "the GGUF file's own blocks" if loaded.quantization == "gguf" else "4-bit blocks, tables 8-bit"
+        logger.info("quantization %s (%s, kernels: %s): weights %.2f GiB", loaded.quantization, how,
+                    kernels_summary(), model_weight_bytes(loaded.model) / GiB)
+    return loaded.model
+
+
+def _check_batched_tokens(sched: SchedulerConfig, requested: int | None, max_model_len: int) -> None:
+    """Without chunked prefill a prompt runs in one step, so one step must hold the longest prompt."""
+    if sched.enable_chunked_prefill:
+        return
+    if requested is None:
+        sched.max_num_batched_tokens = max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    elif requested < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({requested}) is smaller than max_model_len ({max_model_len}). "
+            "With chunked prefill disabled a prompt must fit in one step, so longer prompts could never "
+            "run. Increase max_num_batched_tokens, decrease max_model_len, or enable chunked prefill.")
+
+
+def _start_workers(args: EngineArgs, model_config: ModelConfig, loaded: LoadedModel, model: torch.nn.Module,
+                   device: torch.device, kv_dtype: torch.dtype, block_size: int,
+                   structured_output: StructuredOutputManager) -> Executor:
+    """One worker in this process, or under tensor parallelism this process's rank 0 and one process per
+    other rank, each loading its shard of the same checkpoint."""
+    parallel = args.parallel_config()
+    cls = worker_class(parallel.worker_extension_cls)
+    driver = {"rank": 0, "block_size": block_size, "memory_probe": args.memory_probe,
+              "structured_output": structured_output}
+    if parallel.tensor_parallel_size == 1:
+        return UniprocExecutor(cls(model, device, kv_dtype, model_config.attention_backend, **driver))
+    setup = RankSetup(loaded.path, str(loaded.dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch."),
+                      block_size, model_config.seed, model_config.attention_backend,
+                      logging.getLogger("tideserve").getEffectiveLevel(), parallel.worker_extension_cls)
+    return TensorParallelExecutor(
+        parallel.tensor_parallel_size, device, setup,
+        lambda group: cls(shard_model(model, group), device, kv_dtype, model_config.attention_backend, **driver))
+
+
+def _plan(cache: CacheConfig, sched: SchedulerConfig, elastic: ElasticConfig, executor: Executor,
+          memory: WorkersMemoryProbe, model: torch.nn.Module, shape: KVGeometry, max_model_len: int) -> KVPlan:
+    """Measure (the activation peak of a profiling pass on every rank, unless the pool's size is given in
+    blocks) and size the pool from what the workers report."""
+    baseline = memory.read().used_by_process_bytes
+    activation = 0
+    if cache.num_blocks is None:  # every rank measures its own peak; the budget takes the largest
+        activation = max(executor.collective_rpc(
+            Worker.profile_activation_bytes, min(sched.max_num_batched_tokens, max_model_len), sched.max_num_seqs,
+            shape.block_size))
+    reading = memory.read()
+    account = memory_account(reading.available_bytes, model_weight_bytes(model), activation, elastic, baseline,
+                             reading.used_by_process_bytes)
+    return plan_kv_cache(shape, cache, sched, elastic, max_model_len, account, reading.total_bytes)
+
+
+def _enable_cuda_graphs(platform: Platform, model_config: ModelConfig, executor: Executor, max_num_seqs: int,
+                        max_model_len: int) -> None:
+    """Decode-only steps replay CUDA graphs where the device captures them; not under tensor parallelism,
+    where a captured step would have to capture the ranks' collectives too."""
+    if not platform.graph_capture or model_config.enforce_eager or executor.world_size > 1:
+        return
+    largest = executor.collective_rpc(Worker.enable_cuda_graphs, max_num_seqs, max_model_len, unique_reply_rank=0)
+    if largest is not None:
+        logger.info("CUDA graphs: decode-only steps of up to %d requests replay graphs captured on first use "
+                    "(--enforce-eager runs every step eagerly)", largest)

@@ -1,0 +1,202 @@
+"""One rank's worker: its model (or tensor-parallel shard), KV storage, runner and memory probe.
+
+Why one type on every rank, the driver included: every operation on the weights or the KV storage (a
+step, a resize, a compaction's copies, a block-size change, a background commit, giving memory back) is
+one method here, and the engine calls it through ``Executor.collective_rpc`` (worker/executor.py), which
+runs it on every rank. So an operation exists once, and it cannot run on one rank only by mistake: there
+are no per-rank proxies or command tables to keep in step with it.
+
+Every method must leave every rank in the same state given the same arguments (block ids mean the same
+bytes everywhere, and the forward pass's collectives line up); what differs by rank (the KV heads of a
+shard, who samples) is fixed when the worker is built. Methods run on the engine's thread only, between
+steps, never concurrently with one another.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tideserve.core.kv_cache.geometry import KVGeometry, KVStoreLimits
+from tideserve.core.kv_cache.memory import MemoryProbe
+from tideserve.core.scheduler import SchedulerOutput
+from tideserve.native.cores import intra_op_threads, lend_core
+from tideserve.platform import platform_for
+from tideserve.worker.kv_store import KVCacheStorage, KVLayout
+from tideserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """One rank's answer to "how much memory may the KV cache take": its probe's figures, the host it
+    runs on (ranks on one host share its memory) and its KV bytes per token (ranks of an uneven split
+    hold different shares of a block)."""
+
+    host: str
+    available_bytes: int
+    total_bytes: int
+    used_by_process_bytes: int
+    kv_token_bytes: int
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class KVCommitState:
+    """A background commit's progress (``Worker.commit_kv_ahead``), in blocks of the pool."""
+
+    in_flight: bool
+    committed_ahead_blocks: int  # the largest pool whose pages are resident already
+    goal_blocks: int  # the largest pool the commit under way will have made resident
+
+    @staticmethod
+    def slowest(states: list[KVCommitState]) -> KVCommitState:
+        """Every rank's commit counted as one: in flight while any is, resident as far as all are."""
+        return KVCommitState(any(s.in_flight for s in states), min(s.committed_ahead_blocks for s in states),
+                             min(s.goal_blocks for s in states))
+
+
+def host_core_free() -> bool:
+    """Whether a background commit would find a core of its own: the kernels compute with fewer intra-op
+    threads (the thread governor's count in force, less the cores lent out) than the CPUs this process
+    may run on. With every core in the step's OpenMP team, a commit thread takes one of them and every
+    barrier then waits for the thread it displaced (on a 2-vCPU VM whose host takes freed memory back,
+    64-stream output fell by a sixth that way: docs/benchmarks.md); the commit is lent a core instead
+    (``native.cores.lend_core``)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return intra_op_threads() < cpus
+
+
+def worker_class(extension: str | None) -> type[Worker]:
+    """``Worker``, or with ``extension`` ("package.module.Class", vLLM's ``worker_extension_cls``) a
+    worker whose class also has that class's methods: operations a user adds, called through
+    ``LLM.collective_rpc`` on every rank like the engine's own."""
+    if not extension:
+        return Worker
+    module_name, _, class_name = extension.rpartition(".")
+    try:
+        mixin = getattr(importlib.import_module(module_name), class_name) if module_name else None
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"worker_extension_cls={extension!r} cannot be imported: {exc}") from exc
+    if not isinstance(mixin, type):
+        raise ValueError(f"worker_extension_cls={extension!r} must name a class as 'package.module.Class'.")
+    return type(f"{class_name}Worker", (Worker, mixin), {"__module__": __name__})
+
+
+class Worker:
+    """A rank's model, KV storage, runner and memory probe; each public method is one operation."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, kv_dtype: torch.dtype,
+                 attention_backend: str = "auto", *, rank: int = 0, block_size: int = 16,
+                 memory_probe: MemoryProbe | None = None, structured_output: Any = None) -> None:
+        """``model``: this rank's model (its shard under tensor parallelism: its KV heads are the ones
+        cached here). Rank 0 samples; the others compute the logits' collectives only and learn each
+        sampled token with the next step. ``memory_probe`` replaces the device's answers (a test double);
+        ``structured_output`` computes the grammar masks of the rows rank 0 samples."""
+        self.rank = rank
+        self.model = model
+        self.device = device
+        self.platform = platform_for(device)
+        self.memory_probe: MemoryProbe = memory_probe if memory_probe is not None else self.platform
+        arch = model.arch
+        self.kv_storage = KVCacheStorage(
+            KVLayout(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, kv_dtype), device, block_size)
+        self.runner = ModelRunner(model, self.kv_storage, device, attention_backend)
+        self.runner.samples = rank == 0
+        self.runner.structured_output = structured_output
+
+    # ----------------------------------------------------------------- what the builder asks
+    def kv_token_bytes(self) -> int:
+        """Bytes of one token of one layer's K (or V) on this rank."""
+        return self.kv_storage.layout.token_bytes
+
+    def describe_attention(self) -> str:
+        return self.runner.attn_backend.describe()
+
+    def memory_report(self) -> MemoryReport:
+        probe = self.memory_probe
+        describe = getattr(probe, "describe", None)
+        return MemoryReport(os.uname().nodename, probe.available_bytes(), probe.total_bytes(),
+                            probe.used_by_process_bytes(), self.kv_token_bytes(),
+                            describe() if describe is not None else type(probe).__name__)
+
+    def profile_activation_bytes(self, num_tokens: int, max_num_seqs: int, block_size: int) -> int:
+        """The activation peak of a forward pass over ``num_tokens`` prompt tokens (ModelRunner's)."""
+        return self.runner.profile_activation_bytes(num_tokens, max_num_seqs, block_size)
+
+    # ----------------------------------------------------------------- the KV cache
+    def initialize_kv_cache(self, geometry: KVGeometry, reserve_bytes: int, static: bool) -> KVStoreLimits:
+        """Create the device pool (``reserve_bytes``: the largest it may ever grow to; ``static``: commit
+        it all now) and the swap tier as ``geometry`` says; returns what bounds the pool's growth here."""
+        self.kv_storage.create_store(geometry.num_blocks, reserve_bytes, static, block_size=geometry.block_size)
+        self.kv_storage.allocate_swap(geometry.num_swap_blocks)
+        return self.kv_storage.limits()
+
+    def apply_kv_geometry(self, geometry: KVGeometry) -> KVStoreLimits:
+        """Make the pool match ``geometry``: resize it (blocks below min(old, new) keep their KV; raises
+        ``KVStoreGrowError``, changing nothing, when a growth cannot get the memory) or, with no request
+        holding KV, read it at another block size; the swap tier follows. Returns the store's limits,
+        which a block-size change moves."""
+        self.kv_storage.apply_geometry(geometry)
+        return self.kv_storage.limits()
+
+    def commit_kv_ahead(self, num_blocks: int) -> bool:
+        """Commit the pages of a pool of ``num_blocks`` off the engine's thread (the store's
+        ``commit_ahead``); True when a resize to it may follow at once. On the host with every core in
+        the kernels' threads, the commit is lent one of them while it runs; a single core commits on
+        the engine's thread (True: the resize does it)."""
+        on_done = None
+        if self.platform.computes_on_host and not host_core_free():
+            if intra_op_threads() < 2:
+                return True
+            on_done = lend_core()
+        return self.kv_storage.commit_ahead(num_blocks, on_done)
+
+    def kv_commit_state(self) -> KVCommitState:
+        storage = self.kv_storage
+        return KVCommitState(storage.commit_in_flight, storage.committed_ahead_blocks, storage.commit_goal_blocks)
+
+    def move_kv_blocks(self, moves: list[tuple[int, int]]) -> None:
+        """Copy the KV of each (old id, new id) and rewrite the runner's block tables: compaction."""
+        self.runner.apply_moves(moves)
+
+    def release_idle_swap(self) -> None:
+        """No request is swapped out: hand the swap tier's pages back."""
+        self.kv_storage.release_idle_swap()
+
+    def release_freed_memory(self) -> None:
+        """Hand memory the process freed back to the system or the device (the platform's way)."""
+        self.platform.release_freed_memory()
+
+    # ----------------------------------------------------------------- requests
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      sampled_last_step: dict[str, int]) -> ModelRunnerOutput:
+        """Run one step. ``sampled_last_step``: the tokens rank 0 sampled in the previous step, which a
+        rank that does not sample appends to its requests before this one (rank 0 has them already)."""
+        if not self.runner.samples:
+            for request_id, token in sampled_last_step.items():
+                state = self.runner.requests.get(request_id)
+                if state is not None:
+                    state.token_ids.append(token)
+        return self.runner.execute(scheduler_output)
+
+    def forget_finished_requests(self) -> None:
+        """Drop the state of requests that finished after the last step (a pool read at another block
+        size leaves none of them with block ids of the old layout)."""
+        self.runner.forget_finished()
+
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> int | None:
+        """Replay decode-only steps as graphs captured per batch size; the largest size, or None when the
+        attention backend cannot (every step then runs eagerly)."""
+        if not self.runner.enable_graphs(max_num_seqs, max_model_len):
+            return None
+        return self.runner.graphs.sizes[-1]
