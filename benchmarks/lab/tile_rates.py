@@ -3,10 +3,10 @@ by default (integer tiles from ~8-16 rows on AVX2 / AVX-512 VNNI, AMX tiles wher
 
 One weight matrix per shape (cache-resident after the first call: this isolates the kernel, unlike a
 model's step, whose weights come from DRAM), best of ``--repeats`` calls, in TOPS = 2 m n k / t. To
-compare two versions, run it in two checkouts alternately (``git worktree add /tmp/old <commit>``;
-``PYTHONPATH=/tmp/old python benchmarks/tile_rates.py``) and take medians: this kind of machine is noisy.
+compare two versions, run it in two checkouts alternately (``git worktree add ../old <commit>``;
+``PYTHONPATH=../old python benchmarks/lab/tile_rates.py``) and take medians: this kind of machine is noisy.
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/tile_rates.py --rows 16,64,305
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/lab/tile_rates.py --rows 16,64,305
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from gguf_blocks import quantized_pair  # noqa: E402  (the tests' GGUF block writer)
 
 from tideserve.native import quant  # noqa: E402

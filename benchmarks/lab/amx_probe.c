@@ -12,10 +12,10 @@
  *     eight independent chains); reported as the share of the vector work's own time that the pair adds
  *     to the products alone (0: fully hidden, 1: none of it overlaps).
  * On a shared host the rates move together by a factor of 2-3 when a neighbour takes the core's AMX unit:
- * timings of the engine taken minutes apart compare two different machines (docs/benchmarks.md, thirtieth
- * round), so figures are compared within one interleaved run.
+ * timings of the engine taken minutes apart compare two different machines, so figures are compared within
+ * one interleaved run.
  *
- *     cc -O2 -march=native benchmarks/amx_probe.c -o /tmp/amx_probe && /tmp/amx_probe 30
+ *     mkdir -p build && cc -O2 -march=native benchmarks/lab/amx_probe.c -o build/amx_probe && build/amx_probe 30
  */
 #include <immintrin.h>
 #include <stdint.h>

@@ -1,7 +1,7 @@
 """Two builds of the quantized products alternated call by call in one process: this tree's kernels against
 another checkout's (``--base``, e.g. a ``git worktree`` of an earlier commit), on the same weights and inputs.
 
-Why: on a shared host the cores' speed moves by 2-3x within seconds (``benchmarks/amx_probe.c``), so two
+Why: on a shared host the cores' speed moves by 2-3x within seconds (``amx_probe.c``), so two
 runs minutes apart compare two machines. Alternating each call between the builds puts both in the same
 phase; the figures are the median of the per-pair time ratios and the ratio of the total times (what a
 workload feels when the cores' phases differ now and then: a change that helps only then moves the total,
@@ -9,8 +9,8 @@ not the median), and the outputs are compared bit for bit. The
 base build is compiled from the other checkout's sources with this tree's flags; its ``ts_qmat`` layout
 must be this tree's. ``TIDESERVE_QGEMM_ISA`` caps both builds' path (``avx2`` on a CPU that has more).
 
-    git worktree add /tmp/base HEAD~1
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/kernel_ab.py --base /tmp/base \\
+    git worktree add ../base HEAD~1
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/lab/kernel_ab.py --base ../base \\
         --shapes q4_1:3072:576:64,q4_1:3072:576:2048,q8_0:49152:576:64
 """
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from gguf_blocks import quantized_pair  # noqa: E402  (the tests' GGUF block writer)
 
 from tideserve import native  # noqa: E402

@@ -8,7 +8,7 @@ whole batch-1 step's products of the embedded model's shapes (30 layers of q|k|v
 plus the LM head, ~96 MB), with the matrix-vector kernel off and on. Figures are best of ``--repeats``
 (this kind of machine is noisy: quote ranges).
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/qgemm_kernels.py --rows 1,2,3,4,8,12,16,20
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/lab/qgemm_kernels.py --rows 1,2,3,4,8,12,16,20
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from gguf_blocks import quantized_pair  # noqa: E402  (the tests' GGUF block writer)
 
 from tideserve.native import quant  # noqa: E402

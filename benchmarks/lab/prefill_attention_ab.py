@@ -1,14 +1,14 @@
 """Two builds of prefill attention alternated call by call in one process: this tree's kernel against another
 checkout's (``--base``, e.g. a ``git worktree`` of an earlier commit), on the same queries and bfloat16 cache.
 
-Why in one process: on a shared host the cores' speed moves by 2-3x within seconds (``benchmarks/amx_probe.c``),
-so two runs minutes apart compare two machines (``benchmarks/kernel_ab.py`` does the same for the quantized
+Why in one process: on a shared host the cores' speed moves by 2-3x within seconds (``amx_probe.c``),
+so two runs minutes apart compare two machines (``kernel_ab.py`` does the same for the quantized
 products). Each shape is a batch of fresh prompts (spans of equal length, no cached prefix) with SmolLM2's
 heads (9 query heads over 3 KV heads of 64) in shuffled blocks of 16; the figures are the median of the
 per-pair time ratios and the ratio of total times, and the outputs are compared bit for bit.
 
-    git worktree add /tmp/base HEAD~1
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/prefill_attention_ab.py --base /tmp/base \\
+    git worktree add ../base HEAD~1
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/lab/prefill_attention_ab.py --base ../base \\
         --shapes 50x82,16x256,4x1024,1x4096
 """
 

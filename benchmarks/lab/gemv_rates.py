@@ -9,7 +9,7 @@ default shape) stream from DRAM as a model's layers do. Weights are laid out as 
 Figures are the median of ``--repeats`` passes; to compare two versions, run this in two checkouts
 alternately (``PYTHONPATH=<checkout>``): the machine is noisy.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/gemv_rates.py --formats q4_k,q6_k --copies 1
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lab/gemv_rates.py --formats q4_k,q6_k --copies 1
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from gguf_blocks import quantized_pair  # noqa: E402  (the tests' GGUF block writer)
 
 from tideserve.native import quant  # noqa: E402

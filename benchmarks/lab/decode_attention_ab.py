@@ -17,8 +17,8 @@ heads over 3 KV heads of 64), blocks of 16, a float32 query as the engine's deco
 The figures are each build's median time and effective bandwidth (the K/V bytes the call must read over its
 time), the median of the per-pair ratios and the ratio of total times; the outputs are compared bit for bit.
 
-    git worktree add /tmp/base HEAD~1
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/decode_attention_ab.py --base /tmp/base \\
+    git worktree add ../base HEAD~1
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/lab/decode_attention_ab.py --base ../base \\
         --placements shuffled,consecutive,hot,one-layer
 """
 
