@@ -9,13 +9,13 @@
 # are still this CPU's (their widths, ports and caches), and fbgemm and MKL are not capped; a measurement
 # here says how the AVX2 code behaves, not what an AVX2-only machine would measure.
 #
-#   benchmarks/avx2_emulation.sh .venv/bin/python benchmarks/tile_rates.py --rows 64,256
+#   benchmarks/avx2_emulation.sh .venv/bin/python benchmarks/native_kernels.py --rounds 3
 #   benchmarks/avx2_emulation.sh .venv/bin/python benchmarks/compare.py ... --llama-server <an AVX2 build>
 #
 # A peer built the same way: llama.cpp's CMake with -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON
-# -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF (docs/benchmarks.md, twenty-fifth round).
+# -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF (docs/benchmarks.md, "AVX2 only").
 set -euo pipefail
-wrapper_dir=${TIDESERVE_AVX2_EMULATION_DIR:-/tmp/tideserve-avx2-emulation}
+wrapper_dir=${TIDESERVE_AVX2_EMULATION_DIR:-${TMPDIR:-/tmp}/tideserve-avx2-emulation}
 mkdir -p "$wrapper_dir"
 cc=${CC:-$(command -v cc || command -v gcc)}
 march=${TIDESERVE_AVX2_MARCH:-znver3}

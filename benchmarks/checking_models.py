@@ -1,9 +1,9 @@
 """Larger GGUF models for checking speed and memory beyond the embedded 135M one, built offline.
 
-The speed targets speak of K-quant files larger than SmolLM2-135M, and no hub download is possible here,
-so this writes random-weight models of two public shapes with the embedded model's tokenizer (copied
+Speed and memory on the 135M model say little about a user's larger K-quant files, and the hub may be out
+of reach, so this writes random-weight models of two public shapes with the embedded model's tokenizer (copied
 field by field from its GGUF), in float16, and has llama.cpp's ``llama-quantize`` (built from the same
-sources as the peer server: ``build_llama_server.sh``) turn them into Q4_K_M as a user's file would be:
+sources as the peer server: docs/benchmarks.md) turn them into Q4_K_M as a user's file would be:
 
   llama-1.7b   SmolLM2-1.7B's shape: hidden 2048, 24 layers, 32 heads (no GQA), MLP 8192 (~1.06 GB)
   qwen2-0.5b   Qwen2-0.5B's shape with a 49,152-token vocabulary: hidden 896, 24 layers, 14 heads over 2
@@ -12,9 +12,8 @@ sources as the peer server: ``build_llama_server.sh``) turn them into Q4_K_M as 
 Random weights make meaningless text but the same work per token as trained ones (greedy, EOS ignored),
 which is what throughput, latency and resident memory measure.
 
-    .venv/bin/python benchmarks/checking_models.py --llama-quantize /tmp/peers/build/bin/llama-quantize \\
-        --out /tmp/checking-models
-    .venv/bin/python benchmarks/compare.py --model /tmp/checking-models/llama-1.7b-q4_k_m.gguf \\
+    .venv/bin/python benchmarks/checking_models.py --llama-quantize path/to/llama-quantize --out out/checking-models
+    .venv/bin/python benchmarks/compare.py --model out/checking-models/llama-1.7b-q4_k_m.gguf \\
         --workloads fixed --concurrency 1 --num-prompts 8 --engines tideserve-serve,llama-server ...
 """
 
@@ -111,7 +110,7 @@ def write_f16_model(shape: dict, path: Path, seed: int = 0) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-quantize", required=True, help="llama.cpp's llama-quantize binary")
-    ap.add_argument("--out", default="/tmp/checking-models")
+    ap.add_argument("--out", default="out/checking-models")
     ap.add_argument("--models", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--type", default="Q4_K_M", help="llama-quantize's target type")
     args = ap.parse_args()

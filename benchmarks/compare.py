@@ -18,11 +18,11 @@ greedy. "Concurrency C" means at most C requests in flight; latencies run from a
 The ratio column is the engine's output tok/s over tideserve's in the same mode (in-process peers against
 tideserve-offline, HTTP peers against tideserve-serve).
 
-    .venv/bin/python benchmarks/compare.py --quick --out /tmp/compare-quick.md      # smoke run, minutes
+    .venv/bin/python benchmarks/compare.py --quick --out out/compare-quick.md       # smoke run, minutes
     .venv/bin/python benchmarks/compare.py                                          # full run, hours on CPU
 
 Writes a markdown table (also printed), a JSON file with every number and a PNG chart next to it
-(default docs/compare-<date>.{md,json,png}).
+(default out/compare-<date>.{md,json,png}; out/ is ignored by git).
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def run_llama_server(args: argparse.Namespace, workloads: dict, levels: list[int
     binary = args.llama_server or shutil.which("llama-server")
     if not binary:
         notes.append("llama-server skipped: no binary (pass --llama-server PATH; "
-                     "shared/peers/build_llama_server.sh builds one).")
+                     "docs/benchmarks.md says how to build one).")
         return
     if not Path(args.model).is_file():
         notes.append(f"llama-server skipped: it needs a GGUF file, and {args.model} is not one.")
@@ -438,7 +438,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every engine this many times, in alternating order; the table shows each cell's "
                          "median round and a second table every round's throughput and ratio")
-    ap.add_argument("--out", default=None, help="markdown output (default docs/compare-<date>.md)")
+    ap.add_argument("--out", default=None, help="markdown output (default out/compare-<date>.md)")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -509,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["round"] = round_no + 1
 
     merge_rows(args.merge, rows, notes)
-    out = Path(args.out) if args.out else Path("docs") / f"compare-{time.strftime('%Y%m%d-%H%M')}.md"
+    out = Path(args.out) if args.out else Path("out") / f"compare-{time.strftime('%Y%m%d-%H%M')}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     report = write_report(args, rows, notes, workloads, out)
     out.write_text(report)

@@ -15,7 +15,7 @@ failures, seconds until the bursting pool was back at its floor, peak pools and 
 Needs root and a writable memory cgroup (v1 or v2); a child of this process's own one is created and
 removed at the end. Reproduce (10-20 minutes on 2 cores) with:
 
-    .venv/bin/python benchmarks/cotenancy.py --out /tmp/cotenancy.json
+    .venv/bin/python benchmarks/cotenancy.py --out out/cotenancy.json
 """
 
 from __future__ import annotations

@@ -105,6 +105,7 @@ def main() -> None:
     print(f"median: tideserve {med(ours):.0f} tok/s, transformers {med(theirs):.0f} tok/s, {med(ratios):.2f}x "
           f"(rounds {', '.join(f'{x:.2f}' for x in ratios)})")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))
 
 

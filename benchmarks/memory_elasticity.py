@@ -11,7 +11,7 @@ peak size (what a user who knew the peak would reserve; given as a block count, 
 the same max_num_seqs), interleaved and repeated. Reported: output tok/s of each and their ratio,
 preemptions, and the time the elastic pool spent resizing.
 
-    .venv/bin/python benchmarks/memory_elasticity.py --out docs/memory-elasticity
+    .venv/bin/python benchmarks/memory_elasticity.py --out out/memory-elasticity
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-served", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
-    ap.add_argument("--out", default="memory-elasticity")
+    ap.add_argument("--out", default="out/memory-elasticity")
     args = ap.parse_args()
     if not args.system_tokens:
         from tideserve.model.loader import default_model_path

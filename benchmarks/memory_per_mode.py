@@ -15,6 +15,7 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 CHILD = r"""
 import json, sys
@@ -57,6 +58,7 @@ def main() -> None:
         print(f"{mode:>14}: RSS {row['VmRSS']:7.1f} MiB, peak {row['VmHWM']:7.1f} MiB "
               f"({row.get('quantization', '-')}, {row.get('dtype', '-')})", flush=True)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
 

@@ -224,6 +224,7 @@ def main() -> None:
                        **({"kv_gb_s": nbytes / med / 1e9} if nbytes else {})}
         result["cases"][case] = rows
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))
 
 

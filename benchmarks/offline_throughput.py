@@ -180,6 +180,7 @@ def main() -> None:
             print(f"ratio tideserve[{key.split('/')[0]}] / transformers[{key.split('/')[1]}]: {ratio:.2f}x "
                   f"(median of {len(rounds_)} rounds: {', '.join(f'{x:.2f}' for x in rounds_)})")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))
 
 

@@ -158,7 +158,7 @@ def llama_server_command(binary: str, gguf: str, port: int, concurrency: int, ct
                          threads: int, no_repack: bool = False) -> list[str]:
     """llama.cpp's OpenAI server with one slot per concurrent request (it splits -c among the slots).
     ``no_repack``: on AMX CPUs the repacked AMX path of the llama.cpp version we build crashes on Q4_1
-    models (shared/peers/build_llama_server.sh), so it runs on its unrepacked CPU kernels."""
+    models, so it runs on its unrepacked CPU kernels."""
     return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(concurrency),
             "-c", str(concurrency * ctx_per_slot), "-t", str(threads), "-tb", str(threads),
             *(["--no-repack"] if no_repack else [])]

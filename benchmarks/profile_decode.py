@@ -21,6 +21,7 @@ import json
 import statistics
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 
@@ -206,6 +207,7 @@ def main() -> None:
     print(table)
     print(json.dumps(result, indent=2))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result | {"profile": table}, f, indent=2)
 

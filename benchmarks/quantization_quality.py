@@ -10,7 +10,7 @@ Three measures against the float model on the same file:
   harshest of the three).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/quantization_quality.py --quantization gguf,int4,int8 \
-        --json docs/quantization-quality.json
+        --json out/quantization-quality.json
 
 ``--kv-cache-dtypes auto,fp8`` scores each mode over each cache dtype. A one-shot prefill attends to its
 fresh keys and values, not to the cache, so for a cache dtype to show in the perplexity the text must be
@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import statistics
+from pathlib import Path
 
 EVAL_TEXT = (
     "The harbour town woke slowly. Fishing boats returned with the tide, their decks crowded with crates "
@@ -109,6 +110,7 @@ def main() -> None:
         })
         print(json.dumps(results[-1], indent=2), flush=True)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(results if len(results) > 1 else results[0], f, indent=2)
 

@@ -7,7 +7,7 @@ over --max-body-size). /metrics is sampled every ``--interval`` seconds: the ser
 by requests, pool size, running and waiting requests. After the load stops, the used blocks and running
 requests must come back to zero; RSS is reported over time with its slope over the second half of the run.
 
-    .venv/bin/python benchmarks/soak.py --duration 180 --out docs/soak.json
+    .venv/bin/python benchmarks/soak.py --duration 180 --out out/soak.json
 """
 
 from __future__ import annotations
@@ -193,6 +193,7 @@ def main() -> int:
     }
     print(json.dumps(summary, indent=2))
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"summary": summary, "samples": rows}, indent=1) + "\n")
     ok = final["used_blocks"] == 0 and final["running"] == 0 and summary["server_errors"] == 0 and health == 200
     return 0 if ok else 1

@@ -14,11 +14,11 @@ step at a time; for each step the time to fill the batch's token bitmask (llguid
 the matchers by the sampled tokens, plus the first compile of the schema and the sampler's cost of
 applying a mask (the same for both engines). xgrammar is optional: install it into a throwaway place
 (it pulls triton and a TVM runtime), e.g.
-``pip install --target /tmp/xgt --no-deps xgrammar==0.2.8 apache-tvm-ffi`` and run with
-``PYTHONPATH=/tmp/xgt``.
+``pip install --target build/xgt --no-deps xgrammar==0.2.8 apache-tvm-ffi`` and run with
+``PYTHONPATH=build/xgt``.
 
-    PYTHONPATH=/tmp/xgt .venv/bin/python benchmarks/structured_output.py --e2e --masks \
-        --batches 1,32 --output-len 128 --repeats 3 --json docs/structured-output-<date>.json
+    PYTHONPATH=build/xgt .venv/bin/python benchmarks/structured_output.py --e2e --masks \
+        --batches 1,32 --output-len 128 --repeats 3 --json out/structured-output.json
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -280,6 +281,7 @@ def main() -> None:
     if args.e2e:
         result["e2e"] = run_e2e(args)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
 

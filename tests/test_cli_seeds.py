@@ -1,4 +1,4 @@
-"""Every command line in the seeds' articles (/work/shared/seeds/*.txt), with ``vllm``'s entry points
+"""Every command line in the seeds' articles (three vLLM articles, listed below), with ``vllm``'s entry points
 mapped to tideserve's and the model replaced by the embedded one, through the real parser and the
 engine-argument validation; seed 000's main ``vllm serve`` line runs end to end.
 
