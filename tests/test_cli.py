@@ -56,7 +56,7 @@ def parsed(*argv: str):
 
 
 def engine_configs(cl):
-    from tideserve.cli import engine_kwargs
+    from tideserve.cli_engine_args import engine_kwargs
     from tideserve.engine.llm_engine import EngineArgs
 
     assert cl.errors == [], cl.errors
