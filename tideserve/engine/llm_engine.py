@@ -34,12 +34,9 @@ from tideserve.engine.pool_controller import PoolController
 from tideserve.engine.stats import EngineStats
 from tideserve.engine.threads import ThreadGovernor
 from tideserve.errors import InvalidParameterError
-from tideserve.model.layers.quantization import (
-    CALIBRATION_TEXT,
-    calibrate,
-    model_weight_bytes,
-    quantize_model,
-)
+from tideserve.model.layers.quant.calibration import CALIBRATION_TEXT, calibrate
+from tideserve.model.layers.quant.transform import quantize_model
+from tideserve.model.layers.quant.weight_bytes import model_weight_bytes
 from tideserve.model.loader import LoadedModel, load_model
 from tideserve.model.tensor_parallel import check_tensor_parallel, shard_model
 from tideserve.outputs import RequestOutput
