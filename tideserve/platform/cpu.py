@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tideserve.core.kv_cache.memory import (
+from tideserve.platform.host_memory import (
     CgroupMemory,
     host_cgroup_memory,
     peak_rss_bytes,
