@@ -47,7 +47,7 @@ from tideserve.bench.launch import ServerProcess, free_port
 from tideserve.bench.report import RequestRecord, latency_stats
 from tideserve.bench.serve import ServeBenchConfig, discover_model, send_request
 from tideserve.core.kv_cache.elastic import ElasticConfig
-from tideserve.core.kv_cache.memory import CgroupMemory
+from tideserve.platform.host_memory import CgroupMemory
 
 logger = logging.getLogger("cotenancy")
 MiB, GiB = 2**20, 2**30

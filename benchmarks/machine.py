@@ -55,7 +55,7 @@ def _best(fn, repeats: int = 7) -> float:
 def matmul_ceiling(hidden: int, intermediate: int, qtypes: tuple[str, ...] = ("q4_1", "q8_0"),
                    rows: tuple[int, ...] = (64, 256)) -> dict[str, dict[int, float]]:
     """GFLOPS (2 M N K / time, best of 7) of x [M, hidden] times the gate|up weight [2 intermediate, hidden]."""
-    from tideserve.model.layers.quantization import Int8Weight, QuantWeight
+    from tideserve.model.layers.quant.weights import Int8Weight, QuantWeight
     from tideserve.native import quant
 
     gen = torch.Generator().manual_seed(0)

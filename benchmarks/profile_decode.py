@@ -38,7 +38,7 @@ def linear_shapes(model) -> list[tuple[str, int, int]]:
 def time_gemm(m: int, k: int, n: int, kind: str, repeats: int = 7) -> float:
     """Median time of one [m, k] x [k, n] product: float32, bfloat16, or our int8 layer."""
     if kind == "int8":
-        from tideserve.model.layers.quantization import Int8Weight
+        from tideserve.model.layers.quant.weights import Int8Weight
 
         x = torch.randn(m, k)
         fn = Int8Weight(torch.randn(n, k))

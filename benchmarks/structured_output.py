@@ -125,7 +125,7 @@ def _timed(fn) -> float:
 def llguidance_steps(tokenizer, vocab_size: int, eos: list[int], seqs: list[list[int]], steps: int) -> dict:
     from tideserve.structured_output.backend import GrammarCompiler, bitmask_width
     from tideserve.structured_output.manager import StructuredOutputManager
-    from tideserve.structured_output.params import StructuredOutputsParams
+    from tideserve.structured_outputs_params import StructuredOutputsParams
 
     params = StructuredOutputsParams(json=USERS)
     compiler = GrammarCompiler(tokenizer.hf, vocab_size, eos)

@@ -38,7 +38,7 @@ def test_bad_flag_values_exit_with_a_clear_error():
 def test_generate_with_quantized_weights(method):
     import torch
 
-    from tideserve.model.layers.quantization import unavailable_reason
+    from tideserve.model.layers.quant.methods import unavailable_reason
 
     if unavailable_reason(method, torch.device("cpu")):
         pytest.skip(unavailable_reason(method, torch.device("cpu")))
@@ -56,7 +56,7 @@ def parsed(*argv: str):
 
 
 def engine_configs(cl):
-    from tideserve.cli import engine_kwargs
+    from tideserve.cli_engine_args import engine_kwargs
     from tideserve.engine.llm_engine import EngineArgs
 
     assert cl.errors == [], cl.errors

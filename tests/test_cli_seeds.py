@@ -37,7 +37,8 @@ import httpx
 import pytest
 
 from tideserve import __version__
-from tideserve.cli import engine_kwargs, main, parse_command_line
+from tideserve.cli import main, parse_command_line
+from tideserve.cli_engine_args import engine_kwargs
 from tideserve.engine.llm_engine import EngineArgs
 
 M = "{MODEL}"  # replaced by the embedded model's path

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from tideserve import LLM
-from tideserve.cli import build_parser, engine_kwargs, parse_command_line
+from tideserve.cli import build_parser, parse_command_line
+from tideserve.cli_engine_args import engine_kwargs
 from tideserve.cli_reference import render
 from tideserve.config import CacheConfig, KVEventsConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tideserve.core.kv_cache.elastic import ElasticConfig

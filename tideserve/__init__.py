@@ -15,7 +15,7 @@ _EXPORTS = {
     "AsyncEngine": "tideserve.engine.async_engine",
     "AsyncLLMEngine": "tideserve.engine.async_engine",
     "SamplingParams": "tideserve.sampling_params",
-    "StructuredOutputsParams": "tideserve.sampling_params",
+    "StructuredOutputsParams": "tideserve.structured_outputs_params",
     "RequestOutput": "tideserve.outputs",
     "CompletionOutput": "tideserve.outputs",
     "Logprob": "tideserve.outputs",

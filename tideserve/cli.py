@@ -15,15 +15,15 @@ from dataclasses import dataclass, field
 
 from tideserve import __version__
 from tideserve.cli_compat import (
-    ENGINE_FLAGS,
     SERVER_FLAGS,
     add_foreign_flags,
     foreign_flag_messages,
     repair_dashes,
     unknown_flag_messages,
 )
+from tideserve.cli_engine_args import add_engine_args, engine_kwargs
 from tideserve.sampling_params import SamplingParams
-from tideserve.settings import add_setting_arguments, build_config, values_from
+from tideserve.settings import add_setting_arguments, build_config
 
 logger = logging.getLogger("tideserve.cli")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -37,24 +37,6 @@ def add_global_options(p: argparse.ArgumentParser, top: bool) -> None:
     p.add_argument("--log-level", default=default, type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
                    help=f"logging level: {', '.join(LOG_LEVELS)} (any case; default INFO)")
     p.add_argument("--version", action="version", version=__version__, help="print the version and exit")
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The engine's flags, generated from the settings declared on the config dataclasses (one flag per
-    EngineArgs field; see tideserve/settings.py), then vLLM's engine flags that mean nothing here."""
-    from tideserve.engine.arg_utils import ENGINE_SETTINGS
-
-    add_setting_arguments(p, ENGINE_SETTINGS)
-    add_foreign_flags(p, ENGINE_FLAGS, "vLLM engine flags with no meaning here (a warning, or an error "
-                                       "with the reason)")
-    p.set_defaults(_has_engine_args=True)
-
-
-def engine_kwargs(ns: argparse.Namespace) -> dict:
-    """The EngineArgs keywords of a parsed command line."""
-    from tideserve.engine.arg_utils import ENGINE_SETTINGS
-
-    return values_from(ns, ENGINE_SETTINGS)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -113,7 +95,7 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     """``tideserve bench serve | offline | plot``; the commands live in tideserve/bench/cli.py."""
     from tideserve.bench.cli import add_bench_subcommands
 
-    add_bench_subcommands(sub, add_engine_args)
+    add_bench_subcommands(sub)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:

@@ -238,7 +238,7 @@ class SchedulerConfig:
 ATTENTION_BACKENDS = ("auto", "torch", "cpu-native", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-# --quantization (model/layers/quantization.py): auto, the file's own blocks for a quantized GGUF ("gguf"),
+# --quantization (model/layers/quant/): auto, the file's own blocks for a quantized GGUF ("gguf"),
 # float ("none"), or quantized linear layers ("int8", "int4").
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 # vLLM's names for checkpoint formats tideserve cannot read (its GGUF and float loaders cover the rest).
@@ -261,7 +261,7 @@ class ModelConfig:
     allow_long_max_model_len: bool = setting(False)  # accept max_model_len beyond the trained context
     seed: int = setting(0)
     # auto: a quantized GGUF runs on its own blocks ("gguf"), anything else in float ("none"); int8, int4:
-    # quantized linear layers (see model/layers/quantization.py). The parser leaves the check to
+    # quantized linear layers (see model/layers/quant/). The parser leaves the check to
     # _check_quantization, which explains vLLM's checkpoint formats.
     quantization: str | None = setting(
         "auto", aliases=("-q",), choices=QUANTIZATIONS, parser_choices=False,

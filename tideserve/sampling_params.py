@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tideserve.pooling_params import PoolingParams
-from tideserve.structured_output.params import StructuredOutputsParams
+from tideserve.structured_outputs_params import StructuredOutputsParams
 
 __all__ = ["SamplingParams", "StructuredOutputsParams"]  # vLLM's import path for both
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tideserve import LLM, SamplingParams
-from tideserve.model.layers.quantization import unavailable_reason
+from tideserve.model.layers.quant.methods import unavailable_reason
 
 TEXT = ("The harbour town woke slowly. Fishing boats returned with the tide, and gulls circled above the "
         "market square where traders set out bread, cheese and rope. A teacher explained to her class how "

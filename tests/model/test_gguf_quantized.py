@@ -14,7 +14,8 @@ from gguf_blocks import write_tiny_gguf
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from tideserve.model.layers.linear import Linear
-from tideserve.model.layers.quantization import QuantWeight, model_weight_bytes
+from tideserve.model.layers.quant.weight_bytes import model_weight_bytes
+from tideserve.model.layers.quant.weights import QuantWeight
 from tideserve.model.loader import load_model
 from tideserve.model.loader.gguf import read_blocks, unpermute_qk
 from tideserve.model.loader.gguf_index import read_gguf_index

@@ -11,7 +11,7 @@ import torch
 from tiny_models import tiny_llama
 
 from tideserve import native
-from tideserve.model.layers.quantization import quantize_model
+from tideserve.model.layers.quant.transform import quantize_model
 from tideserve.model.llama import LlamaForCausalLM
 
 pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the kernels")

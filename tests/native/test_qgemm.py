@@ -16,7 +16,8 @@ import pytest
 import torch
 from gguf_blocks import quantize, quantized_pair
 
-from tideserve.model.layers.quantization import QuantWeight, dequantize_blocks, quantize_blocks
+from tideserve.model.layers.quant.blocks import dequantize_blocks, quantize_blocks
+from tideserve.model.layers.quant.weights import QuantWeight
 from tideserve.native import quant
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="no C compiler to build the kernels")

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tideserve import LLM, SamplingParams
-from tideserve.core.kv_cache.memory import reset_peak_rss
 from tideserve.model.loader import resolve_dtype
 from tideserve.platform import CpuPlatform, CudaPlatform, Platform, current_platform, platform_for, resolve_device
+from tideserve.platform.host_memory import reset_peak_rss
 
 GiB = 2**30
 MiB = 2**20

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tideserve.structured_output.backend import bitmask_width
-from tideserve.structured_output.params import StructuredOutputsParams
+from tideserve.structured_outputs_params import StructuredOutputsParams
 
 VOCAB = 49152
 

@@ -1,8 +1,8 @@
 """``tideserve bench serve | offline | plot``: argument parsing and the printed report.
 
 Heavy imports (httpx, torch, matplotlib) happen inside the commands so ``tideserve --help`` stays fast.
-The engine flags of ``bench offline`` are the ones ``tideserve generate`` takes (``add_engine_args`` is
-passed in by tideserve/cli.py, so the two never drift apart).
+The engine flags of ``bench offline`` are the ones ``tideserve generate`` takes (both add them with
+tideserve/cli_engine_args.py, so the two never drift apart).
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from tideserve.cli_engine_args import add_engine_args, engine_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
-def add_bench_subcommands(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_bench_subcommands(sub: Any) -> None:
     """Register ``bench`` and its three subcommands on the top-level subparsers."""
     bench = sub.add_parser("bench", help="benchmark a server (any OpenAI-compatible) or the offline engine")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -181,7 +182,6 @@ def cmd_bench_serve(ns: argparse.Namespace) -> int:
 def cmd_bench_offline(ns: argparse.Namespace) -> int:
     from tideserve.bench.offline import run_offline_benchmark
     from tideserve.bench.report import make_result
-    from tideserve.cli import engine_kwargs
     from tideserve.engine.llm import LLM
 
     kwargs = engine_kwargs(ns)

@@ -40,7 +40,9 @@ from tideserve.engine.memory_probe import WorkersMemoryProbe
 from tideserve.engine.output_processor import OutputProcessor
 from tideserve.engine.pool_controller import PoolController
 from tideserve.engine.threads import ThreadGovernor
-from tideserve.model.layers.quantization import CALIBRATION_TEXT, calibrate, model_weight_bytes, quantize_model
+from tideserve.model.layers.quant.calibration import CALIBRATION_TEXT, calibrate
+from tideserve.model.layers.quant.transform import quantize_model
+from tideserve.model.layers.quant.weight_bytes import model_weight_bytes
 from tideserve.model.loader import LoadedModel
 from tideserve.model.tensor_parallel import check_tensor_parallel, shard_model
 from tideserve.platform import Platform, platform_for, resolve_device

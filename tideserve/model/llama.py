@@ -191,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
         return self.native_decode is not None
 
     def quantize_lm_head(self, quantize: Callable[[torch.Tensor], Any]) -> int:
-        """A quantized LM head, ``quantize(weight)`` (see layers/quantization.py); returns the bytes saved
+        """A quantized LM head, ``quantize(weight)`` (see layers/quant/); returns the bytes saved
         (negative when tied: the float table stays for embedding lookups)."""
         weight = self.lm_head.weight
         self.lm_head_q = quantize(weight)
@@ -207,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
         Every parameter, and every shard of a fused one, must be loaded exactly as the model expects;
         anything missing, unknown or of the wrong shape raises ValueError naming it.
         """
-        from tideserve.model.layers.quantization import QuantTensor, QuantWeight
+        from tideserve.model.layers.quant.weights import QuantTensor, QuantWeight
 
         loaded: set[str] = set()
         for name, tensor in weights:

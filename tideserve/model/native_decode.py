@@ -15,7 +15,7 @@ import torch
 
 from tideserve import native
 from tideserve.model.attention import AttentionMetadata, CpuNativeMetadata
-from tideserve.model.layers.quantization import QuantWeight
+from tideserve.model.layers.quant.weights import QuantWeight
 from tideserve.native.quant import QMat
 
 

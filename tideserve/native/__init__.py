@@ -461,7 +461,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: t
 # Bound kernels: the hot path's entry points. Each ``bind_*`` checks once (library, device, dtypes, layout)
 # what the functions above check on every call, and returns the ctypes function(s) to call directly, or
 # None when the kernel cannot serve that configuration (the caller then binds its torch fallback). The
-# callers (model/attention/cpu_native.py, model/layers/norm.py, model/layers/quantization.py) own the
+# callers (model/attention/cpu_native.py, model/layers/norm.py, model/layers/quant/weights.py) own the
 # per-call contract: tensors of the bound dtype, contiguous, on the CPU.
 
 

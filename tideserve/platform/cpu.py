@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tideserve.core.kv_cache.memory import (
+from tideserve.platform.host_memory import (
     CgroupMemory,
     host_cgroup_memory,
     peak_rss_bytes,
@@ -42,7 +42,7 @@ class CpuPlatform(Platform):
     attention_backends = ("cpu-native", "torch")
     # A prefill's matmuls per token, 30 layers of the embedded model on 2 cores of an AMX Xeon: 153 us at
     # 256 and 512 rows per pass, 180 at 1,024, 217 at 4,096 (prefill +20% with 512-token slabs); on an
-    # AVX-512 EPYC without AMX the slab size made no difference (docs/benchmarks.md, seventeenth round).
+    # AVX-512 EPYC without AMX the slab size made no difference (docs/benchmarks.md).
     forward_slab_tokens = 512
 
     def __init__(self, device: torch.device | None = None, cgroup: CgroupMemory | None = None) -> None:
@@ -80,7 +80,7 @@ class CpuPlatform(Platform):
     def tune_allocator(self) -> None:
         """Keep a step's activations (a 2,048-token prefill allocates tens of MiB per layer) in glibc's heap
         between steps instead of mapping and unmapping them: each fresh mapping is page-faulted and zeroed
-        again, which cost a prefill a quarter of its time (docs/benchmarks.md, "Fifth round"). Freed memory
+        again, which cost a prefill a quarter of its time (docs/benchmarks.md). Freed memory
         then stays in the process until ``release_freed_memory``, which the pool calls when it shrinks and
         whenever the engine turns idle, so an idle server still hands it back. Not glibc: nothing to do."""
         try:
@@ -99,8 +99,7 @@ class CpuPlatform(Platform):
         bfloat16, half the bytes a decode step's attention reads (and half the memory a token holds).
         That pays on every x86 level, since widening bfloat16 to float32 in registers is one shift: on
         AVX2 (measured with the AVX2 kernels) a batch-64 step went from 84 to 62 ms, a single stream's step
-        at 2,000 tokens of context from 6.0-6.3 to 4.1-4.3 ms (docs/benchmarks.md, "Twenty-fifth round");
-        on CPUs with fast bf16 since the fourth round."""
+        at 2,000 tokens of context from 6.0-6.3 to 4.1-4.3 ms (docs/benchmarks.md)."""
         from tideserve import native
 
         if quantization == "gguf" and model_dtype == torch.float32 and native.load_library() is not None:

@@ -1,9 +1,6 @@
 """Structured output: JSON schemas, JSON mode, regexes, choices and grammars enforced token by token.
 
-``params`` is what a request asks for (vLLM's ``StructuredOutputsParams``), ``backend`` compiles it with
-llguidance and keeps one matcher per request, ``manager`` computes a step's token masks for the batch.
+What a request asks for is ``StructuredOutputsParams`` (tideserve/structured_outputs_params.py, vLLM's
+name), a plain parameter type beside ``SamplingParams``; here ``backend`` compiles it with llguidance and
+keeps one matcher per request, and ``manager`` computes a step's token masks for the batch.
 """
-
-from tideserve.structured_output.params import StructuredOutputsParams
-
-__all__ = ["StructuredOutputsParams"]

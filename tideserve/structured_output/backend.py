@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from tideserve.structured_output.params import StructuredOutputsParams
+from tideserve.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-# JSON: compact separators unless the request allows free whitespace (see params.py).
+# JSON: compact separators unless the request allows free whitespace (see structured_outputs_params.py).
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _FLEXIBLE = {"whitespace_flexible": True}
 # A grammar that does not compile within this time is refused (llguidance's own limits stop the work).

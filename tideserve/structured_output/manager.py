@@ -22,7 +22,7 @@ import torch
 from tideserve.model.layers.sampler import AllowedTokenMask
 from tideserve.platform import platform_for
 from tideserve.structured_output.backend import CompiledGrammar, GrammarCompiler, GrammarMatcher, bitmask_width
-from tideserve.structured_output.params import StructuredOutputsParams
+from tideserve.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from tideserve.model.attention.metadata import AttentionMetadata
+from tideserve.model.attention.backend import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

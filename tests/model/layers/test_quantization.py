@@ -8,14 +8,10 @@ import torch
 
 from tideserve.model.arch_config import ArchConfig
 from tideserve.model.layers.linear import Linear
-from tideserve.model.layers.quantization import (
-    Int8Weight,
-    QuantWeight,
-    int8_unavailable_reason,
-    model_weight_bytes,
-    quantize_model,
-    unavailable_reason,
-)
+from tideserve.model.layers.quant.methods import int8_unavailable_reason, unavailable_reason
+from tideserve.model.layers.quant.transform import quantize_model
+from tideserve.model.layers.quant.weight_bytes import model_weight_bytes
+from tideserve.model.layers.quant.weights import Int8Weight, QuantWeight
 from tideserve.model.llama import LlamaForCausalLM
 from tideserve.native import quant
 

@@ -8,9 +8,9 @@ The runner describes each step once (``BatchLayout``) and asks its backend for t
 attends through ``meta.backend``.
 """
 
-from tideserve.model.attention.backend import AttentionBackend, store_kv
+from tideserve.model.attention.backend import AttentionBackend, AttentionMetadata, store_kv
+from tideserve.model.attention.batch_layout import BatchLayout, PrefillSpan
 from tideserve.model.attention.cpu_native import CpuNativeBackend, CpuNativeMetadata
-from tideserve.model.attention.metadata import AttentionMetadata, BatchLayout, PrefillSpan
 from tideserve.model.attention.selector import ATTENTION_BACKENDS, backend_for_model, select_attention_backend
 from tideserve.model.attention.torch_sdpa import DecodeGroup, TorchMetadata, TorchSDPABackend, group_by_blocks
 from tideserve.model.attention.triton_backend import TritonBackend, TritonMetadata

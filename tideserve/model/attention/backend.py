@@ -4,16 +4,20 @@ A backend owns three things that must agree with each other: its metadata builde
 a ``BatchLayout`` -> the tensors its kernels read), the kernels themselves (bound once, at construction,
 after checking device, dtypes and layout), and ``forward``. The model calls ``meta.backend.forward``, so
 one loaded model can serve engines with different backends at once (tests share models this way).
+
+``AttentionMetadata``, the base of every backend's metadata, lives here beside the backend because each
+names the other; what a builder reads (``BatchLayout``) lives below both, in batch_layout.py.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from tideserve.model.attention.metadata import AttentionMetadata, BatchLayout
+from tideserve.model.attention.batch_layout import BatchLayout
 
 # Rotate q|k of qkv [T, (H + 2 KVH) * D] in place and store k, v at meta.slot_mapping in the caches.
 RopeStore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -62,6 +66,16 @@ class AttentionBackend(ABC):
 
     def _to_device(self, array) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device)
+
+
+@dataclass
+class AttentionMetadata:
+    """What every backend's metadata has: its backend (which attends), where this step's K/V go, and how
+    many of the leading tokens are single-token queries. Each backend subclasses it with its encoding."""
+
+    backend: AttentionBackend
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    num_decode_tokens: int
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

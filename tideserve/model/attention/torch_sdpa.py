@@ -13,8 +13,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tideserve.model.attention.backend import AttentionBackend
-from tideserve.model.attention.metadata import AttentionMetadata, BatchLayout, PrefillSpan
+from tideserve.model.attention.backend import AttentionBackend, AttentionMetadata
+from tideserve.model.attention.batch_layout import BatchLayout, PrefillSpan
 
 _HAS_ENABLE_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tideserve.model.attention.backend import AttentionBackend
-from tideserve.model.attention.metadata import AttentionMetadata, BatchLayout
+from tideserve.model.attention.backend import AttentionBackend, AttentionMetadata
+from tideserve.model.attention.batch_layout import BatchLayout
 from tideserve.platform import platform_for
 
 

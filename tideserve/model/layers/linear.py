@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tideserve.model.layers.quant.weights import QuantTensor, QuantWeight
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b), W: [sum(shard sizes), in_features]. A single-shard layer uses shard id None."""
@@ -90,8 +92,6 @@ class Linear(nn.Module):
 
     def _finish_quantized_load(self) -> None:
         """Every shard is in: assemble the QuantWeight (blocks kept, floats quantized) and drop the floats."""
-        from tideserve.model.layers.quantization import QuantTensor, QuantWeight
-
         segments = []
         for shard_id in self.shard_offsets:
             shard = self._pending[("weight", shard_id)]

@@ -127,7 +127,7 @@ def resolve_quantization(quantization: str, path: Path, device: torch.device, dt
     explicitly means "none" under auto: the weights are dequantized to it (the float reference, and the
     numbers a request gets whatever its batch: the block kernels' AMX path rounds batches of 12 rows and
     more to bfloat16, so there a request's tokens can depend on its batch-mates)."""
-    from tideserve.model.layers.quantization import unavailable_reason
+    from tideserve.model.layers.quant.methods import unavailable_reason
     from tideserve.native.quant import QTYPES
 
     is_gguf = path.is_file()
@@ -153,7 +153,7 @@ def load_model(model: str | None, dtype: str = "auto", device: str | torch.devic
     memory); "auto" picks "gguf" for quantized GGUF files (see ``resolve_quantization``). Quantized
     models compute in float32 (their kernels take float32 rows), so ``dtype`` "auto" means float32 then.
     """
-    from tideserve.model.layers.quantization import LOAD_TIME_METHODS, unavailable_reason
+    from tideserve.model.layers.quant.methods import LOAD_TIME_METHODS, unavailable_reason
 
     device = torch.device(device)
     path, name = resolve_model_path(model)

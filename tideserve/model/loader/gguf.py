@@ -70,7 +70,7 @@ def iter_gguf_weights(index: GGUFIndex, arch: ArchConfig,
     Tensors are float32, except where ``keep(hf name, qtype)`` is true: those come as QuantTensor, the
     file's own blocks, with permuted q/k rows put back in HF order all the same.
     """
-    from tideserve.model.layers.quantization import QuantTensor
+    from tideserve.model.layers.quant.weights import QuantTensor
 
     family = family_for(str(index.get("general.architecture")))
     if family.gguf_tensors is None:
@@ -115,7 +115,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: torch.device | str, quantiz
     "none"), or kept as blocks ("gguf": every tensor whose format has a kernel stays as it is, the rest
     becomes q8_0; "int4": Q4_0/Q4_1/Q4_K blocks stay, other projections become q4_1 and other tables
     q8_0), one tensor at a time."""
-    from tideserve.model.layers.quantization import quantize_blocks
+    from tideserve.model.layers.quant.blocks import quantize_blocks
     from tideserve.native.quant import QTYPES
 
     index = read_gguf_index(path)

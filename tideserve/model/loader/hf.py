@@ -71,7 +71,7 @@ def load_hf(path: str, dtype: torch.dtype, device: torch.device | str, quantizat
                 arch.num_hidden_layers, len(files))
     model = resolve_model_class(arch.architecture)(arch, dtype=dtype, device=device)
     if quantization == "int4":
-        from tideserve.model.layers.quantization import quantize_blocks
+        from tideserve.model.layers.quant.blocks import quantize_blocks
 
         model.begin_quantized_load(lambda w: ("q4_1", quantize_blocks(w, "q4_1")),
                                    lambda w: ("q8_0", quantize_blocks(w, "q8_0")))

@@ -29,7 +29,7 @@ from tideserve.serve.metrics import ServerMetrics
 from tideserve.serve.openai.errors import OpenAIError, bad_request, error_body, from_exception
 from tideserve.serve.openai.fields import EndpointFields, refuse_unsupported
 from tideserve.serve.openai.protocol import EmbeddingRequest, SamplingRequest
-from tideserve.structured_output.params import StructuredOutputsParams
+from tideserve.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -30,7 +30,7 @@ from tideserve.serve.openai.tool_parsers import (
     required_schema,
 )
 from tideserve.serve.openai.tool_parsers.base import make_tool_call_id
-from tideserve.structured_output.params import StructuredOutputsParams
+from tideserve.structured_outputs_params import StructuredOutputsParams
 
 AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 

@@ -8,13 +8,9 @@ So there is one way to describe a batch and one builder per backend, not one enc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from tideserve.model.attention.backend import AttentionBackend
 
 
 @dataclass
@@ -95,12 +91,3 @@ class PrefillSpan:
     slots: torch.Tensor | None = None  # [context_len] cache slots of the whole context (None when no prefix)
     mask: torch.Tensor | None = None  # [1, 1, query_len, context_len] bool, True = may attend
 
-
-@dataclass
-class AttentionMetadata:
-    """What every backend's metadata has: its backend (which attends), where this step's K/V go, and how
-    many of the leading tokens are single-token queries. Each backend subclasses it with its encoding."""
-
-    backend: AttentionBackend
-    slot_mapping: torch.Tensor  # [num_tokens] int64
-    num_decode_tokens: int

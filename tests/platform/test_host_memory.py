@@ -17,21 +17,21 @@ from pathlib import Path
 
 import pytest
 
-from tideserve.core.kv_cache.memory import (
+from tideserve.platform.cpu import CpuPlatform
+from tideserve.platform.host_memory import (
     CgroupMemory,
     MemoryCgroup,
     peak_rss_bytes,
     process_rss_bytes,
     reset_peak_rss,
 )
-from tideserve.platform.cpu import CpuPlatform
 
 GiB = 1 << 30
 MiB = 1 << 20
 V1_UNLIMITED = 9223372036854771712  # what a v1 memory.limit_in_bytes reads without a limit
 MEM_TOTAL = 64 * GiB
 MEM_AVAILABLE = 48 * GiB
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class FakeHost:

@@ -9,6 +9,9 @@ One deliberate difference: ``disable_any_whitespace`` defaults to True here (vLL
 whitespace allowed between JSON tokens, small models often loop on newlines or spaces until max_tokens;
 compact JSON (``", "`` and ``": "`` separators, no other whitespace) always parses and costs fewer tokens.
 Set it to False to let the model place whitespace where it likes.
+
+Plain Python, beside sampling_params.py, which holds it: the parameter types do not depend on the grammar
+engine (tideserve/structured_output/), which compiles and enforces what this describes.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Weight quantization: ``--quantization int8`` runs every linear layer (and the LM head) as int8 GEMMs;
-``--quantization int4`` keeps weights in 4-bit blocks (the LM head in 8-bit blocks) for native kernels.
+"""The quantized weight matrices a linear layer calls in place of its float weight: ``Int8Weight``
+(``--quantization int8``) and ``QuantWeight`` (GGUF blocks: ``int4``, ``gguf``), and ``QuantTensor``, a
+checkpoint tensor kept in its blocks until its layer is assembled.
 
 Why int8 this way: on CPUs without AVX-512 or AMX, float32 GEMMs already run near the core's FMA peak and
 bfloat16 is emulated (several times slower), so the only way to do the same matmuls faster is integer
@@ -10,61 +11,20 @@ measured about 2x float32 on batched decode shapes and 3.5x on the 49k-row LM he
 kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) dequantize inside a float GEMM and
 measured over 20x slower than float32 on such CPUs, so they are not used.
 
-Why int4 as blocks: a single decode stream is bound by how fast weights stream from memory, and fbgemm
-has no 4-bit kernel. Blocks of 32 weights with an fp16 scale and minimum each (GGUF's Q4_1 layout, about
-5 bits per weight) read 0.6 bytes per weight against int8's 1 and float32's 4, and the embedded
-SmolLM2's GGUF weights are already Q4_1, so quantizing their dequantized values gives the file's blocks
-back. The LM head, the one matrix whose errors land directly on the logits, gets 8-bit blocks, as the
-GGUF's own Q8_0 embedding table does. The kernels live in tideserve/native/qgemm.c.
-
-Trade-offs, measured in docs/benchmarks.md: greedy tokens agree with the float model for most of a
-generation and perplexity rises slightly; the activation scale is shared by the rows of one call, so a
-request's logits depend (slightly) on its batch-mates, unlike the float path.
+This module imports no layer: the layers import it (model/layers/linear.py).
 """
 
 from __future__ import annotations
 
-import copy
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from tideserve import native
-from tideserve.config import QUANTIZATIONS
+from tideserve.model.layers.quant.blocks import dequantize_blocks, quantize_blocks
 from tideserve.native import quant
-from tideserve.platform import platform_for
-
-# methods applied while the checkpoint loads (model/loader), the rest to a loaded float model
-LOAD_TIME_METHODS = ("gguf", "int4")
-BLOCK = 32  # weights per block of the block-quantized formats
-
-
-def unavailable_reason(method: str, device: torch.device) -> str | None:
-    """Why ``method`` cannot run here, or None when it can."""
-    if method == "int8":
-        return int8_unavailable_reason(device)
-    if method in ("int4", "gguf"):
-        platform = platform_for(device)
-        if not platform.computes_on_host:
-            return f"--quantization {method} uses tideserve's CPU kernels and does not run on {platform.device_name}"
-        if not quant.available():
-            return (f"--quantization {method} needs tideserve's native kernels, which need a C compiler (cc or "
-                    "$CC) and TIDESERVE_NATIVE unset or 1")
-    return None
-
-
-def int8_unavailable_reason(device: torch.device) -> str | None:
-    """Why int8 cannot run here, or None when it can."""
-    platform = platform_for(device)
-    if not platform.computes_on_host:
-        return f"--quantization int8 uses fbgemm's CPU kernels and does not run on {platform.device_name}"
-    engines = torch.backends.quantized.supported_engines
-    if "fbgemm" not in engines and "x86" not in engines:
-        return f"--quantization int8 needs torch's fbgemm/x86 quantized engine; this build has {engines}"
-    return None
 
 
 class Int8Weight:
@@ -132,42 +92,6 @@ class QuantTensor:
     qtype: str
     data: torch.Tensor
     shape: tuple[int, int]
-
-
-def quantize_blocks(weight: torch.Tensor, qtype: str) -> torch.Tensor:
-    """weight [N, K] -> uint8 [N, row_bytes] of GGUF ``q4_1`` or ``q8_0`` blocks.
-
-    q4_1: per block of 32, m = the block's minimum and d = its range / 15, both rounded to fp16 before the
-    4-bit codes are computed, so the codes fit the stored numbers (and a Q4_1 file's dequantized values
-    give its own blocks back). q8_0: d = the largest magnitude / 127.
-    """
-    n, k = weight.shape
-    if k % BLOCK:
-        raise ValueError(f"block-quantized weights need in_features divisible by {BLOCK}, got {k}")
-    blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
-    if qtype == "q4_1":
-        low = blocks.amin(dim=-1).clamp(-65504, 65504).half()
-        d = ((blocks.amax(dim=-1) - low.float()) / 15).clamp(max=65504).half()
-        inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros(()))
-        codes = ((blocks - low.float()[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
-        qs = codes[..., : BLOCK // 2] | (codes[..., BLOCK // 2:] << 4)
-        parts = [d.view(torch.uint8).reshape(n, -1, 2), low.view(torch.uint8).reshape(n, -1, 2), qs]
-    elif qtype == "q8_0":
-        d = (blocks.abs().amax(dim=-1) / 127).clamp(max=65504).half()
-        inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros(()))
-        codes = (blocks * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
-        parts = [d.view(torch.uint8).reshape(n, -1, 2), codes.view(torch.uint8)]
-    else:
-        raise ValueError(f"weights can be quantized to q4_1 or q8_0 here, not {qtype!r}")
-    return torch.cat(parts, dim=-1).reshape(n, -1).contiguous()
-
-
-def dequantize_blocks(data: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
-    """The float32 [N, K] values of GGUF blocks (the gguf package's own dequantization)."""
-    import gguf
-
-    values = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType[qtype.upper()])
-    return torch.from_numpy(values.astype("float32", copy=False).reshape(data.shape[0], in_features))
 
 
 def _merge_run(qtype: str, parts: list[torch.Tensor], in_features: int, layout: str) -> torch.Tensor:
@@ -282,107 +206,3 @@ class QuantWeight:
             if rows is not None:
                 return rows.reshape(*ids.shape, self.in_features)
         return F.embedding(ids, self.dequantize())
-
-
-def quantize_model(model: nn.Module, method: str, device: torch.device,
-                   act_max: dict[str, torch.Tensor] | None = None, alpha: float = 0.7) -> tuple[nn.Module, int]:
-    """A quantized model and the weight bytes saved; ``model`` itself is left as it was.
-
-    The returned model is a copy of the module tree sharing every float tensor it keeps (norms,
-    embeddings) with the original, so a model loaded once can serve float and quantized engines. Its
-    linear layers hold packed int8 weights instead of float ones, and the LM head gets an int8 copy;
-    embedding lookups stay in float. ``act_max`` (per linear layer name, the largest input magnitude
-    per channel, from ``calibrate``) turns on SmoothQuant with migration strength ``alpha``.
-    """
-    if method not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}.")
-    if method == "none":
-        return model, 0
-    if method in ("auto", "gguf"):
-        raise ValueError(f"quantization {method!r} keeps a GGUF file's own blocks and is applied while the file "
-                         "loads (load_model), not to a loaded float model")
-    reason = unavailable_reason(method, device)
-    if reason:
-        raise ValueError(reason + "; use --quantization none.")
-    from tideserve.model.layers.linear import Linear
-
-    shared = {id(t): t for t in model.state_dict(keep_vars=True).values()}
-    model = copy.deepcopy(model, memo=shared)
-    saved = 0
-    for name, module in model.named_modules():
-        if isinstance(module, Linear) and module.qweight is None:
-            smooth = None
-            if act_max is not None and name in act_max:
-                w_max = module.weight.detach().float().abs().amax(dim=0).clamp_min(1e-5)
-                smooth = (act_max[name].float().clamp_min(1e-5) ** alpha / w_max ** (1 - alpha)).clamp_min(1e-5)
-            if method == "int4":
-                if module.in_features % BLOCK:
-                    raise ValueError(f"--quantization int4 needs every linear layer's input size to be divisible "
-                                     f"by {BLOCK}; {name} takes {module.in_features}. Use --quantization int8.")
-                module.qweight = QuantWeight.from_float(module.weight, module.bias, "q4_1")
-            else:
-                module.qweight = Int8Weight(module.weight, module.bias, smooth)
-            saved += module.weight.numel() * module.weight.element_size() - module.qweight.nbytes
-            module.weight = None
-            module.bias = None
-    if hasattr(model, "quantize_lm_head"):
-        saved += model.quantize_lm_head(
-            (lambda w: QuantWeight.from_float(w, qtype="q8_0")) if method == "int4" else Int8Weight)
-    if method == "int4" and hasattr(model, "enable_native_decode"):
-        model.enable_native_decode()
-    return model, saved
-
-
-def model_weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights occupy: float tensors plus quantized ones (not in the state dict)."""
-    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    seen: set[int] = set()  # a tied LM head is the embedding's own quantized table
-    for q in [getattr(m, "qweight", None) for m in model.modules()] + [getattr(model, "lm_head_q", None)]:
-        if isinstance(q, (Int8Weight, QuantWeight)) and id(q) not in seen:
-            seen.add(id(q))
-            total += q.nbytes
-    return total
-
-
-# Calibration text for SmoothQuant's activation ranges: prose, code, numbers and a chat turn, so the
-# outlier channels that any of them light up are covered.
-CALIBRATION_TEXT = (
-    "<|im_start|>user\nExplain how a bicycle gear works, then give three tips for riding at night.<|im_end|>\n"
-    "<|im_start|>assistant\nA bicycle gear trades force for speed: a small front ring and a large rear cog "
-    "make each turn of the pedals easier but slower. At night, use a white front light and a red rear "
-    "light, wear something reflective, and ride where drivers expect you.<|im_end|>\n"
-    "import os\nfor root, dirs, files in os.walk('.'):\n    print(root, len(files), sum(1 for f in files))\n"
-    "Totals for 2024: 3.14159, 2,718 units, 1e-5 tolerance, 42% growth; see table 7 (page 12).\n"
-    "The committee met on Tuesday. After a long debate the members voted to repair the old bridge first."
-)
-
-
-@torch.inference_mode()
-def calibrate(model: nn.Module, token_ids: list[int], device: torch.device) -> dict[str, torch.Tensor]:
-    """Largest input magnitude per channel of every linear layer, over one float forward pass."""
-    from tideserve.model.attention import BatchLayout, TorchSDPABackend
-    from tideserve.model.layers.linear import Linear
-
-    act_max: dict[str, torch.Tensor] = {}
-
-    def record(name: str):
-        def hook(_module, inputs, _output) -> None:
-            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0).float().cpu()
-            act_max[name] = torch.maximum(act_max[name], x) if name in act_max else x
-        return hook
-
-    hooks = [m.register_forward_hook(record(n)) for n, m in model.named_modules() if isinstance(m, Linear)]
-    try:
-        n = len(token_ids)
-        arch = model.arch
-        block = 16
-        shape = (-(-n // block), block, arch.num_key_value_heads, arch.head_dim)
-        caches = [(torch.empty(shape, dtype=model.dtype, device=device),
-                   torch.empty(shape, dtype=model.dtype, device=device)) for _ in range(arch.num_hidden_layers)]
-        meta = TorchSDPABackend(device).build_metadata(BatchLayout.single_prefill(n, block))
-        ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-        model(ids, torch.arange(n, device=device), caches, meta)
-    finally:
-        for h in hooks:
-            h.remove()
-    return act_max
