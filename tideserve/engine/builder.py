@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ from tideserve.core.kv_cache.manager import KVCacheManager
 from tideserve.core.scheduler import Scheduler
 from tideserve.engine.arg_utils import EngineArgs
 from tideserve.engine.input_processor import InputProcessor
-from tideserve.engine.kv_events import create_publisher
+from tideserve.engine.kv_events import EventPublisher, create_publisher
 from tideserve.engine.kv_sizing import KVPlan, memory_account, plan_kv_cache
 from tideserve.engine.loaded_model import match_loaded
 from tideserve.engine.memory_probe import WorkersMemoryProbe
@@ -53,18 +54,41 @@ from tideserve.worker.tp_executor import TensorParallelExecutor
 from tideserve.worker.tp_rank import RankSetup
 from tideserve.worker.worker import Worker, worker_class
 
-if TYPE_CHECKING:
-    from tideserve.engine.llm_engine import LLMEngine
-
 logger = logging.getLogger(__name__)
 GiB = 2**30
 
 
-def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
-                 tokenizer: Tokenizer | None = None) -> LLMEngine:
-    """An engine over ``loaded`` (see the module docstring); ``tokenizer`` None: read from the model's path."""
-    from tideserve.engine.llm_engine import LLMEngine
+@dataclass
+class EngineParts:
+    """What an engine is made of, assembled once (``build_engine``) and stepped by ``LLMEngine``."""
 
+    args: EngineArgs
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    loaded: LoadedModel
+    model: torch.nn.Module  # the weights as this process serves them (rank 0's shard under tensor parallelism)
+    device: torch.device
+    platform: Platform
+    kv_dtype: torch.dtype
+    tokenizer: Tokenizer
+    max_model_len: int
+    executor: Executor
+    memory: WorkersMemoryProbe
+    kv_manager: KVCacheManager
+    scheduler: Scheduler
+    pool: PoolController
+    input_processor: InputProcessor
+    output_processor: OutputProcessor
+    structured_output: StructuredOutputManager
+    thread_governor: ThreadGovernor | None
+    kv_events: EventPublisher | None
+
+
+def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
+                 tokenizer: Tokenizer | None = None) -> EngineParts:
+    """The parts of an engine over ``loaded`` (see the module docstring); ``tokenizer`` None: read from
+    the model's path."""
     args = EngineArgs.coerce(args)
     model_config, cache_config, sched_config = args.configs()
     requested = None if model_config.device == "auto" else resolve_device(model_config.device)
@@ -127,7 +151,7 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
     except BaseException:
         executor.shutdown()
         raise
-    return LLMEngine(
+    return EngineParts(
         args=args, model_config=model_config, cache_config=cache_config, scheduler_config=sched_config,
         loaded=loaded, model=executor.driver_worker.model, device=device, platform=platform, kv_dtype=kv_dtype,
         tokenizer=tokenizer, max_model_len=max_model_len, executor=executor, memory=memory, kv_manager=kv_manager,

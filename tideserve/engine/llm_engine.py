@@ -18,26 +18,19 @@ from typing import Any
 
 import torch
 
-from tideserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from tideserve.core.kv_cache.manager import KVCacheManager
-from tideserve.core.scheduler import Scheduler, SchedulerOutput
+from tideserve.core.scheduler import SchedulerOutput
 from tideserve.engine.arg_utils import EngineArgs
-from tideserve.engine.input_processor import EngineRequest, InputProcessor
-from tideserve.engine.kv_events import EventPublisher
-from tideserve.engine.memory_probe import WorkersMemoryProbe
-from tideserve.engine.output_processor import OutputProcessor
-from tideserve.engine.pool_controller import PoolController
+from tideserve.engine.builder import EngineParts, build_engine
+from tideserve.engine.input_processor import EngineRequest
 from tideserve.engine.stats import EngineStats
-from tideserve.engine.threads import ThreadGovernor
 from tideserve.model.loader import LoadedModel, load_model
 from tideserve.outputs import RequestOutput
-from tideserve.platform import Platform, resolve_device
+from tideserve.platform import resolve_device
 from tideserve.pooling_params import PoolingParams
 from tideserve.request import Request, RequestStatus
 from tideserve.sampling_params import SamplingParams
-from tideserve.structured_output.manager import StructuredOutputManager
 from tideserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
-from tideserve.worker.executor import Executor, Method
+from tideserve.worker.executor import Method
 from tideserve.worker.model_runner import ModelRunnerOutput
 from tideserve.worker.worker import Worker
 
@@ -53,39 +46,33 @@ class LLMEngine:
     the settings in ``args`` must describe the model (engine/loaded_model.py).
     """
 
-    def __init__(self, *, args: EngineArgs, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, loaded: LoadedModel, model: torch.nn.Module,
-                 device: torch.device, platform: Platform, kv_dtype: torch.dtype, tokenizer: Tokenizer,
-                 max_model_len: int, executor: Executor, memory: WorkersMemoryProbe, kv_manager: KVCacheManager,
-                 scheduler: Scheduler, pool: PoolController, input_processor: InputProcessor,
-                 output_processor: OutputProcessor, structured_output: StructuredOutputManager,
-                 thread_governor: ThreadGovernor | None, kv_events: EventPublisher | None) -> None:
-        """The parts ``build_engine`` assembled; not called directly."""
-        self.args = args
-        self.model_config = model_config
-        self.cache_config = cache_config
-        self.scheduler_config = scheduler_config
-        self.model = model  # the weights as this process serves them (rank 0's shard under tensor parallelism)
-        self.arch = loaded.arch
-        self.dtype = loaded.dtype
-        self.quantization = loaded.quantization
-        self.model_path = loaded.path
-        self.model_name = loaded.name
-        self.device = device
-        self.platform = platform
-        self.kv_dtype = kv_dtype
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.executor = executor
-        self.memory = memory
-        self.kv_manager = kv_manager
-        self.scheduler = scheduler
-        self.pool = pool
-        self.input_processor = input_processor
-        self.output_processor = output_processor
-        self.structured_output = structured_output
-        self.thread_governor = thread_governor
-        self.kv_events = kv_events
+    def __init__(self, parts: EngineParts) -> None:
+        """The parts ``build_engine`` assembled (use ``from_engine_args`` or ``from_loaded``)."""
+        self.args = parts.args
+        self.model_config = parts.model_config
+        self.cache_config = parts.cache_config
+        self.scheduler_config = parts.scheduler_config
+        self.model = parts.model  # the weights as this process serves them (rank 0's shard under TP)
+        self.arch = parts.loaded.arch
+        self.dtype = parts.loaded.dtype
+        self.quantization = parts.loaded.quantization
+        self.model_path = parts.loaded.path
+        self.model_name = parts.loaded.name
+        self.device = parts.device
+        self.platform = parts.platform
+        self.kv_dtype = parts.kv_dtype
+        self.tokenizer = parts.tokenizer
+        self.max_model_len = parts.max_model_len
+        self.executor = parts.executor
+        self.memory = parts.memory
+        self.kv_manager = parts.kv_manager
+        self.scheduler = parts.scheduler
+        self.pool = parts.pool
+        self.input_processor = parts.input_processor
+        self.output_processor = parts.output_processor
+        self.structured_output = parts.structured_output
+        self.thread_governor = parts.thread_governor
+        self.kv_events = parts.kv_events
         self._ids = itertools.count()
         self._sampled_last_step: dict[str, int] = {}
         self._num_prompt_tokens = 0
@@ -110,9 +97,7 @@ class LLMEngine:
                     tokenizer: Tokenizer | None = None) -> LLMEngine:
         """An engine over an already loaded model (``load_model``) and its tokenizer (loaded from the
         model's path when None); settings left at "auto" take the loaded model's."""
-        from tideserve.engine.builder import build_engine
-
-        return build_engine(args, loaded, tokenizer)
+        return cls(build_engine(args, loaded, tokenizer))
 
     # ----------------------------------------------------------------- requests
     def make_request_id(self) -> str:
