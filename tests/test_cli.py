@@ -11,6 +11,7 @@ def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess
                           input=stdin, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # starts a process
 def test_generate_greedy_and_chat():
     out = run_cli("generate", "--dtype", "float32", "--prompt", "The capital of France is",
                   "--temperature", "0", "--max-tokens", "4")
@@ -22,6 +23,7 @@ def test_generate_greedy_and_chat():
     assert chat.stdout.strip()
 
 
+@pytest.mark.slow  # starts a process
 def test_bad_flag_values_exit_with_a_clear_error():
     out = run_cli("generate", "--max-model-len", "10000000", "--prompt", "x")
     assert out.returncode == 2
@@ -34,6 +36,7 @@ def test_bad_flag_values_exit_with_a_clear_error():
     assert out.returncode == 2 and "invalid choice: 'fp8_e5m2'" in out.stderr
 
 
+@pytest.mark.slow  # starts a process
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_generate_with_quantized_weights(method):
     import torch
@@ -63,6 +66,7 @@ def engine_configs(cl):
     return EngineArgs(**engine_kwargs(cl.ns)).configs()
 
 
+@pytest.mark.slow  # starts a process
 def test_version_and_python_dash_m():
     for args in (["--version"], ["serve", "--version"], ["bench", "serve", "--version"]):
         out = subprocess.run([sys.executable, "-m", "tideserve", *args], capture_output=True, text=True, timeout=120)

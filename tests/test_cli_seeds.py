@@ -120,6 +120,7 @@ def test_seed_errors_reach_the_user_all_at_once(capsys):
     assert "tensor_parallel_size" not in err  # -tp 2 is a real setting now
 
 
+@pytest.mark.slow  # starts a process
 def test_seed_serve_command_runs_end_to_end(smollm2_gguf_path, tmp_path):
     """Seed 000: vllm serve MODEL --tensor-parallel-size 1 --max-model-len 4096 --port 8000, as
     ``python -m tideserve`` on a free port: it loads, answers /health and lists the model at 4096."""

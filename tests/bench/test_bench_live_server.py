@@ -16,6 +16,8 @@ import pytest
 
 from tideserve.cli import build_parser, main
 
+pytestmark = pytest.mark.slow  # starts processes: run by `make test`, skipped by `-m "not slow"`
+
 
 def _serve_missing() -> str | None:
     try:

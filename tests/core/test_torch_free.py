@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 _SCRIPT = """
@@ -35,6 +37,7 @@ def _import_core_without_torch(root: Path) -> subprocess.CompletedProcess[str]:
                           env={**os.environ, "PYTHONPATH": str(root)})
 
 
+@pytest.mark.slow  # starts a process
 def test_core_imports_with_torch_blocked() -> None:
     done = _import_core_without_torch(REPO_ROOT)
     assert done.returncode == 0, done.stderr
@@ -43,6 +46,7 @@ def test_core_imports_with_torch_blocked() -> None:
             "tideserve.core.kv_cache.elastic", "tideserve.core.kv_cache.block_pool"} <= set(imported)
 
 
+@pytest.mark.slow  # starts a process
 def test_the_block_catches_a_torch_import(tmp_path: Path) -> None:
     """The finder really blocks torch: a core module that imports it fails the same script."""
     package = tmp_path / "tideserve"

@@ -111,6 +111,7 @@ def test_builtin_families() -> None:
     assert llama.gguf_unpermute and not qwen2.gguf_unpermute  # llama.cpp permutes llama's q/k, not qwen2's
 
 
+@pytest.mark.slow  # starts a process
 def test_families_and_arch_config_need_no_torch() -> None:
     """Parsing a config reads the family declarations only: no torch, no model module."""
     code = (

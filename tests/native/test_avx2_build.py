@@ -18,6 +18,8 @@ import pytest
 
 from tideserve import native
 
+pytestmark = pytest.mark.slow  # starts processes: run by `make test`, skipped by `-m "not slow"`
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "avx2_emulation.sh"
 KERNEL_TESTS = ["test_qgemm.py", "test_paged_decode.py", "test_paged_prefill.py", "test_rows.py", "test_rope_store.py"]

@@ -73,6 +73,7 @@ def _fresh_process(env_isa: str) -> subprocess.CompletedProcess:
                           check=False)
 
 
+@pytest.mark.slow  # starts a process
 def test_tideserve_isa_caps_the_path_and_is_logged_once():
     proc = _fresh_process("scalar")
     assert proc.returncode == 0, proc.stderr

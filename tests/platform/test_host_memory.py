@@ -388,6 +388,7 @@ def _remove_cgroup(directory: Path) -> None:
     directory.rmdir()
 
 
+@pytest.mark.slow  # starts a process
 def test_real_child_cgroup_limit_is_seen_by_a_process_inside_it() -> None:
     parent, _path = _real_v1_memory_cgroup()
     if os.geteuid() != 0:

@@ -22,6 +22,8 @@ from types import ModuleType
 
 import pytest
 
+pytestmark = pytest.mark.slow  # starts processes: run by `make test`, skipped by `-m "not slow"`
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "cotenancy.py"
 SHRINK_DELAY_S = 1.0
 

@@ -265,6 +265,7 @@ def test_the_hpa_scales_on_a_metric_the_server_exports(server):
     assert re.search(rf"^{re.escape(series)}\{{", exported, flags=re.M), f"{series} is not exported"
 
 
+@pytest.mark.slow  # starts a process
 def test_the_router_probe_paths_answer(server):
     """The router's own probes (router.yaml) and metrics port, on a real router in front of a server."""
     pytest.importorskip("vllm_router")

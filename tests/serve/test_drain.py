@@ -12,6 +12,8 @@ import httpx
 import pytest
 from serve_process import log_tail, start_serve
 
+pytestmark = pytest.mark.slow  # starts processes: run by `make test`, skipped by `-m "not slow"`
+
 LOAD_TIMEOUT = 120.0
 
 

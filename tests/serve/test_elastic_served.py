@@ -14,6 +14,8 @@ import pytest
 
 from tideserve.bench.launch import ServerProcess, free_port
 
+pytestmark = pytest.mark.slow  # starts processes: run by `make test`, skipped by `-m "not slow"`
+
 SHRINK_DELAY_S = 1.0
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 SYSTEM = "You are a terse assistant for a ferry company. Answer in one sentence and never invent times. " * 3

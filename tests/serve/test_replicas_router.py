@@ -27,6 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.kv_events_subscriber import Subscriber, kind, replay_view
 from tideserve.bench.launch import ServerProcess, free_port
 
+pytestmark = pytest.mark.slow  # starts processes: run by `make test`, skipped by `-m "not slow"`
+
 pytest.importorskip("vllm_router", reason="vllm-router is in the test extra: pip install -e '.[test]'")
 openai = pytest.importorskip("openai")
 

@@ -14,6 +14,8 @@ from serve_process import log_tail, start_serve
 
 from tideserve import SamplingParams
 
+pytestmark = pytest.mark.slow  # starts processes: run by `make test`, skipped by `-m "not slow"`
+
 openai = pytest.importorskip("openai")
 
 LOAD_TIMEOUT = 180.0

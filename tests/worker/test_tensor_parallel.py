@@ -156,6 +156,8 @@ import psutil
 from tideserve import LLM
 from tideserve.model.loader import load_model
 from tideserve.tokenizer.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.slow  # starts processes: run by `make test`, skipped by `-m "not slow"`
 llm = LLM.from_loaded(load_model(sys.argv[1], dtype="float32"), load_tokenizer(sys.argv[2]), tensor_parallel_size=2,
                       max_model_len=64)
 llm.generate([[1, 2, 3]])

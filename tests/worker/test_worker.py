@@ -48,6 +48,7 @@ def extension_module(tmp_path, monkeypatch) -> str:
     return "tideserve_test_probe.Probe"
 
 
+@pytest.mark.slow  # starts a process
 def test_an_operation_added_to_the_worker_runs_on_both_ranks(extension_module, tiny_checkpoint,
                                                               smollm2_tokenizer):
     loaded = load_model(str(tiny_checkpoint("llama-kv4-untied")), dtype="float32")

@@ -630,9 +630,6 @@ class KVCacheStorage:
     def bytes_per_block(self, block_size: int | None = None) -> int:
         return self.layout.block_bytes(block_size or self.block_size)
 
-    def max_blocks_within(self, spare_bytes: int) -> int:
-        return self.device_store.max_blocks_within(spare_bytes)
-
     # ----------------------------------------------------------------- the elastic pool's moves
     def resize(self, num_blocks: int) -> None:
         """Blocks below min(old, new) keep their KV; raises KVStoreGrowError (unchanged) when growth fails."""

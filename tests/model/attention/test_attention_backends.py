@@ -207,6 +207,7 @@ def test_the_triton_kernels_follow_the_torch_backend(paged_cache):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # starts a process
 def test_the_real_triton_kernels_run_behind_the_backend_under_the_interpreter():
     """The test above, in a process where TRITON_INTERPRET=1 is set before triton is imported (the rest of
     the suite never sees the variable): the real kernels, not the stand-ins, on mixed batches."""
