@@ -1,9 +1,12 @@
-"""Co-tenancy: two real ``tideserve serve`` processes in ONE memory cgroup, bursting in turn.
+"""Co-tenancy: two real ``tideserve serve`` processes in ONE memory cgroup, bursting in turn and at once.
 
 A bursts while B idles, then B while A idles (A, B, A, B: the shape kvcached reports for two instances on
 one GPU), in three modes with the same prompts and client: ``elastic`` (default pools, short shrink
 delay: the bursting server grows into what the idle one gave back), ``static`` (a half split,
-``--kv-cache-memory X`` each, X = 0.97 R / 2) and ``static-swap`` (KV 2/3 X plus swap 1/3 X each).
+``--kv-cache-memory X`` each, X = 0.97 R / 2) and ``static-swap`` (KV 2/3 X plus swap 1/3 X each). A
+fourth mode, ``joint``, has both elastic servers burst at the same moment, so together they want twice
+the room the limit leaves: neither may be killed and no request may fail (the engines share the
+headroom through their memory ledger and preempt or wait instead).
 Memory, not compute, must bind, so the limit is measured: the working set of both servers started,
 warmed and idle, less their KV pools (taken again in each mode once its servers are warm; a calibration
 pair of elastic servers gives the rest) + their idle floors + R + activation peak + safety margin (from
@@ -51,7 +54,7 @@ from tideserve.platform.host_memory import CgroupMemory
 
 logger = logging.getLogger("cotenancy")
 MiB, GiB = 2**20, 2**30
-MODES = ("elastic", "static", "static-swap")
+MODES = ("elastic", "static", "static-swap", "joint")
 POLL_S = 0.25
 # An idle elastic pool keeps its reserve plus up to idle_unhit_cache_bytes of unhit prefix cache; the
 # warmup leaves that much cache behind so every burst starts from the same after-serving floor.
@@ -63,7 +66,8 @@ WORDS = ("harbour island ferry ticket morning evening weather storm captain deck
          "passenger season winter summer route pier coast lighthouse delay refund timetable").split()
 METRICS = {"pool_bytes": "vllm:kv_cache_pool_bytes", "pool_blocks": "vllm:kv_cache_pool_blocks",
            "used_blocks": "vllm:kv_cache_used_blocks", "running": "vllm:num_requests_running",
-           "preemptions": "vllm:num_preemptions_total", "swap_ins": "vllm:num_swap_ins_total"}
+           "preemptions": "vllm:num_preemptions_total", "swap_ins": "vllm:num_swap_ins_total",
+           "claimed": "vllm:memory_claimed_bytes", "others_claimed": "vllm:memory_others_claimed_bytes"}
 
 
 class CgroupUnavailable(RuntimeError):
@@ -217,7 +221,7 @@ def parse_log(text: str) -> dict[str, float]:
 
 
 def mode_flags(mode: str, args: argparse.Namespace, sizing: Sizing | None) -> list[str]:
-    if mode == "elastic":
+    if mode in ("elastic", "joint"):
         return ["--kv-cache-shrink-delay", str(args.shrink_delay)]
     x = sizing.static_kv_bytes  # type: ignore[union-attr]
     if mode == "static":
@@ -335,10 +339,11 @@ def recovery_s(samples: list[dict[str, Any]], burst: Burst, window_s: float) -> 
 
 async def drive(servers: list[ServerProcess], bursts: list[list[SampleRequest]], warmup: list[SampleRequest],
                 cg: Cgroup, args: argparse.Namespace, elastic: bool,
-                limit_above_idle: int | None) -> dict[str, Any]:
+                limit_above_idle: int | None, joint: bool = False) -> dict[str, Any]:
     """Warm both servers, then the staggered bursts A, B, A, B, ``gap`` seconds apart (elastic: and each once
     the previous burster's pool is back near its floor, so a burst never starts inside the last one's
-    give-back, whose timing varies with the machine); counters, timeline.
+    give-back, whose timing varies with the machine); with ``joint``, A and B burst together, round after
+    round, each round once both pools are back near their floors; counters, timeline.
 
     With ``limit_above_idle`` the cgroup's limit is set once both servers are warm and idle: their working
     set then less their KV pools, plus that many bytes. Taken from the calibration's servers instead, the
@@ -360,7 +365,21 @@ async def drive(servers: list[ServerProcess], bursts: list[list[SampleRequest]],
     before = [latest(samples, i) for i in range(2)]
     counters0 = cg.counters()
     done: list[Burst] = []
-    for k, requests in enumerate(bursts):
+    window = args.shrink_delay + 15
+    if joint:
+        for k in range(0, len(bursts), 2):
+            logger.info("joint burst %d/%d: %d + %d requests on A and B at once", k // 2 + 1, len(bursts) // 2,
+                        len(bursts[k]), len(bursts[k + 1]))
+            pair = [Burst(i, time.perf_counter() - t0, latest(samples, i)["pool_bytes"]) for i in range(2)]
+            results = await asyncio.gather(*(run_burst(urls[i], model, bursts[k + i], args.request_timeout)
+                                             for i in range(2)))
+            for burst, records in zip(pair, results):
+                burst.records = records
+                burst.end_s = time.perf_counter() - t0
+            done += pair
+            await asyncio.sleep(args.gap if k + 2 < len(bursts) else 0)
+            await wait_for(lambda pair=pair: all(recovery_s(samples, b, window) is not None for b in pair), window)
+    for k, requests in enumerate([] if joint else bursts):
         burst = Burst(k % 2, time.perf_counter() - t0, latest(samples, k % 2)["pool_bytes"])
         logger.info("burst %d/%d: %d requests on server %s", k + 1, len(bursts), len(requests), "AB"[k % 2])
         burst.records = await run_burst(urls[burst.server], model, requests, args.request_timeout)
@@ -368,8 +387,7 @@ async def drive(servers: list[ServerProcess], bursts: list[list[SampleRequest]],
         done.append(burst)
         await asyncio.sleep(args.gap if k + 1 < len(bursts) else 0)
         if elastic:  # the next burst starts once this burster has given its memory back: turns, not overlap
-            window = args.shrink_delay + 15
-            await wait_for(lambda window=window: recovery_s(samples, done[-1], window) is not None, window)
+            await wait_for(lambda: recovery_s(samples, done[-1], window) is not None, window)
     stop.set()
     await task
     counters = cg.counters()
@@ -400,7 +418,7 @@ def summarize(mode: str, run: dict[str, Any], window_s: float) -> dict[str, Any]
                           "output_tokens": tokens, "output_tok_s": tokens / (b.end_s - b.start_s),
                           "floor_bytes": b.floor_bytes, "peak_pool_bytes": max(pool(s, b.server) for s in inside),
                           "peak_used_bytes": max(pool(s, b.server, used=True) for s in inside),
-                          "recovery_s": recovery_s(samples, b, window_s) if mode == "elastic" else "n/a",
+                          "recovery_s": recovery_s(samples, b, window_s) if mode in ("elastic", "joint") else "n/a",
                           "failed": sum(not r.success for r in b.records)})
     delta = {k: sum(run["after"][i][k] - run["before"][i][k] for i in range(2)) for k in ("preemptions", "swap_ins")}
     return {
@@ -414,6 +432,9 @@ def summarize(mode: str, run: dict[str, Any], window_s: float) -> dict[str, Any]
         **delta, "oom_kills": run["oom_kills"], "limit_hits": run["limit_hits"], "alive": run["alive"],
         "bursts": per_burst, "peak_pool_bytes": [max(pool(s, i) for s in samples) for i in range(2)],
         "peak_pool_sum_bytes": max(pool(s, 0) + pool(s, 1) for s in samples),
+        # what each server saw the other claim on the limit (its memory ledger), at most
+        "peak_others_claimed_bytes": [max((s["servers"][i] or {}).get("others_claimed", 0.0) or 0.0 for s in samples)
+                                      for i in range(2)],
         "peak_cgroup_bytes": max([run["kernel_peak"]] + [s["cgroup_bytes"] for s in samples]), "logs": run["logs"],
         "idle_working_set_bytes": run["idle_working_set_bytes"], "limit_bytes": run["limit_bytes"],
         "timeline": [[round(s["t"], 3), s["cgroup_bytes"], pool(s, 0), pool(s, 1)] for s in samples],
@@ -536,8 +557,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             above_idle = None if sizing.limit_overridden else sizing.limit_bytes - non_kv_idle
             try:
                 with start_servers(cg, args, mode_flags(mode, args, sizing), mode) as servers:
-                    run = asyncio.run(drive(servers, bursts, warmup, cg, args, elastic=mode == "elastic",
-                                            limit_above_idle=above_idle))
+                    run = asyncio.run(drive(servers, bursts, warmup, cg, args, elastic=mode in ("elastic", "joint"),
+                                            limit_above_idle=above_idle, joint=mode == "joint"))
                 result["modes"][mode] = summarize(mode, run, args.shrink_delay + 15)
             except RuntimeError as exc:  # a server that fails to start or dies: report it, go on
                 logger.error("mode %s failed: %s", mode, exc)
@@ -546,7 +567,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         cg.remove()
     if (base := result["modes"].get("elastic")) is not None:  # p99 TTFT static/elastic, tok/s elastic/static
         for mode, m in result["modes"].items():
-            if mode != "elastic" and "error" not in m and "error" not in base:
+            if mode not in ("elastic", "joint") and "error" not in m and "error" not in base:
                 result["ratios"][mode] = {
                     "ttft_p99": m["ttft_p99_ms"] / base["ttft_p99_ms"] if base["ttft_p99_ms"] else None,
                     "throughput": base["output_tok_s_overall"] / m["output_tok_s_overall"],

@@ -448,3 +448,30 @@ def test_a_failed_background_commit_leaves_the_growth_to_resize(monkeypatch):
     store.resize(1000)
     assert mapping_rss(store) >= 1000 * BLOCK
     assert store.commit_ahead(2000) is False  # a resize clears the failure: the next growth tries again
+
+
+def test_a_growth_commits_in_steps_and_stops_when_the_machine_runs_short():
+    """Before each step of a growth's pages the store asks whether the machine still has room: when it has
+    not, what the growth committed goes back and the store is as it was; with room it grows as usual."""
+    store = ReservedKVStore(LAYOUT, BS, num_blocks=4, reserve_bytes=64 * MiB)
+    live = mapping_rss(store)
+    fill_pattern(store, range(4))
+    steps: list[int] = []
+    room = {"steps": 3}
+
+    def guard(num_bytes: int) -> bool:
+        steps.append(num_bytes)
+        room["steps"] -= 1
+        return room["steps"] >= 0
+
+    store.commit_guard = guard
+    target = 4 + (16 * MiB) // BLOCK  # several steps' worth of pages
+    with pytest.raises(KVStoreGrowError, match="free memory fell under the floor"):
+        store.resize(target)
+    assert len(steps) == 4 and store.num_blocks == 4  # three steps committed, the fourth refused
+    assert mapping_rss(store) <= live + 2 * LAYOUT.num_layers * PAGE  # the three steps' pages went back
+    for layer, (k, v) in enumerate(store.caches):  # the live blocks kept their KV
+        assert torch.all(k[3] == layer * 1000 + 3) and torch.all(v[3] == -(layer * 1000 + 3))
+    room["steps"] = 10**6
+    store.resize(target)
+    assert store.num_blocks == target and mapping_rss(store) >= target * BLOCK

@@ -23,6 +23,8 @@ from tideserve import LLM, SamplingParams
 from tideserve.model.loader import load_model
 from tideserve.worker.tp_executor import TensorParallelError
 
+pytestmark = pytest.mark.slow  # starts processes: run by `make test`, skipped by `-m "not slow"`
+
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 SCORED = SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=1)
 
@@ -156,8 +158,6 @@ import psutil
 from tideserve import LLM
 from tideserve.model.loader import load_model
 from tideserve.tokenizer.tokenizer import load_tokenizer
-
-pytestmark = pytest.mark.slow  # starts processes: run by `make test`, skipped by `-m "not slow"`
 llm = LLM.from_loaded(load_model(sys.argv[1], dtype="float32"), load_tokenizer(sys.argv[2]), tensor_parallel_size=2,
                       max_model_len=64)
 llm.generate([[1, 2, 3]])

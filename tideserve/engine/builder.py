@@ -47,6 +47,7 @@ from tideserve.model.layers.quant.weight_bytes import model_weight_bytes
 from tideserve.model.loader import LoadedModel
 from tideserve.model.tensor_parallel import check_tensor_parallel, shard_model
 from tideserve.platform import Platform, platform_for, resolve_device
+from tideserve.platform.memory_ledger import MemoryLedger
 from tideserve.structured_output.manager import StructuredOutputManager
 from tideserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 from tideserve.worker.executor import Executor, UniprocExecutor
@@ -128,12 +129,16 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
         limits = KVStoreLimits.tightest(executor.collective_rpc(
             Worker.initialize_kv_cache, plan.geometry, plan.reserve_bytes, plan.policy is None))
         geometry = plan.geometry
+        # Pages are committed in steps, each while the machine keeps half the safety margin free beyond it.
+        executor.collective_rpc(Worker.set_commit_floor, plan.account.margin_bytes // 2)
+        scope = memory.scope()
+        ledger = MemoryLedger(scope) if scope is not None else None
         kv_manager = KVCacheManager(geometry.num_blocks, geometry.block_size, cache_config.enable_prefix_caching,
                                     extra_key=loaded.name)
         kv_manager.enable_swap(geometry.num_swap_blocks)
         scheduler = Scheduler(sched_config, kv_manager, max_model_len)
         pool = PoolController(geometry, limits, kv_manager, scheduler, executor, memory, plan.account, plan.policy,
-                              max_model_len, cache_config.auto_block_size)
+                              max_model_len, cache_config.auto_block_size, ledger=ledger)
         _enable_cuda_graphs(platform, model_config, executor, sched_config.max_num_seqs, max_model_len)
         # Under tensor parallelism the ranks split the cores between them (worker/tp_executor.py).
         thread_governor = (ThreadGovernor() if args.adaptive_threads and platform.computes_on_host

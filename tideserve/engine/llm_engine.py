@@ -190,13 +190,18 @@ class LLMEngine:
                 self.kv_events.publish(events)
 
     def close(self) -> None:
-        """Stop what runs beside the engine (the KV events publisher); idempotent."""
+        """Stop what runs beside the engine (the KV events publisher) and withdraw its claim on the memory
+        it shares with other engines; idempotent."""
         if self.kv_events is not None:
             self.kv_events.shutdown()
+        if self.pool.ledger is not None:
+            self.pool.ledger.close()
 
     def shutdown(self) -> None:
-        """Stop the workers' processes (tensor-parallel ranks; bounded). The engine is unusable
-        afterwards. Garbage collection and interpreter exit do the same."""
+        """Stop the workers' processes (tensor-parallel ranks; bounded) and withdraw the engine's memory
+        claim. The engine is unusable afterwards. Garbage collection and interpreter exit do the same."""
+        if self.pool.ledger is not None:
+            self.pool.ledger.close()
         self.executor.shutdown()
 
     def step(self) -> list[RequestOutput]:
@@ -290,6 +295,9 @@ class LLMEngine:
             prefix_cache_hits=kv.prefix_stats.hits,
             fragmentation_ratio=internal + external,
             kv_cache_pool_bytes=self.pool.pool_bytes,
+            kv_cache_resident_bytes=self.pool.resident_bytes(),
+            memory_claimed_bytes=self.pool.ledger.claim if self.pool.ledger is not None else 0,
+            memory_others_claimed_bytes=self.pool.others_claimed_bytes,
             kv_cache_pool_blocks=kv.num_blocks,
             kv_cache_block_size=kv.block_size,
             kv_cache_budget_bytes=self.pool.budget_bytes,

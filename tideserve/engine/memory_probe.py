@@ -56,6 +56,10 @@ class WorkersMemoryProbe:
     def used_by_process_bytes(self) -> int:
         return self.read().used_by_process_bytes
 
+    def scope(self) -> str | None:
+        """What rank 0's memory is shared with (``Platform.memory_scope``), or None."""
+        return self.executor.collective_rpc(Worker.memory_report, unique_reply_rank=0).scope
+
     def describe(self) -> str:
         reports = self.executor.collective_rpc(Worker.memory_report)
         text = reports[0].description

@@ -13,16 +13,18 @@ on a timer while the engine idles, so no forward pass ever sees a half-moved poo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from tideserve.core.kv_cache.elastic import BlockSizeAdvisor, ElasticPolicy, MemoryAccount
 from tideserve.core.kv_cache.geometry import KVGeometry, KVStoreLimits
 from tideserve.core.kv_cache.manager import KVCacheManager
 from tideserve.core.scheduler import Scheduler
-from tideserve.engine.memory_probe import WorkersMemoryProbe
+from tideserve.engine.memory_probe import MemoryReading, WorkersMemoryProbe
+from tideserve.platform.memory_ledger import MemoryLedger
 from tideserve.worker.executor import Executor
 from tideserve.worker.kv_store import KVStoreGrowError
 from tideserve.worker.worker import KVCommitState, Worker
@@ -35,15 +37,17 @@ ALLOC_LOG_INTERVAL_S = 5.0
 # take a few milliseconds on the engine's thread).
 COMMIT_AHEAD_MIN_BYTES = 16 * MiB
 BLOCK_SIZE_ADVICE_INTERVAL_S = 5.0
+CLAIM_REFRESH_S = 1.0  # a fixed pool's claim is published this often (an elastic pool's at each pressure check)
 
 
 class PoolController:
     def __init__(self, geometry: KVGeometry, limits: KVStoreLimits, kv: KVCacheManager, scheduler: Scheduler,
                  executor: Executor, memory: WorkersMemoryProbe, account: MemoryAccount,
                  policy: ElasticPolicy | None, max_model_len: int, auto_block_size: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, ledger: MemoryLedger | None = None) -> None:
         """``geometry``: the pool as the workers and ``kv`` hold it now; ``limits``: what bounds its growth
-        on the workers' stores; ``policy`` None: a static pool."""
+        on the workers' stores; ``policy`` None: a static pool; ``ledger``: the claims of the engines that
+        share this engine's memory limit (None: no neighbour to coordinate with)."""
         self.geometry = geometry
         self.limits = limits
         self.kv = kv
@@ -55,6 +59,9 @@ class PoolController:
         self.max_model_len = max_model_len
         self.advisor = BlockSizeAdvisor() if auto_block_size else None
         self.clock = clock
+        self.ledger = ledger
+        self._pending_claim = 0  # bytes of a growth decided and not yet committed
+        self.others_claimed_bytes = 0  # what the neighbours claimed at the last reading
         self.num_resizes = 0
         self.num_compactions = 0
         self.num_grow_failures = 0
@@ -121,13 +128,42 @@ class PoolController:
 
     # ----------------------------------------------------------------- the machine
     def _reachable_blocks(self) -> int:
-        """The largest pool the machine allows now: what the pool holds plus the free memory, less the
-        part of the activation peak not resident yet and the safety margin (read afresh: a neighbour may
-        have moved)."""
+        """The largest pool the machine allows now: what the pool holds plus the free memory, less what the
+        engines sharing its limit have claimed, the part of the activation peak not resident yet and the
+        safety margin (read afresh: a neighbour may have moved)."""
         reading = self.memory.read()
-        non_kv = reading.used_by_process_bytes - self.pool_bytes - self.swap_resident_bytes()
-        headroom = self.account.headroom_bytes(reading.available_bytes, non_kv)
+        others = self.others_claimed_bytes = self.ledger.others() if self.ledger is not None else 0
+        headroom = self.account.headroom_bytes(reading.available_bytes - others, self._non_kv_bytes(reading))
         return self.limits.max_blocks_within(self.geometry, headroom)
+
+    def _non_kv_bytes(self, reading: MemoryReading) -> int:
+        """What the process holds beside its KV pages (pages committed ahead of a growth are KV pages)."""
+        return reading.used_by_process_bytes - self.resident_bytes() - self.swap_resident_bytes()
+
+    def resident_bytes(self) -> int:
+        """Bytes of KV pages this engine holds resident: the pool, and what a background commit has made
+        resident ahead of a growth (the host's pages: a GPU's pool is allocated as it grows)."""
+        ahead = self._commit_state().committed_ahead_blocks if self.memory.host_memory else 0
+        return max(self.geometry.num_blocks, ahead) * self.bytes_per_block
+
+    @contextlib.contextmanager
+    def _claiming(self) -> Iterator[None]:
+        """Decide a growth and publish its claim as one step: no engine sharing the limit reads or claims
+        memory in between (the ledger's lock), so two cannot take the same headroom."""
+        with self.ledger.exclusive() if self.ledger is not None else contextlib.nullcontext():
+            yield
+
+    def _publish_claim(self, reading: MemoryReading | None = None) -> None:
+        """Tell the engines sharing the limit what this one may still make resident that the limit's usage
+        does not show: a growth decided and not committed yet, the pages a background commit has still to
+        commit, and the part of the activation peak not resident now."""
+        if self.ledger is None:
+            return
+        reading = reading or self.memory.read()
+        state = self._commit_state()
+        ahead = max(0, state.goal_blocks - state.committed_ahead_blocks) if state.in_flight else 0
+        activation = self.account.activation_to_reserve(self._non_kv_bytes(reading))
+        self.ledger.set_claim(self._pending_claim + ahead * self.bytes_per_block + activation)
 
     def swap_resident_bytes(self) -> int:
         """Host memory the swap tier may hold now (the most blocks swapped out at once since it was last
@@ -171,12 +207,26 @@ class PoolController:
     # ----------------------------------------------------------------- resizing
     def _resize(self, target: int, reason: str) -> bool:
         """Resize the workers' pools and the cache manager together; False (nothing changed, growth
-        backs off for a while) when a store cannot get the memory."""
+        backs off for a while) when the machine or a store cannot give the memory. A growth beyond the
+        pages committed ahead is decided again under the ledger's lock, against what the machine has
+        and the neighbours claim now, and claimed until its pages are resident."""
         before = self.geometry.num_blocks
         if target == before:
             return False
         start = time.perf_counter()
-        committed_before = target > before and self._commit_state().committed_ahead_blocks >= target
+        resident = self._commit_state().committed_ahead_blocks
+        committed_before = before < target <= resident
+        if target > max(before, resident):
+            with self._claiming():
+                reachable = self._reachable_blocks()
+                if reachable < target:
+                    if reachable <= before:
+                        return self._grow_failed(before, target, "the memory is no longer free: "
+                                                 f"{self.others_claimed_bytes / MiB:.0f} MiB claimed by engines "
+                                                 "sharing this memory limit")
+                    target = reachable
+                self._pending_claim = (target - max(before, resident)) * self.bytes_per_block
+                self._publish_claim()
         try:  # the workers first: when they cannot get the memory, nothing has changed yet
             self._apply(self.geometry.resized(target))
         except KVStoreGrowError as exc:
@@ -184,13 +234,11 @@ class PoolController:
                 logger.warning("KV pool shrink %d -> %d blocks failed (%s); staying at %d blocks", before,
                                target, exc, before)
                 return False
-            self.num_grow_failures += 1
-            backoff = self.policy.config.grow_backoff_s if self.policy else 0.0
-            self._grow_blocked_until = self.clock() + backoff
-            logger.warning("KV pool growth %d -> %d blocks failed (%s); staying at %d blocks, no growth "
-                           "for %.0f s (requests wait or are preempted instead)", before, target, exc,
-                           before, backoff)
-            return False
+            return self._grow_failed(before, target, str(exc))
+        finally:
+            if self._pending_claim:
+                self._pending_claim = 0
+                self._publish_claim()
         if target > before:
             self.kv.grow(target - before)
         else:
@@ -206,6 +254,16 @@ class PoolController:
         self.log_pool(f"{reason}: {before} -> {target} blocks, {changed / MiB:.1f} MiB {done}")
         return True
 
+    def _grow_failed(self, before: int, target: int, why: str) -> bool:
+        """A growth the machine could not give: growth backs off for a while (requests wait or are
+        preempted instead); returns False."""
+        self.num_grow_failures += 1
+        backoff = self.policy.config.grow_backoff_s if self.policy else 0.0
+        self._grow_blocked_until = self.clock() + backoff
+        logger.warning("KV pool growth %d -> %d blocks failed (%s); staying at %d blocks, no growth for %.0f s "
+                       "(requests wait or are preempted instead)", before, target, why, before, backoff)
+        return False
+
     def _ahead_target(self, target: int) -> int:
         """How far a background commit goes for a growth to ``target`` (the policy's
         ``commit_ahead_target``, with what the requests in the engine hold and could hold)."""
@@ -215,7 +273,8 @@ class PoolController:
     def _commit_ahead(self, target: int, state: KVCommitState | None = None) -> bool:
         """Whether a growth the watermark asks for may run now: a large one first has its pages committed
         in the background (steps go on meanwhile; on the host the commit is lent a core of the kernels'
-        threads, ``Worker.commit_kv_ahead``), and runs at a later step once they are. Growth that an
+        threads, ``Worker.commit_kv_ahead``), and runs at a later step once they are. The commit's target
+        is decided under the ledger's lock and claimed until its pages are resident. Growth that an
         allocation needs now takes what is committed so far (``grow_for_allocation``), and waits for the
         rest only when it must."""
         if (target - self.geometry.num_blocks) * self.bytes_per_block < COMMIT_AHEAD_MIN_BYTES:
@@ -225,7 +284,14 @@ class PoolController:
             return False
         if state.committed_ahead_blocks >= target:
             return True
-        return all(self.executor.collective_rpc(Worker.commit_kv_ahead, self._ahead_target(target)))
+        with self._claiming():
+            ahead = self._ahead_target(target)
+            self._pending_claim = max(0, ahead - state.committed_ahead_blocks) * self.bytes_per_block
+            self._publish_claim()
+            ready = all(self.executor.collective_rpc(Worker.commit_kv_ahead, ahead))
+            self._pending_claim = 0  # from here on the commit's own progress is what stays claimed
+            self._publish_claim()
+        return ready
 
     def grow_for_allocation(self, num_short: int = 1) -> bool:
         """The scheduler lacks ``num_short`` free blocks: grow if the budget and the machine allow (else
@@ -317,12 +383,16 @@ class PoolController:
             self._release_freed_memory()
         self._was_idle = idle
         if self.policy is None:
+            if now - self._last_pressure_check >= CLAIM_REFRESH_S:  # a fixed pool still claims its activations
+                self._last_pressure_check = now
+                self._publish_claim()
             return
         if now - self._last_pressure_check >= self.policy.config.pressure_check_interval_s:
             self._last_pressure_check = now
             if self._relieve_pressure():
                 return
             self._refresh_ceiling()
+            self._publish_claim()
         used = self.num_used_blocks()
         if not idle and now >= self._grow_blocked_until:
             grow = self.policy.grow_target(self.geometry, used, 0, self._reachable_blocks, self.demand_blocks)

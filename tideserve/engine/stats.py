@@ -19,6 +19,9 @@ class EngineStats:
     prefix_cache_hits: int = 0  # counter, in tokens
     fragmentation_ratio: float = 0.0  # internal + external, see docs/metrics.md
     kv_cache_pool_bytes: int = 0
+    kv_cache_resident_bytes: int = 0  # KV pages resident: the pool and pages committed ahead of a growth
+    memory_claimed_bytes: int = 0  # what this engine may still make resident (its claim on a shared limit)
+    memory_others_claimed_bytes: int = 0  # what the engines sharing its memory limit claim
     kv_cache_pool_blocks: int = 0
     kv_cache_block_size: int = 0
     kv_cache_budget_bytes: int = 0

@@ -61,6 +61,11 @@ class CpuPlatform(Platform):
     def describe(self) -> str:
         return self.cgroup.describe()
 
+    def memory_scope(self) -> str:
+        """The cgroup level whose limit binds (servers in one container share it), else the host."""
+        reading = self.cgroup.read()
+        return f"cgroup:{reading.limit_directory}" if reading is not None else "host"
+
     def measure_peak_bytes(self, run: Callable[[], Any]) -> int:
         """VmHWM after a reset, minus the resident set before: without a resettable high-water mark
         (``/proc/self/clear_refs`` not writable) nothing is run and 0 is returned."""

@@ -35,6 +35,11 @@ class CudaPlatform(Platform):
     def describe(self) -> str:
         return f"CUDA device memory ({self.device})"
 
+    def memory_scope(self) -> str:
+        """The GPU itself (its UUID where torch reports one): every process on it shares its memory."""
+        props = torch.cuda.get_device_properties(self.device)
+        return f"cuda:{getattr(props, 'uuid', None) or props.name + ':' + str(self.device.index or 0)}"
+
     def measure_peak_bytes(self, run: Callable[[], Any]) -> int:
         """The allocator's peak over ``run`` (kernels finished on both sides), minus what was allocated."""
         torch.cuda.synchronize(self.device)

@@ -77,6 +77,12 @@ class Platform(ABC):
     def describe(self) -> str:
         """What bounds the probe's answers, for the start-up log."""
 
+    def memory_scope(self) -> str | None:
+        """A name for the memory this probe reads, the same in every process that shares it (a cgroup's
+        limit, the host, a GPU): engines under one scope coordinate their growths through a memory ledger
+        (platform/memory_ledger.py). None: nothing to coordinate with."""
+        return None
+
     # ----------------------------------------------------------------- measuring and releasing
     @abstractmethod
     def measure_peak_bytes(self, run: Callable[[], Any]) -> int:

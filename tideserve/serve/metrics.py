@@ -46,6 +46,13 @@ _GAUGES = (
      "external (free blocks below the highest live block / pool blocks).",
      "fragmentation_ratio", 1),
     ("vllm:kv_cache_pool_bytes", "Bytes of the KV cache pool now.", "kv_cache_pool_bytes", 1),
+    ("vllm:kv_cache_resident_bytes", "Bytes of KV cache pages resident now: the pool and the pages committed ahead "
+     "of a growth.", "kv_cache_resident_bytes", 1),
+    ("vllm:memory_claimed_bytes", "Bytes this engine may still make resident (a growth being committed, the part "
+     "of its activation peak not resident now), as claimed to the engines sharing its memory limit.",
+     "memory_claimed_bytes", 1),
+    ("vllm:memory_others_claimed_bytes", "Bytes claimed by the other engines sharing this engine's memory limit.",
+     "memory_others_claimed_bytes", 1),
     ("vllm:kv_cache_pool_blocks", "Blocks in the KV cache pool now.", "kv_cache_pool_blocks", 1),
     ("vllm:kv_cache_budget_bytes", "Bytes the KV cache pool may grow to now (re-read from the machine).",
      "kv_cache_budget_bytes", 1),

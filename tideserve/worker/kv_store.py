@@ -124,6 +124,9 @@ class KVStore(ABC):
         self.block_size = block_size
         self.num_blocks = 0
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Asked before each chunk of pages a growth commits: may this many more bytes be made resident now?
+        # (None: always.) A store whose allocations fail cleanly (a GPU's) never asks.
+        self.commit_guard: Callable[[int], bool] | None = None
 
     def bytes_per_block(self, block_size: int | None = None) -> int:
         return self.layout.block_bytes(block_size or self.block_size)
@@ -326,9 +329,14 @@ class ReservedKVStore(KVStore):
         try:
             madvise = _libc_madvise()
             chunk = _round_up(max(AHEAD_CHUNK_BYTES // (2 * self.layout.num_layers), PAGE), PAGE)
+            regions = 2 * self.layout.num_layers
             for lo in range(start, end, chunk):
                 hi = min(end, lo + chunk)
-                for i in range(2 * self.layout.num_layers):
+                if self.commit_guard is not None and not self.commit_guard((hi - lo) * regions):
+                    logger.info("background commit stopped at %.1f of %.1f MiB: the machine's free memory fell "
+                                "under the floor", (lo - start) * regions / 2**20, (end - start) * regions / 2**20)
+                    return  # what is committed stays usable; a growth beyond it commits (and checks) itself
+                for i in range(regions):
                     if self._ahead_cancel.is_set():
                         return
                     if madvise is None or madvise(self._base + i * self.region_bytes + lo, hi - lo,
@@ -376,23 +384,43 @@ class ReservedKVStore(KVStore):
                        for i in range(L.num_layers)]
 
     def _commit(self, lo: int, hi: int) -> None:
-        """Make bytes [lo, hi) of every region resident (zero pages)."""
+        """Make bytes [lo, hi) of every region resident (zero pages), a chunk of every region at a time;
+        before each chunk ``commit_guard`` is asked whether the machine still has room for it. When it has
+        not (or the kernel refuses), what this call committed goes back and ``KVStoreGrowError`` is raised:
+        the store is as it was."""
         start, end = _round_down(lo, PAGE), _round_up(hi, PAGE)
         if end <= start:
             return
-        for i in range(2 * self.layout.num_layers):
-            base = i * self.region_bytes
-            if self._can_populate:
-                try:
-                    self._map.madvise(MADV_POPULATE_WRITE, base + start, end - start)
-                    continue
-                except OSError as exc:
-                    if exc.errno == 12:  # ENOMEM
-                        raise KVStoreGrowError(f"out of memory committing KV pages: {exc}") from exc
-                    self._can_populate = False  # kernel without MADV_POPULATE_WRITE: write zeros instead
-            # Fresh or released pages read as zeros already; writing them commits them.
-            elem = self._regions.element_size()
-            self._regions[i, lo // elem:hi // elem].zero_()
+        regions = 2 * self.layout.num_layers
+        chunk = _round_up(max(AHEAD_CHUNK_BYTES // regions, PAGE), PAGE)
+        done = start
+        try:
+            for c_lo in range(start, end, chunk):
+                c_hi = min(end, c_lo + chunk)
+                if self.commit_guard is not None and not self.commit_guard((c_hi - c_lo) * regions):
+                    raise KVStoreGrowError("the machine's free memory fell under the floor while the pool's pages "
+                                           "were being committed")
+                for i in range(regions):
+                    self._commit_region(i, c_lo, c_hi, max(c_lo, lo), min(c_hi, hi))
+                done = c_hi
+        except KVStoreGrowError:
+            self._release(lo, done)
+            raise
+
+    def _commit_region(self, region: int, start: int, end: int, lo: int, hi: int) -> None:
+        """Pages [start, end) of one region resident; without MADV_POPULATE_WRITE, bytes [lo, hi) (the
+        part nobody holds: the first page may hold a live block's bytes) are written with zeros."""
+        if self._can_populate:
+            try:
+                self._map.madvise(MADV_POPULATE_WRITE, region * self.region_bytes + start, end - start)
+                return
+            except OSError as exc:
+                if exc.errno == 12:  # ENOMEM
+                    raise KVStoreGrowError(f"out of memory committing KV pages: {exc}") from exc
+                self._can_populate = False  # kernel without MADV_POPULATE_WRITE: write zeros instead
+        # Fresh or released pages read as zeros already; writing them commits them.
+        elem = self._regions.element_size()
+        self._regions[region, lo // elem:hi // elem].zero_()
 
     def _release(self, lo: int, hi: int) -> None:
         """Give the pages wholly inside bytes [lo, hi) of every region back to the kernel."""
@@ -585,10 +613,18 @@ class KVCacheStorage:
         self._planned_block_size = block_size
         self.device_store: KVStore | None = None
         self.swap_store: KVStore | None = None
+        self._commit_guard: Callable[[int], bool] | None = None
 
     def attach(self, store: KVStore) -> None:
         """Take the device pool (``create_kv_store``); from now on its block size is the only one."""
         self.device_store = store
+        store.commit_guard = self._commit_guard
+
+    def set_commit_guard(self, guard: Callable[[int], bool] | None) -> None:
+        """Asked before each chunk of pages the device pool commits (see ``KVStore.commit_guard``)."""
+        self._commit_guard = guard
+        if self.device_store is not None:
+            self.device_store.commit_guard = guard
 
     def create_store(self, num_blocks: int, reserve_bytes: int, static: bool, block_size: int | None = None) -> None:
         """Make and attach the device pool (``create_kv_store``) at ``block_size`` (default: the planned

@@ -45,6 +45,7 @@ class MemoryReport:
     used_by_process_bytes: int
     kv_token_bytes: int
     description: str = ""
+    scope: str | None = None  # what the probe's memory is shared with (Platform.memory_scope); None: nothing
 
 
 @dataclass(frozen=True)
@@ -125,9 +126,11 @@ class Worker:
     def memory_report(self) -> MemoryReport:
         probe = self.memory_probe
         describe = getattr(probe, "describe", None)
+        scope = getattr(probe, "memory_scope", None)
         return MemoryReport(os.uname().nodename, probe.available_bytes(), probe.total_bytes(),
                             probe.used_by_process_bytes(), self.kv_token_bytes(),
-                            describe() if describe is not None else type(probe).__name__)
+                            describe() if describe is not None else type(probe).__name__,
+                            scope() if scope is not None else None)
 
     def profile_activation_bytes(self, num_tokens: int, max_num_seqs: int, block_size: int) -> int:
         """The activation peak of a forward pass over ``num_tokens`` prompt tokens (ModelRunner's)."""
@@ -148,6 +151,13 @@ class Worker:
         which a block-size change moves."""
         self.kv_storage.apply_geometry(geometry)
         return self.kv_storage.limits()
+
+    def set_commit_floor(self, floor_bytes: int) -> None:
+        """Commit the pool's pages in steps, each only while the machine keeps ``floor_bytes`` free beyond
+        it (the probe is read again before each step): something outside the engines' accounting that
+        takes memory during a long commit stops it instead of pushing the host past its limit."""
+        probe = self.memory_probe
+        self.kv_storage.set_commit_guard(lambda num_bytes: probe.available_bytes() - num_bytes >= floor_bytes)
 
     def commit_kv_ahead(self, num_blocks: int) -> bool:
         """Commit the pages of a pool of ``num_blocks`` off the engine's thread (the store's
