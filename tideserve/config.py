@@ -286,6 +286,11 @@ class ModelConfig:
         help='embeddings: {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": true|false} (default LAST, '
              'normalized, as vLLM\'s embed task)')
 
+    # vLLM's: LLM.sleep / POST /sleep release the weights and the KV pool of an idle engine (docs/api.md).
+    enable_sleep_mode: bool = setting(
+        False, help="allow LLM.sleep() and POST /sleep?level=1|2: an idle engine releases its KV pool and its "
+                    "weights (level 1 keeps a host copy where the device is a GPU; level 2 reloads them from the "
+                    "model file on wake)")
     # vLLM's engine argument: the most alternatives per token a request's logprobs may ask for.
     max_logprobs: int = setting(
         20, help="largest logprobs / top_logprobs / prompt_logprobs a request may ask for")

@@ -14,3 +14,11 @@ class InvalidParameterError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class EngineSleepingError(RuntimeError):
+    """The engine is asleep (sleep mode): it serves no request until it is woken (HTTP 503)."""
+
+
+class EngineBusyError(RuntimeError):
+    """An operation that needs an idle engine (going to sleep) met requests in flight (HTTP 409)."""

@@ -172,3 +172,23 @@ def test_interpreter_exit_leaves_no_rank(tiny_checkpoint, smollm2_gguf_path):
     assert "Exception ignored" not in done.stderr, done.stderr[-3000:]
     (rank,) = map(int, done.stdout.split())
     assert not _wait_gone({rank}), "a rank outlived the interpreter"
+
+
+def test_tp2_sleeps_and_wakes_on_every_rank(tiny_checkpoint, smollm2_tokenizer):
+    """Sleep releases the weights on both ranks (rank 1's own resident set falls too) and a wake reloads
+    each rank's shard: the answers are the same as before."""
+    from tideserve.platform.host_memory import process_rss_bytes
+
+    loaded = load_model(str(tiny_checkpoint("qwen2-kv3-bias")), dtype="float32")
+    settings = {"max_model_len": 128, "block_size": 16}
+    prompts = _prompts(loaded.arch.vocab_size)
+    before = _children()
+    two = LLM.from_loaded(loaded, smollm2_tokenizer, tensor_parallel_size=2, enable_sleep_mode=True, **settings)
+    (rank,) = _children() - before
+    want = _greedy(two, prompts)
+    del loaded  # the engine's reload reads the file again: nothing else holds these weights
+    rank_awake, here_awake = psutil.Process(rank).memory_info().rss, process_rss_bytes()
+    two.sleep(2)
+    assert psutil.Process(rank).memory_info().rss < rank_awake and process_rss_bytes() < here_awake
+    two.wake_up()
+    assert _greedy(two, prompts) == want

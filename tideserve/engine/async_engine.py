@@ -22,8 +22,9 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tideserve.engine.input_processor import EngineRequest
 from tideserve.engine.stat_logger import StatLogger
@@ -124,6 +125,14 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    """Run ``fn(engine)`` on the engine thread between steps (sleep mode); its result or error goes back."""
+
+    fn: Callable[[Any], Any]
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
 class AsyncEngine:
     """Thread-safe, asyncio-facing wrapper of an ``LLMEngine`` (see the module docstring).
 
@@ -138,7 +147,7 @@ class AsyncEngine:
         self.engine = engine
         self.max_queue = max_queue
         self._cond = threading.Condition()
-        self._commands: collections.deque[_Add | _Abort] = collections.deque()
+        self._commands: collections.deque[_Add | _Abort | _Call] = collections.deque()
         self._pending_adds = 0  # adds queued, not yet applied (guarded by _cond)
         self._active: dict[str, RequestStream] = {}  # ids in use, from submission to the end of the stream
         self._active_lock = threading.Lock()
@@ -318,6 +327,37 @@ class AsyncEngine:
         finally:
             stream.abort()
 
+    # ---------------------------------------------------------------- sleep mode (any thread, asyncio)
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether the engine is asleep (read without waiting for the engine thread)."""
+        return self.engine.is_sleeping()
+
+    @property
+    def sleep_level(self) -> int:
+        return self.engine.sleep_level
+
+    @property
+    def sleep_mode_enabled(self) -> bool:
+        return self.engine.model_config.enable_sleep_mode
+
+    async def sleep(self, level: int = 1) -> None:
+        """``LLMEngine.sleep`` on the engine thread, between steps: refused (``EngineBusyError``) while any
+        request is in flight, those submitted and not yet applied included."""
+        await self._call(lambda engine: engine.sleep(level))
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """``LLMEngine.wake_up`` on the engine thread."""
+        await self._call(lambda engine: engine.wake_up(tags))
+
+    async def _call(self, fn: Callable[[Any], Any]) -> Any:
+        self._check_alive()
+        command = _Call(fn)
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+        return await asyncio.wrap_future(command.future)
+
     def abort(self, request_id: str) -> None:
         """Abort a request (its blocks are freed before the next step); unknown ids are ignored."""
         with self._cond:
@@ -379,7 +419,7 @@ class AsyncEngine:
             self._dead = exc
             self._fail_all(EngineDeadError(f"The engine loop has died ({type(exc).__name__}: {exc})."))
 
-    def _take_commands(self) -> list[_Add | _Abort] | None:
+    def _take_commands(self) -> list[_Add | _Abort | _Call] | None:
         """Queued commands (waiting up to _IDLE_WAIT_S for one while idle: the caller then runs the pool's
         upkeep); None when the loop should stop."""
         with self._cond:
@@ -391,7 +431,14 @@ class AsyncEngine:
             self._commands.clear()
             return commands
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, command: _Add | _Abort | _Call) -> None:
+        if isinstance(command, _Call):
+            if command.future.set_running_or_notify_cancel():
+                try:
+                    command.future.set_result(command.fn(self.engine))
+                except Exception as exc:  # the caller gets it; the engine goes on
+                    command.future.set_exception(exc)
+            return
         if isinstance(command, _Abort):
             self.engine.abort_request(command.request_id)
             stream = self._targets.pop(command.request_id, None)
@@ -441,7 +488,7 @@ class AsyncEngine:
             self._commands.clear()
             self._pending_adds = 0
         for command in commands:
-            if isinstance(command, _Add) and command.future.set_running_or_notify_cancel():
+            if isinstance(command, _Add | _Call) and command.future.set_running_or_notify_cancel():
                 command.future.set_exception(error)
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for stream in self._targets.values():

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ from tideserve.engine.arg_utils import EngineArgs
 from tideserve.engine.input_processor import InputProcessor
 from tideserve.engine.kv_events import EventPublisher, create_publisher
 from tideserve.engine.kv_sizing import KVPlan, memory_account, plan_kv_cache
-from tideserve.engine.loaded_model import match_loaded
+from tideserve.engine.loaded_model import POST_LOAD_METHODS, match_loaded
 from tideserve.engine.memory_probe import WorkersMemoryProbe
 from tideserve.engine.output_processor import OutputProcessor
 from tideserve.engine.pool_controller import PoolController
@@ -44,13 +44,14 @@ from tideserve.engine.threads import ThreadGovernor
 from tideserve.model.layers.quant.calibration import CALIBRATION_TEXT, calibrate
 from tideserve.model.layers.quant.transform import quantize_model
 from tideserve.model.layers.quant.weight_bytes import model_weight_bytes
-from tideserve.model.loader import LoadedModel
+from tideserve.model.loader import LoadedModel, load_model
 from tideserve.model.tensor_parallel import check_tensor_parallel, shard_model
 from tideserve.platform import Platform, platform_for, resolve_device
 from tideserve.platform.memory_ledger import MemoryLedger
 from tideserve.structured_output.manager import StructuredOutputManager
 from tideserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 from tideserve.worker.executor import Executor, UniprocExecutor
+from tideserve.worker.parallel_state import TensorParallelGroup
 from tideserve.worker.tp_executor import TensorParallelExecutor
 from tideserve.worker.tp_rank import RankSetup
 from tideserve.worker.worker import Worker, worker_class
@@ -114,7 +115,7 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
     structured_output = StructuredOutputManager(
         tokenizer.hf, arch.vocab_size, [*tokenizer.stop_token_ids, *arch.eos_token_ids])
     executor = _start_workers(args, model_config, loaded, model, device, kv_dtype,
-                              cache_config.initial_block_size, structured_output)
+                              cache_config.initial_block_size, structured_output, tokenizer)
     try:
         memory = WorkersMemoryProbe(executor, platform.host_memory)
         logger.info("memory probe: %s", memory.describe())
@@ -197,21 +198,33 @@ def _check_batched_tokens(sched: SchedulerConfig, requested: int | None, max_mod
 
 def _start_workers(args: EngineArgs, model_config: ModelConfig, loaded: LoadedModel, model: torch.nn.Module,
                    device: torch.device, kv_dtype: torch.dtype, block_size: int,
-                   structured_output: StructuredOutputManager) -> Executor:
+                   structured_output: StructuredOutputManager, tokenizer: Tokenizer) -> Executor:
     """One worker in this process, or under tensor parallelism this process's rank 0 and one process per
     other rank, each loading its shard of the same checkpoint."""
     parallel = args.parallel_config()
     cls = worker_class(parallel.worker_extension_cls)
     driver = {"rank": 0, "block_size": block_size, "memory_probe": args.memory_probe,
               "structured_output": structured_output}
+
+    # What a wake needs to load the weights again: names only, never the loaded model (held here, it would
+    # keep the weights alive through every sleep).
+    path, dtype, method = loaded.path, str(loaded.dtype).removeprefix("torch."), loaded.quantization
+
+    def reload(group: TensorParallelGroup | None = None) -> torch.nn.Module:
+        """The weights again, from the model file, as this build prepared them (sleep mode's wake)."""
+        again = load_model(path, dtype, device, "none" if method in POST_LOAD_METHODS else method)
+        fresh = _prepare_weights(replace(again, quantization=method), tokenizer, device)
+        return fresh if group is None else shard_model(fresh, group)
+
     if parallel.tensor_parallel_size == 1:
-        return UniprocExecutor(cls(model, device, kv_dtype, model_config.attention_backend, **driver))
+        return UniprocExecutor(cls(model, device, kv_dtype, model_config.attention_backend, reload=reload, **driver))
     setup = RankSetup(loaded.path, str(loaded.dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch."),
                       block_size, model_config.seed, model_config.attention_backend,
                       logging.getLogger("tideserve").getEffectiveLevel(), parallel.worker_extension_cls)
     return TensorParallelExecutor(
         parallel.tensor_parallel_size, device, setup,
-        lambda group: cls(shard_model(model, group), device, kv_dtype, model_config.attention_backend, **driver))
+        lambda group: cls(shard_model(model, group), device, kv_dtype, model_config.attention_backend,
+                          reload=lambda: reload(group), **driver))
 
 
 def _plan(cache: CacheConfig, sched: SchedulerConfig, elastic: ElasticConfig, executor: Executor,

@@ -74,6 +74,19 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def sleep(self, level: int = 1) -> None:
+        """Release the weights and the KV cache while idle (vLLM's ``LLM.sleep``; needs
+        ``enable_sleep_mode=True``): level 1 keeps a host copy of GPU weights, level 2 reloads them from the
+        model file on ``wake_up``. On the CPU both levels give the memory back to the system."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what ``sleep`` released (``tags``: "weights", "kv_cache"; default both)."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's ``LLM.reset_prefix_cache``): the next request prefills
         its whole prompt. True when nothing stays cached."""

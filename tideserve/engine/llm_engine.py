@@ -23,6 +23,7 @@ from tideserve.engine.arg_utils import EngineArgs
 from tideserve.engine.builder import EngineParts, build_engine
 from tideserve.engine.input_processor import EngineRequest
 from tideserve.engine.stats import EngineStats
+from tideserve.errors import EngineBusyError, EngineSleepingError, InvalidParameterError
 from tideserve.model.loader import LoadedModel, load_model
 from tideserve.outputs import RequestOutput
 from tideserve.platform import resolve_device
@@ -52,7 +53,6 @@ class LLMEngine:
         self.model_config = parts.model_config
         self.cache_config = parts.cache_config
         self.scheduler_config = parts.scheduler_config
-        self.model = parts.model  # the weights as this process serves them (rank 0's shard under TP)
         self.arch = parts.loaded.arch
         self.dtype = parts.loaded.dtype
         self.quantization = parts.loaded.quantization
@@ -75,8 +75,16 @@ class LLMEngine:
         self.kv_events = parts.kv_events
         self._ids = itertools.count()
         self._sampled_last_step: dict[str, int] = {}
+        self.sleep_level = 0  # sleep mode: 0 awake, else the level the engine was put to sleep at
+        self._asleep: set[str] = set()  # what is released and not woken yet: "weights", "kv_cache"
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The weights as this process serves them (rank 0's shard under tensor parallelism; None while
+        asleep at a level that dropped them)."""
+        return self.executor.driver_worker.model
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs | Mapping[str, Any]) -> LLMEngine:
@@ -118,6 +126,7 @@ class LLMEngine:
     def add(self, request: EngineRequest) -> str:
         """Queue a request the input processor checked: one child per sample (best_of of them when set,
         else n); returns its id."""
+        self._check_awake()
         request_id = request.request_id or self.make_request_id()
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use.")
@@ -162,6 +171,61 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.output_processor.parents)
 
+    # ----------------------------------------------------------------- sleep mode
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    def _check_awake(self) -> None:
+        if self._asleep:
+            raise EngineSleepingError(
+                f"The engine is asleep (sleep level {self.sleep_level}; {' and '.join(sorted(self._asleep))} "
+                "released): it serves no requests until it is woken (LLM.wake_up(), POST /wake_up).")
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV pool and the weights of an idle engine (vLLM's sleep mode, ``enable_sleep_mode``):
+        level 1 keeps a host copy of the weights where they live on a GPU, level 2 (and level 1 on the CPU,
+        whose weights are host memory already) drops them and reloads them from the model file on
+        ``wake_up``. The prefix cache is emptied (its blocks' memory goes). Refused, changing nothing, while
+        a request is in flight (``EngineBusyError``); sleeping deeper than now drops what level 1 kept."""
+        if not self.model_config.enable_sleep_mode:
+            raise ValueError("sleep mode is not enabled: build the engine with enable_sleep_mode=True "
+                             "(--enable-sleep-mode) to let it release its weights and KV cache.")
+        if isinstance(level, bool) or level not in (1, 2):
+            raise InvalidParameterError(f"level must be 1 or 2, got {level!r}.", "level")
+        if self.has_unfinished_requests():
+            raise EngineBusyError(
+                f"Cannot sleep while requests are in flight ({len(self.scheduler.running)} running, "
+                f"{len(self.scheduler.waiting)} waiting): let them finish, or abort them, then sleep.")
+        if self._asleep and level <= self.sleep_level:
+            return
+        if self._asleep:  # deeper: bring the weights back only to drop them the other way
+            self.wake_up(["weights"])
+        if "kv_cache" not in self._asleep:
+            self.pool.prepare_sleep()
+        self.executor.collective_rpc(Worker.sleep, level)
+        self.sleep_level = level
+        self._asleep = {"weights", "kv_cache"}
+        self._publish_kv_events()
+        logger.info("Engine asleep (level %d): KV pool and weights released", level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring back what ``sleep`` released: ``tags`` "weights" and/or "kv_cache" (default both); the
+        engine serves again once both are back. Outputs are those of an engine that never slept."""
+        tags = list(tags) if tags is not None else ["weights", "kv_cache"]
+        unknown = sorted(set(tags) - {"weights", "kv_cache"})
+        if unknown or not tags:
+            raise InvalidParameterError(f"tags must be weights and/or kv_cache, got {unknown or tags!r}.", "tags")
+        wanted = sorted(set(tags) & self._asleep)
+        if not wanted:
+            return
+        start = time.perf_counter()
+        self.executor.collective_rpc(Worker.wake_up, wanted)
+        self._asleep -= set(wanted)
+        if not self._asleep:
+            self.sleep_level = 0
+        logger.info("Woke %s in %.2f s%s", " and ".join(wanted), time.perf_counter() - start,
+                    "" if self._asleep else ": the engine serves again")
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix no request holds (vLLM's ``reset_prefix_cache``); True when nothing
         stays cached."""
@@ -179,7 +243,8 @@ class LLMEngine:
         """The KV pool's upkeep (grow, shrink, give memory back, block size); the server's engine thread
         calls it on a timer while idle, so an idle server returns memory without a step."""
         self.executor.check_health()  # a rank that died while idle ends the loop (/health: 503)
-        self.pool.maintain()
+        if not self._asleep:  # nothing of the pool is there to keep up
+            self.pool.maintain()
         self._publish_kv_events()
 
     def _publish_kv_events(self) -> None:
@@ -309,6 +374,7 @@ class LLMEngine:
             num_swap_ins=self.scheduler.num_swap_ins,
             swap_pool_usage=swap.usage() if swap else 0.0,
             memory_utilization=memory.used_by_process_bytes / total if total else 0.0,
+            sleep_level=self.sleep_level,
             prompt_tokens=self._num_prompt_tokens,
             generation_tokens=self._num_generation_tokens,
         )

@@ -447,6 +447,17 @@ class PoolController:
             self.kv.swap_memory_released()
             self._swap_dirty = False
 
+    # ----------------------------------------------------------------- sleep mode
+    def prepare_sleep(self) -> None:
+        """Before the workers release the pool's memory: forget every cached prefix (its bytes go), shrink
+        an elastic pool to its floor (the pages a wake commits again), and claim nothing."""
+        self.kv.reset_prefix_cache()
+        if self.policy is not None:
+            self.shrink(self.min_blocks, "sleep")
+        self._pending_claim = 0
+        if self.ledger is not None:
+            self.ledger.set_claim(0)
+
     # ----------------------------------------------------------------- block size
     def observe_finished(self, num_tokens: int) -> None:
         if self.advisor is not None:

@@ -32,6 +32,7 @@ class EngineStats:
     kv_cache_grow_failures: int = 0  # counter: growths refused by the device (out of memory)
     num_swap_ins: int = 0  # counter: preempted requests resumed by copying their KV back
     swap_pool_usage: float = 0.0  # 0..1
+    sleep_level: int = 0  # sleep mode: 0 awake, 1 or 2 the level the engine sleeps at
     memory_utilization: float = 0.0  # process (CPU) or device (CUDA) memory in use / available, 0..1
     prompt_tokens: int = 0  # counter: prompt tokens of requests whose prefill is done
     generation_tokens: int = 0  # counter: generated tokens

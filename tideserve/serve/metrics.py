@@ -62,6 +62,7 @@ _GAUGES = (
      "kv_cache_cached_blocks", 1),
     ("vllm:kv_cache_swap_usage_perc", "Usage of the host swap tier (1 means 100 percent).",
      "swap_pool_usage", 1),
+    ("vllm:engine_sleep_state", "Sleep mode: 0 awake, else the level the engine sleeps at (1 or 2).", "sleep_level", 1),
     ("vllm:memory_utilization", "Device (CUDA) or process (CPU) memory in use over memory available.",
      "memory_utilization", 1),
 )

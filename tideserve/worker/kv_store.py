@@ -169,6 +169,15 @@ class KVStore(ABC):
         block count (the same bytes, or fewer)."""
 
     @abstractmethod
+    def release_pages(self) -> None:
+        """Hand every byte of the pool back while keeping its geometry: what the blocks held is lost (sleep
+        mode, with no request holding KV). ``restore_pages`` makes the pool usable again."""
+
+    @abstractmethod
+    def restore_pages(self) -> None:
+        """Make the pool's memory resident again after ``release_pages`` (zeroed)."""
+
+    @abstractmethod
     def limits(self) -> KVStoreLimits:
         """What bounds a growth of this store (a reservation, or a copy beside the old pool)."""
 
@@ -453,6 +462,13 @@ class ReservedKVStore(KVStore):
         self._forget_ahead(new_end)
         self._build_views()
 
+    def release_pages(self) -> None:
+        self.release_all()
+
+    def restore_pages(self) -> None:
+        if self.populate:
+            self._commit(0, self._end_bytes(self.num_blocks))
+
     def release_all(self) -> None:
         """Hand every page back while keeping the size (a swap tier nobody uses)."""
         self._join_ahead(cancel=True)
@@ -532,6 +548,20 @@ class CopyKVStore(KVStore):
     def _build_views(self) -> None:
         s = self.storage
         self.caches = [(s[i, 0], s[i, 1]) for i in range(self.layout.num_layers)]
+
+    def release_pages(self) -> None:
+        if self.storage is not None:
+            self.caches, self.storage = [], None
+            release_freed_memory(self.device)
+
+    def restore_pages(self) -> None:
+        if self.storage is None:
+            zero, self.zero = self.zero, True
+            try:
+                self.storage = self._allocate(self.num_blocks, self.block_size)
+            finally:
+                self.zero = zero
+            self._build_views()
 
     def resize(self, num_blocks: int) -> None:
         if num_blocks == self.num_blocks:
@@ -706,6 +736,18 @@ class KVCacheStorage:
         """Host-side second tier (pinned when the device is a GPU, so copies are asynchronous DMA)."""
         self.swap_store = (create_swap_store(self.layout, self.device, self.block_size, num_swap_blocks)
                            if num_swap_blocks > 0 else None)
+
+    def release_pages(self) -> None:
+        """Hand the pool's and the swap tier's memory back, keeping their geometry (sleep mode)."""
+        self.device_store.release_pages()
+        if self.swap_store is not None:
+            self.swap_store.release_pages()
+
+    def restore_pages(self) -> None:
+        """The pool's and the swap tier's memory back after ``release_pages``, zeroed."""
+        self.device_store.restore_pages()
+        if self.swap_store is not None:
+            self.swap_store.restore_pages()
 
     def release_idle_swap(self) -> None:
         """No request is swapped out: hand the swap tier's pages back (it is committed where written)."""

@@ -87,13 +87,13 @@ def build_worker(setup: RankSetup, group: Any, device: torch.device) -> Any:
     from tideserve.model.tensor_parallel import shard_model
     from tideserve.worker.worker import worker_class
 
+    def load() -> torch.nn.Module:
+        return shard_model(load_model(setup.model_path, setup.dtype, device, "none").model, group)
+
     torch.manual_seed(setup.seed)
-    loaded = load_model(setup.model_path, setup.dtype, device, "none")
-    model = shard_model(loaded.model, group)
-    del loaded
-    return worker_class(setup.worker_extension_cls)(model, device, getattr(torch, setup.kv_dtype),
+    return worker_class(setup.worker_extension_cls)(load(), device, getattr(torch, setup.kv_dtype),
                                                     setup.attention_backend, rank=group.rank,
-                                                    block_size=setup.block_size)
+                                                    block_size=setup.block_size, reload=load)
 
 
 def _die_with_parent(parent_pid: int) -> None:

@@ -14,9 +14,11 @@ steps, never concurrently with one another.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,22 +100,35 @@ class Worker:
 
     def __init__(self, model: torch.nn.Module, device: torch.device, kv_dtype: torch.dtype,
                  attention_backend: str = "auto", *, rank: int = 0, block_size: int = 16,
-                 memory_probe: MemoryProbe | None = None, structured_output: Any = None) -> None:
+                 memory_probe: MemoryProbe | None = None, structured_output: Any = None,
+                 reload: Callable[[], torch.nn.Module] | None = None) -> None:
         """``model``: this rank's model (its shard under tensor parallelism: its KV heads are the ones
         cached here). Rank 0 samples; the others compute the logits' collectives only and learn each
         sampled token with the next step. ``memory_probe`` replaces the device's answers (a test double);
-        ``structured_output`` computes the grammar masks of the rows rank 0 samples."""
+        ``structured_output`` computes the grammar masks of the rows rank 0 samples; ``reload`` builds this
+        rank's model again from its file (sleep mode: weights released are brought back with it)."""
         self.rank = rank
-        self.model = model
+        self.model: torch.nn.Module | None = model
         self.device = device
         self.platform = platform_for(device)
         self.memory_probe: MemoryProbe = memory_probe if memory_probe is not None else self.platform
         arch = model.arch
         self.kv_storage = KVCacheStorage(
             KVLayout(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, kv_dtype), device, block_size)
-        self.runner = ModelRunner(model, self.kv_storage, device, attention_backend)
-        self.runner.samples = rank == 0
-        self.runner.structured_output = structured_output
+        self._attention_backend = attention_backend
+        self._structured_output = structured_output
+        self._reload = reload
+        self._graphs: tuple[int, int] | None = None  # (max_num_seqs, max_model_len) of enable_cuda_graphs
+        self._host_weights: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # sleep level 1 on a GPU
+        self.runner: ModelRunner | None = None
+        self._build_runner()
+
+    def _build_runner(self) -> None:
+        self.runner = ModelRunner(self.model, self.kv_storage, self.device, self._attention_backend)
+        self.runner.samples = self.rank == 0
+        self.runner.structured_output = self._structured_output
+        if self._graphs is not None:
+            self.runner.enable_graphs(*self._graphs)
 
     # ----------------------------------------------------------------- what the builder asks
     def kv_token_bytes(self) -> int:
@@ -209,4 +224,55 @@ class Worker:
         attention backend cannot (every step then runs eagerly)."""
         if not self.runner.enable_graphs(max_num_seqs, max_model_len):
             return None
+        self._graphs = (max_num_seqs, max_model_len)
         return self.runner.graphs.sizes[-1]
+
+    # ----------------------------------------------------------------- sleep mode
+    def sleep(self, level: int) -> None:
+        """Release the KV pool's memory and the weights' (no request holds KV: the engine checked). On a
+        GPU, level 1 keeps a host copy of the weights to copy back on wake; elsewhere (the host's own
+        memory: a copy there would hold what is to be released), and at level 2, the weights are dropped
+        and rebuilt from the model file on wake."""
+        self.kv_storage.release_pages()
+        if level == 1 and not self.platform.host_memory:
+            self._host_weights = _offload_to_host(self.model, self.platform.async_host_copies)
+        else:
+            if self._reload is None:
+                raise ValueError("this engine's weights cannot be released: it was built without the model file "
+                                 "to reload them from.")
+            self.model = self.runner = None
+        gc.collect()
+        self.platform.release_freed_memory()
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Bring back what ``sleep`` released: ``tags`` "weights" (the host copy, or a fresh load from the
+        model file) and "kv_cache" (the pool's memory, zeroed); each only if it is asleep."""
+        if "weights" in tags:
+            if self._host_weights is not None:
+                _restore_from_host(self._host_weights, self.device)
+                self._host_weights = None
+                self._build_runner()  # graphs and kernels bound to the old addresses go with the old runner
+            elif self.model is None:
+                self.model = self._reload()
+                self._build_runner()
+        if "kv_cache" in tags:
+            self.kv_storage.restore_pages()
+
+
+def _offload_to_host(model: torch.nn.Module, pin: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every parameter and buffer moved to (pinned) host memory in place (``.data`` swapped, so every
+    module keeps its tensors); returns (tensor, host copy) pairs for ``_restore_from_host``."""
+    moved = []
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type == "cpu":
+            continue
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+        host.copy_(tensor.data)
+        moved.append((tensor, host))
+        tensor.data = host
+    return moved
+
+
+def _restore_from_host(moved: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> None:
+    for tensor, host in moved:
+        tensor.data = host.to(device, non_blocking=True)

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tideserve.engine.async_engine import EngineDeadError, QueueFullError
+from tideserve.errors import EngineBusyError, EngineSleepingError
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +75,11 @@ def from_exception(exc: BaseException) -> OpenAIError:
         return exc
     if isinstance(exc, QueueFullError):
         return OpenAIError(429, str(exc), headers={"Retry-After": "1"})
-    if isinstance(exc, EngineDeadError):
-        return OpenAIError(503, str(exc))
+    if isinstance(exc, EngineDeadError | EngineSleepingError):
+        return OpenAIError(503, str(exc), headers={"Retry-After": "5"} if isinstance(exc, EngineSleepingError)
+                           else None)
+    if isinstance(exc, EngineBusyError):
+        return OpenAIError(409, str(exc))
     if isinstance(exc, ValueError):
         message = str(exc)
         param = getattr(exc, "param", None)

@@ -121,7 +121,7 @@ class GateMiddleware:
             await error_response(401, "Unauthorized: a valid API key is required "
                                       "(header 'Authorization: Bearer <key>').")(scope, receive, send)
             return
-        unavailable = unavailable_reason(self.state)
+        unavailable = unavailable_reason(self.state, scope["path"])
         if unavailable:
             await error_response(503, unavailable, headers={"Retry-After": "5"})(scope, receive, send)
             return

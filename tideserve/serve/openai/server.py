@@ -51,6 +51,7 @@ from tideserve.serve.openai.serving_chat import create_chat_completion, encode_m
 from tideserve.serve.openai.serving_completion import create_completion
 from tideserve.serve.openai.serving_embedding import create_embedding
 from tideserve.serve.openai.serving_responses import create_response, response_not_stored
+from tideserve.serve.openai.sleep_routes import add_sleep_routes
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None,
     _add_routes(app, state)
     _describe_bodies(app, state, REQUEST_BODIES)
     add_probe_routes(app, state)  # /health/live, /health/ready, /load, /get_load
+    add_sleep_routes(app, state)  # /sleep, /wake_up, /is_sleeping
     route_paths = frozenset(getattr(r, "path", "") for r in app.routes)
     # add_middleware wraps: the last added is the outermost.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)

@@ -104,8 +104,13 @@ class ServerState:
             logger.warning("The following fields were present in the request but ignored: %s", sorted(new))
 
 
-def unavailable_reason(state: ServerState) -> str | None:
-    """Why the server cannot take a request now (loading, draining, dead engine), or None."""
+# Sleep mode's own routes: they must reach an engine that is asleep (to wake it, or to ask).
+SLEEP_PATHS = frozenset({"/sleep", "/wake_up", "/is_sleeping"})
+
+
+def unavailable_reason(state: ServerState, path: str | None = None) -> str | None:
+    """Why the server cannot take a request to ``path`` now (loading, draining, dead engine, asleep),
+    or None."""
     if state.draining:
         return "The server is shutting down and no longer accepts requests."
     if state.load_error is not None:
@@ -116,6 +121,9 @@ def unavailable_reason(state: ServerState) -> str | None:
         dead = state.engine.dead_error
         reason = f" ({type(dead).__name__}: {dead})" if dead is not None else ""
         return f"The engine is not running{reason}; the server must be restarted."
+    if path not in SLEEP_PATHS and state.engine.is_sleeping:
+        return (f"The engine is asleep (sleep level {state.engine.sleep_level}): it serves no requests until "
+                "it is woken with POST /wake_up.")
     stall = state.config.engine_stall_timeout
     running_for = state.engine.step_running_for()
     if stall and running_for > stall:
