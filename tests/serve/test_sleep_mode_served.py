@@ -67,7 +67,7 @@ def test_bad_sleep_parameters(http):
     bad = http.post("/sleep", params={"level": 3})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "level"
     bad = http.post("/wake_up", params={"tags": "gpu"})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tags"
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("tags")
 
 
 def test_sleep_routes_name_the_flag_when_sleep_mode_is_off(shared_engine, server_thread):

@@ -11,13 +11,16 @@ started with ``--enable-sleep-mode``; otherwise these routes answer 400 naming t
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Query, Request
+from typing import Annotated, Literal
+
+from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse, Response
 
 from tideserve.serve.openai.errors import bad_request
 from tideserve.serve.openai.serving import ServerState
 
-TAGS = ("weights", "kv_cache")
+Tag = Literal["weights", "kv_cache"]
+TAGS: tuple[Tag, ...] = ("weights", "kv_cache")
 
 
 def add_sleep_routes(app: FastAPI, state: ServerState) -> None:
@@ -28,19 +31,16 @@ def add_sleep_routes(app: FastAPI, state: ServerState) -> None:
         return state.engine
 
     @app.post("/sleep")
-    async def sleep(level: str = Query("1")) -> Response:
-        if level not in ("1", "2"):
-            raise bad_request(f"level must be 1 or 2, got {level!r}.", "level")
-        await engine().sleep(int(level))
-        return JSONResponse({"is_sleeping": True, "level": int(level)})
+    async def sleep(level: Annotated[int, Query(ge=1, le=2, description="1: keep a host copy of GPU weights; "
+                                                                       "2: drop them, reload from the model file")] = 1
+                    ) -> Response:
+        await engine().sleep(level)
+        return JSONResponse({"is_sleeping": True, "level": level})
 
     @app.post("/wake_up")
-    async def wake_up(request: Request) -> Response:
-        tags = request.query_params.getlist("tags") or list(TAGS)
-        unknown = [t for t in tags if t not in TAGS]
-        if unknown:
-            raise bad_request(f"tags must be weights and/or kv_cache, got {unknown[0]!r}.", "tags")
-        await engine().wake_up(tags)
+    async def wake_up(tags: Annotated[list[Tag] | None, Query(description="what to bring back (default both)")]
+                      = None) -> Response:
+        await engine().wake_up(list(tags or TAGS))
         return JSONResponse({"is_sleeping": state.engine.is_sleeping})
 
     @app.get("/is_sleeping")
