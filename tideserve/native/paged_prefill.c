@@ -1,7 +1,7 @@
 /* Prefill attention on CPU: causal, grouped-query, read from the paged KV cache in place.
  *
  * Why a kernel of our own: torch's CPU flash attention runs a 305-token prompt's heads at 13-25 GFLOPS
- * here, a third of a prefill's time on a 135M model (docs/benchmarks.md, tenth round), and with a cached
+ * here, a third of a prefill's time on a 135M model (docs/benchmarks.md), and with a cached
  * prefix it needs the context gathered into a contiguous copy first. Here each work item is a handful
  * of consecutive query tokens times the query heads of one KV head (so grouped-query heads share every
  * key and value read), walking the keys a tile at a time with an online softmax (flash attention's
@@ -461,7 +461,7 @@ static void pack_probabilities_bf16(scratch *w, int64_t groups, int64_t nk) {
 /* Where the vdpbf16ps form runs: as the AMX form (a bfloat16 cache, head_dim a multiple of 32), on
  * AVX-512 BF16 CPUs without AMX tiles: the same packed queries, keys, values and probabilities, each
  * product a vdpbf16ps of a broadcast key (or value) pair against 16 rows' pairs. Half the instructions of
- * the float32 form's multiply-adds, with the AMX form's rounding (docs/benchmarks.md, twentieth round). */
+ * the float32 form's multiply-adds, with the AMX form's rounding (docs/benchmarks.md). */
 static int dpbf16_form(const prefill_args *a, int isa) {
     return isa >= TS_ISA_AVX512_BF16 && a->kv_dtype == TS_DTYPE_BF16 && a->head_dim % 32 == 0;
 }

@@ -63,7 +63,7 @@ TS_ALWAYS_INLINE void ts_prefetch_bytes(const void *p, int64_t bytes) {
 }
 
 /* The same into L2 only (prefetcht1): the L1 line-fill buffers, not the L2 queue, were what a batch's decode
- * attention waited on on Intel cores (docs/benchmarks.md, twenty-sixth round). */
+ * attention waited on on Intel cores (docs/benchmarks.md). */
 TS_ALWAYS_INLINE void ts_prefetch_bytes_l2(const void *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 2);
 }
