@@ -58,6 +58,8 @@ _TS_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TS_DTYPE_* codes
 # qgemm.c's block formats and SIMD row kernels (its ctypes front is tideserve/native/quant.py)
 HEADERS += tuple(Path(__file__).with_name(name) for name in ("qgemm_formats.h", "qgemm_simd.h", "qgemm_tiles.h",
                                                                 "qgemm_gemv.h"))
+# The float kernels' width-generic vector layer and the bodies written once against it
+HEADERS += tuple(Path(__file__).with_name(name) for name in ("ts_vec.h", "ts_vec_each.h"))
 
 
 def cache_dir() -> Path:
