@@ -59,7 +59,8 @@ _TS_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TS_DTYPE_* codes
 HEADERS += tuple(Path(__file__).with_name(name) for name in ("qgemm_formats.h", "qgemm_simd.h", "qgemm_tiles.h",
                                                                 "qgemm_gemv.h"))
 # The float kernels' width-generic vector layer and the bodies written once against it
-HEADERS += tuple(Path(__file__).with_name(name) for name in ("ts_vec.h", "ts_vec_each.h"))
+HEADERS += tuple(Path(__file__).with_name(name) for name in ("ts_vec.h", "ts_vec_each.h", "paged_decode_vec.h",
+                                                                "softmax_vec.h"))
 
 
 def cache_dir() -> Path:
