@@ -60,7 +60,8 @@ HEADERS += tuple(Path(__file__).with_name(name) for name in ("qgemm_formats.h", 
                                                                 "qgemm_gemv.h"))
 # The float kernels' width-generic vector layer and the bodies written once against it
 HEADERS += tuple(Path(__file__).with_name(name) for name in ("ts_vec.h", "ts_vec_each.h", "paged_decode_vec.h",
-                                                                "softmax_vec.h", "rows_vec.h"))
+                                                                "softmax_vec.h", "rows_vec.h", "rope_store_vec.h",
+                                                                "convert_vec.h"))
 
 
 def cache_dir() -> Path:
