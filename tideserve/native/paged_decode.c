@@ -20,6 +20,7 @@
  * AVX2 and AVX-512 are one body each for the block steps (paged_decode_vec.h) and the softmax
  * (softmax_vec.h), compiled per vector level (ts_vec.h).
  */
+#include "ts_align_loops.h" /* first: see there */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

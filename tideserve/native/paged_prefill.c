@@ -32,6 +32,7 @@
  * float32 or fp8 cache keeps the AVX-512 form. The bfloat16 forms first pack each span's keys and values
  * into the tiles' order, once per call, and every work item reads them there.
  */
+#include "ts_align_loops.h" /* first: see there */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>

@@ -18,6 +18,7 @@
  * type, as torch's cast rounds (e4m3 saturating at +-448). Paths: scalar, and one body per vector level
  * (ts_isa_level; rope_store_vec.h for the rotation, convert_vec.h for the store, ts_vec.h).
  */
+#include "ts_align_loops.h" /* first: see there */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

@@ -12,6 +12,7 @@
  * helpers are plain loops the compiler vectorizes for the build's instruction set: there is nothing for
  * hand-written paths to add.
  */
+#include "ts_align_loops.h" /* first: see there */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
