@@ -45,3 +45,9 @@ def test_every_declared_function_has_matching_argtypes():
         assert fn.argtypes is not None, f"{name} has no argtypes in tideserve/native/__init__.py"
         assert len(fn.argtypes) == num_params, f"{name}: {len(fn.argtypes)} argtypes for {num_params} parameters"
         assert fn.restype is RESTYPES[restype], f"{name}: restype {fn.restype} for C {restype}"
+
+
+def test_every_header_is_part_of_the_build_key():
+    """A header left out of HEADERS would let an edit to it reuse a library built before the edit."""
+    folder = HEADER.parent
+    assert sorted(folder.glob("*.h")) == sorted(native.HEADERS)

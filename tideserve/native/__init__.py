@@ -58,6 +58,10 @@ _TS_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TS_DTYPE_* codes
 # qgemm.c's block formats and SIMD row kernels (its ctypes front is tideserve/native/quant.py)
 HEADERS += tuple(Path(__file__).with_name(name) for name in ("qgemm_formats.h", "qgemm_simd.h", "qgemm_tiles.h",
                                                                 "qgemm_gemv.h"))
+# The float kernels' width-generic vector layer, the bodies written once against it, their loops' alignment
+HEADERS += tuple(Path(__file__).with_name(name) for name in ("ts_vec.h", "ts_vec_each.h", "paged_decode_vec.h",
+                                                                "softmax_vec.h", "rows_vec.h", "rope_store_vec.h",
+                                                                "convert_vec.h", "ts_align_loops.h"))
 
 
 def cache_dir() -> Path:

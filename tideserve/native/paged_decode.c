@@ -17,7 +17,10 @@
  * q . k products of a bfloat16 q and cache with vdpbf16ps (exact products of bfloat16 pairs, summed in
  * float32). AMX is not used: a decode query is a handful of rows per KV head, so the tiles would be
  * mostly empty, and the kernel is bound by reading the cache, not by arithmetic (docs/benchmarks.md).
+ * AVX2 and AVX-512 are one body each for the block steps (paged_decode_vec.h) and the softmax
+ * (softmax_vec.h), compiled per vector level (ts_vec.h).
  */
+#include "ts_align_loops.h" /* first: see there */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,6 +28,7 @@
 
 #include "tideserve_native.h"
 #include "ts_simd.h"
+#include "ts_vec.h"
 
 /* Fewest blocks a part of a split request covers: below this the merge costs more than it spreads. */
 #define TS_MIN_BLOCKS_PER_PART 4
@@ -44,105 +48,31 @@ static void softmax_scalar(float *s, int64_t n, float *max_out, float *sum_out) 
     *sum_out = sum;
 }
 
-#ifdef TS_HAVE_AVX2
-static void softmax_avx2(float *s, int64_t n, float *max_out, float *sum_out) {
-    __m256 vm = _mm256_set1_ps(-INFINITY);
-    int64_t t = 0;
-    for (; t + 8 <= n; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + t));
-    float m = ts_hmax256(vm);
-    for (; t < n; t++) m = s[t] > m ? s[t] : m;
-    const __m256 bm = _mm256_set1_ps(m);
-    __m256 vs = _mm256_setzero_ps();
-    for (t = 0; t + 8 <= n; t += 8) {
-        const __m256 e = ts_exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), bm));
-        _mm256_storeu_ps(s + t, e);
-        vs = _mm256_add_ps(vs, e);
-    }
-    float sum = ts_hsum256(vs);
-    for (; t < n; t++) {
-        const float e = ts_exp(s[t] - m);
-        s[t] = e;
-        sum += e;
-    }
-    *max_out = m;
-    *sum_out = sum;
-}
-#endif
-
-#ifdef TS_HAVE_AVX512
-static void softmax_avx512(float *s, int64_t n, float *max_out, float *sum_out) {
-    __m512 vm = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < n; t += 16) {
-        const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
-        vm = _mm512_mask_max_ps(vm, k, vm, _mm512_maskz_loadu_ps(k, s + t));
-    }
-    const float m = _mm512_reduce_max_ps(vm);
-    const __m512 bm = _mm512_set1_ps(m);
-    __m512 vs = _mm512_setzero_ps();
-    for (int64_t t = 0; t < n; t += 16) {
-        const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
-        const __m512 e = ts_exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), bm));
-        _mm512_mask_storeu_ps(s + t, k, e);
-        vs = _mm512_mask_add_ps(vs, k, vs, e);
-    }
-    *max_out = m;
-    *sum_out = _mm512_reduce_add_ps(vs);
-}
-#endif
+#define TSV_BODY "softmax_vec.h"
+#include "ts_vec_each.h"
+#undef TSV_BODY
 
 static void softmax(int isa, float *s, int64_t n, float *max_out, float *sum_out) {
-#ifdef TS_HAVE_AVX512
-    if (isa >= TS_ISA_AVX512) {
-        softmax_avx512(s, n, max_out, sum_out);
-        return;
-    }
-#endif
-#ifdef TS_HAVE_AVX2
-    if (isa >= TS_ISA_AVX2) {
-        softmax_avx2(s, n, max_out, sum_out);
-        return;
-    }
-#endif
-    (void)isa;
-    softmax_scalar(s, n, max_out, sum_out);
+    TSV_CALL(isa, softmax, s, n, max_out, sum_out);
 }
 
 #define KV_T float
 #define KV_IS_BF16 0
-#define KV_NAME(x) x##_f32
+#define KV_NAME(x) TSV_CAT(x, _f32)
 #define KV_LOAD1(p) (*(p))
-#ifdef TS_HAVE_AVX2
-#define KV_LOAD8(p) _mm256_loadu_ps(p)
-#endif
-#ifdef TS_HAVE_AVX512
-#define KV_LOAD16(p) _mm512_loadu_ps(p)
-#endif
 #include "paged_decode_kv.h"
 
 #define KV_T uint16_t
 #define KV_IS_BF16 1
-#define KV_NAME(x) x##_bf16
+#define KV_NAME(x) TSV_CAT(x, _bf16)
 #define KV_LOAD1(p) ts_bf16_to_f32(*(p))
-#ifdef TS_HAVE_AVX2
-#define KV_LOAD8(p) ts_load_bf16x8(p)
-#endif
-#ifdef TS_HAVE_AVX512
-#define KV_LOAD16(p) ts_load_bf16x16(p)
-#endif
 #include "paged_decode_kv.h"
-
 
 /* e4m3: half bfloat16's bytes, for a decode step that waits on reading the cache (docs/benchmarks.md). */
 #define KV_T uint8_t
 #define KV_IS_BF16 0
-#define KV_NAME(x) x##_fp8
+#define KV_NAME(x) TSV_CAT(x, _fp8)
 #define KV_LOAD1(p) ts_fp8_to_f32(*(p))
-#ifdef TS_HAVE_AVX2
-#define KV_LOAD8(p) ts_load_fp8x8(p)
-#endif
-#ifdef TS_HAVE_AVX512
-#define KV_LOAD16(p) ts_load_fp8x16(p)
-#endif
 #include "paged_decode_kv.h"
 
 int ts_paged_decode(const void *q, int64_t q_stride, int q_dtype, const void *k_cache, const void *v_cache,

@@ -1,12 +1,12 @@
 /* The decode-attention kernels for one KV cache element type; included once per type by paged_decode.c
- * with KV_T (the stored type), KV_IS_BF16 (0 or 1), KV_NAME(x) (x with the type's suffix), KV_LOAD1(p) (one
- * element as float), and, where the build has those paths, KV_LOAD8(p) / KV_LOAD16(p) (8 / 16 elements as
- * float32 in an AVX2 / AVX-512 register) defined; it undefines them at its end, for the next type.
+ * with KV_T (the stored type), KV_IS_BF16 (0 or 1), KV_NAME(x) (x with the type's suffix) and KV_LOAD1(p)
+ * (one element as float) defined; it undefines them at its end, for the next type.
  *
  * Every path computes the same two block-level steps, so each can be checked against the scalar one:
  *   scores[g][s] = q_g . k_s * scale             for the n keys of one block and one KV head
  *   acc[g] += sum_s p[g][s] v_s                  for the n values of the same block and head
- * for the ``group`` query heads g that share the KV head (rows head_dim floats apart in q and acc).
+ * for the ``group`` query heads g that share the KV head (rows head_dim floats apart in q and acc). The
+ * vector levels share one body (paged_decode_vec.h); vdpbf16ps has its own scores.
  */
 
 #ifndef TS_PREFETCH_AHEAD_BYTES
@@ -58,183 +58,27 @@ static void KV_NAME(values_scalar)(const float *p, int64_t p_stride, const KV_T 
     }
 }
 
-/* ---------------------------------------------------------------- AVX2 + FMA (head_dim % 32 == 0) */
+/* ---------------------------------------------------------------- AVX2 + FMA and AVX-512: paged_decode_vec.h */
 #ifdef TS_HAVE_AVX2
-
-/* Four keys against NG (<= 3) query heads per pass, each key loaded and widened once for the NG heads
- * that share it: 4 x NG accumulators and the key in the sixteen ymm registers (q is read from memory by
- * the multiply-adds). One head at a time widened every key once per head of its group. */
-TS_ALWAYS_INLINE void KV_NAME(scores_tile_avx2)(const float *q, const KV_T *k, int64_t token_stride, int64_t n,
-                                                int64_t head_dim, float scale, float *scores, int64_t score_stride,
-                                                const int NG) {
-    const __m128 vscale = _mm_set1_ps(scale);
-    int64_t s = 0;
-    for (; s + 4 <= n; s += 4) {
-        const KV_T *ks = k + s * token_stride;
-        __m256 a[3][4];
-        for (int g = 0; g < NG; g++)
-            for (int i = 0; i < 4; i++) a[g][i] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < head_dim; j += 8) {
-            for (int i = 0; i < 4; i++) {
-                const __m256 kv = KV_LOAD8(ks + i * token_stride + j);
-                for (int g = 0; g < NG; g++) a[g][i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + j), kv, a[g][i]);
-            }
-        }
-        for (int g = 0; g < NG; g++) {
-            const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_hadd_ps(a[g][2], a[g][3]));
-            const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-            _mm_storeu_ps(scores + g * score_stride + s, _mm_mul_ps(sums, vscale));
-        }
-    }
-    for (; s < n; s++) {
-        const KV_T *ks = k + s * token_stride;
-        __m256 a[3];
-        for (int g = 0; g < NG; g++) a[g] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < head_dim; j += 8) {
-            const __m256 kv = KV_LOAD8(ks + j);
-            for (int g = 0; g < NG; g++) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + j), kv, a[g]);
-        }
-        for (int g = 0; g < NG; g++) scores[g * score_stride + s] = ts_hsum256(a[g]) * scale;
-    }
-}
-
-static void KV_NAME(scores_avx2)(const float *q, const KV_T *k, int64_t token_stride, int64_t n, int64_t group,
-                                 int64_t head_dim, float scale, float *scores, int64_t score_stride) {
-    TS_SCORES_BY_THREES(KV_NAME(scores_tile_avx2));
-}
-
-/* acc rows [0, NG) (NG <= 3) x 16 columns at a time, over the n values: each value vector is loaded and
- * widened once for the NG query heads that share it (a head at a time widened every value once per head),
- * and the 2 x NG accumulators, two values and a broadcast fit the sixteen ymm registers. */
-TS_ALWAYS_INLINE void KV_NAME(values_tile_avx2)(const float *p, int64_t p_stride, const KV_T *v, int64_t token_stride,
-                                                int64_t n, int64_t head_dim, float *acc, const int NG) {
-    for (int64_t j = 0; j < head_dim; j += 16) {
-        __m256 a[3][2];
-        for (int g = 0; g < NG; g++) {
-            a[g][0] = _mm256_loadu_ps(acc + g * head_dim + j);
-            a[g][1] = _mm256_loadu_ps(acc + g * head_dim + j + 8);
-        }
-        for (int64_t s = 0; s < n; s++) {
-            const KV_T *vs = v + s * token_stride + j;
-            const __m256 v0 = KV_LOAD8(vs), v1 = KV_LOAD8(vs + 8);
-            for (int g = 0; g < NG; g++) {
-                const __m256 pv = _mm256_broadcast_ss(p + g * p_stride + s);
-                a[g][0] = _mm256_fmadd_ps(pv, v0, a[g][0]);
-                a[g][1] = _mm256_fmadd_ps(pv, v1, a[g][1]);
-            }
-        }
-        for (int g = 0; g < NG; g++) {
-            _mm256_storeu_ps(acc + g * head_dim + j, a[g][0]);
-            _mm256_storeu_ps(acc + g * head_dim + j + 8, a[g][1]);
-        }
-    }
-}
-
-static void KV_NAME(values_avx2)(const float *p, int64_t p_stride, const KV_T *v, int64_t token_stride, int64_t n,
-                                 int64_t group, int64_t head_dim, float *acc) {
-    for (int64_t g0 = 0; g0 < group; g0 += 3) {
-        const float *pg = p + g0 * p_stride;
-        float *ag = acc + g0 * head_dim;
-        switch (group - g0 < 3 ? group - g0 : 3) {
-        case 1: KV_NAME(values_tile_avx2)(pg, p_stride, v, token_stride, n, head_dim, ag, 1); break;
-        case 2: KV_NAME(values_tile_avx2)(pg, p_stride, v, token_stride, n, head_dim, ag, 2); break;
-        default: KV_NAME(values_tile_avx2)(pg, p_stride, v, token_stride, n, head_dim, ag, 3); break;
-        }
-    }
-}
-#endif /* TS_HAVE_AVX2 */
-
-/* ---------------------------------------------------------------- AVX-512 (head_dim % 16 == 0) */
+#define TSV_ISA avx2
+#define TSV_LEVEL avx2
+#define DECODE_DIM_MULTIPLE 32
+#define DECODE_VALUE_HEADS 3 /* 3 x 2 accumulators, two values and a broadcast in the sixteen ymm registers */
+#define DECODE_VALUE_VECS 2
+#include "paged_decode_vec.h"
+#undef TSV_LEVEL
+#undef TSV_ISA
+#endif
 #ifdef TS_HAVE_AVX512
-
-/* Eight keys against NG (<= 3) query heads per pass: each key vector is loaded and widened once for all
- * NG heads that share it, and the 8 x NG accumulators stay in registers. (A head at a time would widen
- * every key once per head of its group: with SmolLM2's three, that was most of the kernel's work.) */
-TS_ALWAYS_INLINE void KV_NAME(scores_tile_avx512)(const float *q, const KV_T *k, int64_t token_stride, int64_t n,
-                                                  int64_t head_dim, float scale, float *scores, int64_t score_stride,
-                                                  const int NG) {
-    const __m256 vscale = _mm256_set1_ps(scale);
-    int64_t s = 0;
-    for (; s + 8 <= n; s += 8) {
-        const KV_T *ks = k + s * token_stride;
-        __m512 a[3][8];
-        for (int g = 0; g < NG; g++)
-            for (int i = 0; i < 8; i++) a[g][i] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < head_dim; j += 16) {
-            __m512 qv[3];
-            for (int g = 0; g < NG; g++) qv[g] = _mm512_loadu_ps(q + g * head_dim + j);
-            for (int i = 0; i < 8; i++) {
-                const __m512 kv = KV_LOAD16(ks + i * token_stride + j);
-                for (int g = 0; g < NG; g++) a[g][i] = _mm512_fmadd_ps(qv[g], kv, a[g][i]);
-            }
-        }
-        for (int g = 0; g < NG; g++) _mm256_storeu_ps(scores + g * score_stride + s, _mm256_mul_ps(ts_hsum512x8(a[g]), vscale));
-    }
-    for (; s < n; s++) {
-        const KV_T *ks = k + s * token_stride;
-        __m512 a[3];
-        for (int g = 0; g < NG; g++) a[g] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < head_dim; j += 16) {
-            const __m512 kv = KV_LOAD16(ks + j);
-            for (int g = 0; g < NG; g++) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * head_dim + j), kv, a[g]);
-        }
-        for (int g = 0; g < NG; g++) scores[g * score_stride + s] = _mm512_reduce_add_ps(a[g]) * scale;
-    }
-}
-
-static void KV_NAME(scores_avx512)(const float *q, const KV_T *k, int64_t token_stride, int64_t n, int64_t group,
-                                   int64_t head_dim, float scale, float *scores, int64_t score_stride) {
-    TS_SCORES_BY_THREES(KV_NAME(scores_tile_avx512));
-}
-
-/* acc rows [0, NG) x columns of NV vectors at a time, over the n values: each value vector is loaded
- * (and widened) once for all NG query heads. Constant NG and NV keep the accumulators in registers. */
-TS_ALWAYS_INLINE void KV_NAME(values_tile_avx512)(const float *p, int64_t p_stride, const KV_T *v, int64_t token_stride,
-                                                  int64_t n, int64_t head_dim, float *acc, const int NG, const int NV) {
-    for (int64_t j0 = 0; j0 < head_dim; j0 += 16 * NV) {
-        __m512 a[4][4];
-        for (int g = 0; g < NG; g++)
-            for (int u = 0; u < NV; u++) a[g][u] = _mm512_loadu_ps(acc + g * head_dim + j0 + 16 * u);
-        for (int64_t s = 0; s < n; s++) {
-            const KV_T *vs = v + s * token_stride + j0;
-            __m512 vv[4];
-            for (int u = 0; u < NV; u++) vv[u] = KV_LOAD16(vs + 16 * u);
-            for (int g = 0; g < NG; g++) {
-                const __m512 pv = _mm512_set1_ps(p[g * p_stride + s]);
-                for (int u = 0; u < NV; u++) a[g][u] = _mm512_fmadd_ps(pv, vv[u], a[g][u]);
-            }
-        }
-        for (int g = 0; g < NG; g++)
-            for (int u = 0; u < NV; u++) _mm512_storeu_ps(acc + g * head_dim + j0 + 16 * u, a[g][u]);
-    }
-}
-
-static void KV_NAME(values_avx512)(const float *p, int64_t p_stride, const KV_T *v, int64_t token_stride, int64_t n,
-                                   int64_t group, int64_t head_dim, float *acc) {
-    for (int64_t g0 = 0; g0 < group; g0 += 4) {
-        const int ng = group - g0 < 4 ? (int)(group - g0) : 4;
-        const float *pg = p + g0 * p_stride;
-        float *ag = acc + g0 * head_dim;
-#define TS_VALUES_TILE(NG, NV) KV_NAME(values_tile_avx512)(pg, p_stride, v, token_stride, n, head_dim, ag, NG, NV)
-        if (head_dim % 64 == 0) {
-            switch (ng) {
-            case 1: TS_VALUES_TILE(1, 4); break;
-            case 2: TS_VALUES_TILE(2, 4); break;
-            case 3: TS_VALUES_TILE(3, 4); break;
-            default: TS_VALUES_TILE(4, 4); break;
-            }
-        } else {
-            switch (ng) {
-            case 1: TS_VALUES_TILE(1, 1); break;
-            case 2: TS_VALUES_TILE(2, 1); break;
-            case 3: TS_VALUES_TILE(3, 1); break;
-            default: TS_VALUES_TILE(4, 1); break;
-            }
-        }
-#undef TS_VALUES_TILE
-    }
-}
-#endif /* TS_HAVE_AVX512 */
+#define TSV_ISA avx512
+#define TSV_LEVEL avx512
+#define DECODE_DIM_MULTIPLE 16
+#define DECODE_VALUE_HEADS 4 /* 4 x 4 accumulators and four values of 32 zmm registers */
+#define DECODE_VALUE_VECS 4
+#include "paged_decode_vec.h"
+#undef TSV_LEVEL
+#undef TSV_ISA
+#endif
 
 /* ---------------------------------------------------------------- AVX-512 BF16: bf16 q . bf16 k (head_dim % 32) */
 #if KV_IS_BF16 && defined(TS_HAVE_AVX512BF16)
@@ -282,13 +126,13 @@ static inline void KV_NAME(block_scores)(int isa, const float *q, const uint16_t
     }
 #endif
 #ifdef TS_HAVE_AVX512
-    if (isa >= TS_ISA_AVX512 && head_dim % 16 == 0) {
+    if (isa >= TS_ISA_AVX512 && KV_NAME(takes_avx512)(head_dim)) {
         KV_NAME(scores_avx512)(q, k, token_stride, n, group, head_dim, scale, scores, score_stride);
         return;
     }
 #endif
 #ifdef TS_HAVE_AVX2
-    if (isa >= TS_ISA_AVX2 && head_dim % 32 == 0) {
+    if (isa >= TS_ISA_AVX2 && KV_NAME(takes_avx2)(head_dim)) {
         KV_NAME(scores_avx2)(q, k, token_stride, n, group, head_dim, scale, scores, score_stride);
         return;
     }
@@ -301,13 +145,13 @@ static inline void KV_NAME(block_scores)(int isa, const float *q, const uint16_t
 static inline void KV_NAME(block_values)(int isa, const float *p, int64_t p_stride, const KV_T *v, int64_t token_stride,
                                          int64_t n, int64_t group, int64_t head_dim, float *acc) {
 #ifdef TS_HAVE_AVX512
-    if (isa >= TS_ISA_AVX512 && head_dim % 16 == 0) {
+    if (isa >= TS_ISA_AVX512 && KV_NAME(takes_avx512)(head_dim)) {
         KV_NAME(values_avx512)(p, p_stride, v, token_stride, n, group, head_dim, acc);
         return;
     }
 #endif
 #ifdef TS_HAVE_AVX2
-    if (isa >= TS_ISA_AVX2 && head_dim % 32 == 0) {
+    if (isa >= TS_ISA_AVX2 && KV_NAME(takes_avx2)(head_dim)) {
         KV_NAME(values_avx2)(p, p_stride, v, token_stride, n, group, head_dim, acc);
         return;
     }
@@ -511,5 +355,3 @@ static int KV_NAME(paged_decode)(const void *q, int64_t q_stride, int q_dtype, c
 #undef KV_IS_BF16
 #undef KV_NAME
 #undef KV_LOAD1
-#undef KV_LOAD8
-#undef KV_LOAD16

@@ -1,7 +1,7 @@
 /* Prefill attention on CPU: causal, grouped-query, read from the paged KV cache in place.
  *
  * Why a kernel of our own: torch's CPU flash attention runs a 305-token prompt's heads at 13-25 GFLOPS
- * here, a third of a prefill's time on a 135M model (docs/benchmarks.md, tenth round), and with a cached
+ * here, a third of a prefill's time on a 135M model (docs/benchmarks.md), and with a cached
  * prefix it needs the context gathered into a contiguous copy first. Here each work item is a handful
  * of consecutive query tokens times the query heads of one KV head (so grouped-query heads share every
  * key and value read), walking the keys a tile at a time with an online softmax (flash attention's
@@ -21,7 +21,7 @@
  *              cached prefix); query i of span s attends keys 0 .. computed[s] + i
  *   out        [tokens, num_heads, head_dim], float32 or bfloat16, rows out_stride elements apart
  *
- * Arithmetic is float32 (inputs widen exactly; a bfloat16 output is rounded once). Paths: scalar
+ * Arithmetic is float32 (inputs widen exactly, convert_vec.h; a bfloat16 output is rounded once). Paths: scalar
  * reference; AVX2 + FMA (head_dim a multiple of 8), rows by keys with the dot products summed across
  * lanes; AVX-512, which turns the item around: a vector holds one element of 16 query rows, so a tile's
  * scores are broadcast keys times transposed queries with no horizontal sums, the online softmax runs on
@@ -32,6 +32,7 @@
  * float32 or fp8 cache keeps the AVX-512 form. The bfloat16 forms first pack each span's keys and values
  * into the tiles' order, once per call, and every work item reads them there.
  */
+#include "ts_align_loops.h" /* first: see there */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -40,6 +41,7 @@
 
 #include "tideserve_native.h"
 #include "ts_simd.h"
+#include "ts_vec.h"
 
 #if defined(TS_HAVE_AMX) || defined(TS_HAVE_AVX512BF16)
 #define TS_PREFILL_PAIRS 1 /* the bfloat16 forms (AMX tiles, vdpbf16ps) and their packing */
@@ -98,30 +100,23 @@ static float load_elem(const void *p, int dtype, int64_t i) {
     return ts_fp8_to_f32(((const uint8_t *)p)[i]);
 }
 
+static void widen_row_scalar(const void *src, int dtype, float *dst, int64_t n) {
+    for (int64_t d = 0; d < n; d++) dst[d] = load_elem(src, dtype, d);
+}
+
+#define TSV_BODY "convert_vec.h"
+#include "ts_vec_each.h"
+#undef TSV_BODY
+
 /* dst[0..n) = src[offset ..] widened to float32. */
 static void widen(int isa, const void *src, int dtype, int64_t offset, float *dst, int64_t n) {
     if (dtype == TS_DTYPE_F32) { /* a float32 model's queries: a copy (element by element it was 8% of the kernel) */
         memcpy(dst, (const float *)src + offset, (size_t)n * sizeof(float));
         return;
     }
-#ifdef TS_HAVE_AVX512
-    if (isa >= TS_ISA_AVX512 && n % 16 == 0 && dtype != TS_DTYPE_F32) {
-        for (int64_t d = 0; d < n; d += 16)
-            _mm512_storeu_ps(dst + d, dtype == TS_DTYPE_BF16 ? ts_load_bf16x16((const uint16_t *)src + offset + d)
-                                                              : ts_load_fp8x16((const uint8_t *)src + offset + d));
-        return;
-    }
-#endif
-#ifdef TS_HAVE_AVX2
-    if (isa >= TS_ISA_AVX2 && n % 8 == 0 && dtype != TS_DTYPE_F32) {
-        for (int64_t d = 0; d < n; d += 8)
-            _mm256_storeu_ps(dst + d, dtype == TS_DTYPE_BF16 ? ts_load_bf16x8((const uint16_t *)src + offset + d)
-                                                             : ts_load_fp8x8((const uint8_t *)src + offset + d));
-        return;
-    }
-#endif
-    (void)isa;
-    for (int64_t d = 0; d < n; d++) dst[d] = load_elem(src, dtype, offset + d);
+    const void *at = dtype == TS_DTYPE_BF16 ? (const void *)((const uint16_t *)src + offset)
+                                            : (const void *)((const uint8_t *)src + offset);
+    TSV_CALL(isa, widen_row, at, dtype, dst, n);
 }
 
 /* Where key (and value) position p of KV head g starts in k and v, in elements. */
@@ -187,12 +182,6 @@ static void pv_scalar(const float *s, const int64_t *valid, int64_t rows, int64_
 }
 
 #ifdef TS_HAVE_AVX2
-/* The four sums of a, b, c, d's lanes. */
-TS_ALWAYS_INLINE __m128 sum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
 /* acc[0..4) += x0 * y[0..4), acc[4..8) += x1 * y[0..4): two rows against four vectors, the shape both
  * products of a tile take (rows x keys for the scores, rows x columns for the values). */
 TS_ALWAYS_INLINE void fma_2x4(__m256 x0, __m256 x1, const __m256 y[4], __m256 acc[8]) {
@@ -216,8 +205,8 @@ static void scores_avx2(const float *q, int64_t rows, int64_t dim, const float *
                                      _mm256_loadu_ps(k3 + d)};
                 fma_2x4(_mm256_loadu_ps(q0 + d), _mm256_loadu_ps(q1 + d), y, acc);
             }
-            _mm_storeu_ps(s + r * KEY_TILE + j, sum4_256(acc[0], acc[1], acc[2], acc[3]));
-            _mm_storeu_ps(s + (r + 1) * KEY_TILE + j, sum4_256(acc[4], acc[5], acc[6], acc[7]));
+            _mm_storeu_ps(s + r * KEY_TILE + j, tsv_avx2_hsums(acc));
+            _mm_storeu_ps(s + (r + 1) * KEY_TILE + j, tsv_avx2_hsums(acc + 4));
         }
     }
     for (; r < rows; r++) {
@@ -232,7 +221,7 @@ static void scores_avx2(const float *q, int64_t rows, int64_t dim, const float *
                 a2 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k2 + d), a2);
                 a3 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k3 + d), a3);
             }
-            _mm_storeu_ps(s + r * KEY_TILE + j, sum4_256(a0, a1, a2, a3));
+            _mm_storeu_ps(s + r * KEY_TILE + j, tsv_avx2_hsums((const __m256[4]){a0, a1, a2, a3}));
         }
     }
 }
@@ -461,7 +450,7 @@ static void pack_probabilities_bf16(scratch *w, int64_t groups, int64_t nk) {
 /* Where the vdpbf16ps form runs: as the AMX form (a bfloat16 cache, head_dim a multiple of 32), on
  * AVX-512 BF16 CPUs without AMX tiles: the same packed queries, keys, values and probabilities, each
  * product a vdpbf16ps of a broadcast key (or value) pair against 16 rows' pairs. Half the instructions of
- * the float32 form's multiply-adds, with the AMX form's rounding (docs/benchmarks.md, twentieth round). */
+ * the float32 form's multiply-adds, with the AMX form's rounding (docs/benchmarks.md). */
 static int dpbf16_form(const prefill_args *a, int isa) {
     return isa >= TS_ISA_AVX512_BF16 && a->kv_dtype == TS_DTYPE_BF16 && a->head_dim % 32 == 0;
 }
@@ -713,10 +702,7 @@ static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t 
         if (a->out_dtype == TS_DTYPE_F32) {
             memcpy((float *)a->out + at, src, (size_t)dim * sizeof(float));
         } else {
-            uint16_t *dst = (uint16_t *)a->out + at;
-            int64_t d = 0;
-            for (; d + 16 <= dim; d += 16) ts_store_bf16x16(dst + d, _mm512_loadu_ps(src + d));
-            for (; d < dim; d++) dst[d] = ts_f32_to_bf16(src[d]);
+            narrow_row_avx512(src, (uint16_t *)a->out + at, TS_DTYPE_BF16, dim);
         }
     }
 }

@@ -61,7 +61,7 @@ enum { TS_QG_SCALAR = 0, TS_QG_AVX2 = 1, TS_QG_AVX512 = 2, TS_QG_AMX = 3 };
 /* Rows of x that share one decode of a weight row in the row kernels. */
 #define TS_QGEMM_ROWS 4
 /* From this many rows of x, the AMX tiles beat the AVX-512 plan an AMX CPU takes below them (the matrix-vector
- * kernel, then VNNI's integer tiles; measured over the legacy formats, Q8_0 and the K-quants, sixteenth round of
+ * kernel, then VNNI's integer tiles; measured over the legacy formats, Q8_0 and the K-quants,
  * docs/benchmarks.md); ts_qgemm_set_tile_min_rows overrides every path's threshold (tests, benchmarks). */
 #define TS_AMX_MIN_ROWS 12
 #define TS_AVX2_TILE_MIN_ROWS 4
@@ -97,9 +97,9 @@ static int64_t ts_amx_taken = 0;          /* AMX tasks a thread took from anothe
 /* The integer tiles sweep a batch's rows in chunks whose int8 activations (with their scales) stay in L2
  * while every panel of a thread passes over them, each panel decoded once per chunk. Half the core's L2
  * leaves the other half to the panels and the output rows. A fixed 128 KiB was measured best in 256-bit
- * tiles over whole 2,048-row steps (twelfth round of docs/benchmarks.md); with 512-bit tiles and 512-token
+ * tiles over whole 2,048-row steps (docs/benchmarks.md); with 512-bit tiles and 512-token
  * slabs, a chunk of 128 KiB cut a slab in four and each panel was decoded four times: half of a 1 MiB L2
- * made a Zen 5's prefill 3-6% faster (twentieth round). Without a figure from the C library, 128 KiB. */
+ * made a Zen 5's prefill 3-6% faster. Without a figure from the C library, 128 KiB. */
 #define TS_TILE_CHUNK_FALLBACK (128 * 1024)
 #define TS_TILE_CHUNK_MIN (64 * 1024)
 #define TS_TILE_CHUNK_MAX (2 * 1024 * 1024)
@@ -128,7 +128,7 @@ int64_t ts_qgemm_tile_chunk_bytes(void) {
  * wide matrices few rows (46 at k = 8,192 under a 1 MiB L2: a down projection's panels decoded 7 times in a
  * 305-token prefill). On a Zen 5 EPYC a floor of 512 rows made k = 8,192 products 30-35% faster (Q4_K,
  * Q6_K, Q4_1, Q8_0) and k = 2,048 ones 3-6% faster at 2,048 rows, though the chunk then outgrows L2
- * (twenty-second round of docs/benchmarks.md). */
+ * (docs/benchmarks.md). */
 static int64_t ts_qgemm_tile_chunk_rows(int64_t row_bytes, int64_t tile_rows, int64_t min_rows) {
     int64_t rows = ts_qgemm_tile_chunk_bytes() / row_bytes;
     if (ts_tile_chunk_override == 0 && rows < min_rows) rows = min_rows;
@@ -389,7 +389,7 @@ static const ts_qseg *ts_panel_segment(const ts_qmat *w, int64_t p, int64_t widt
 #define TS_SIMD_VNNI 0
 #define TS_SIMD_TILE_ROWS 4 /* 16 vector registers: 4 rows of x per micro tile (2-5 measured, 4 best) */
 #define TS_SIMD_TILE_PANELS 1 /* panels (16 weight rows each) per micro tile */
-#define TS_SIMD_CHUNK_MIN_ROWS 0 /* the L2 share alone: 128 KiB measured best on an AVX2 EPYC (twelfth round) */
+#define TS_SIMD_CHUNK_MIN_ROWS 0 /* the L2 share alone: 128 KiB measured best on an AVX2 EPYC */
 #include "qgemm_simd.h"
 #include "qgemm_tiles.h"
 #include "qgemm_gemv.h"
@@ -587,7 +587,7 @@ static void amx_panel_tiles(const uint16_t *panel, const uint32_t *packed, int64
     /* The panel serves every pair of x tiles; where it fits L1 beside the tiles in flight (40 KiB: k <= 640)
      * and serves 4 pairs or more, x's tiles are loaded with the streaming hint (tileloaddt1), so they pass
      * without evicting it. 256 rows at k = 576: 7-19% faster; 64 rows (2 pairs) and panels past L1 gained
-     * nothing or lost a little (docs/benchmarks.md, twenty-sixth round). */
+     * nothing or lost a little (docs/benchmarks.md). */
     const int stream_x = pairs >= 4 && TS_PANEL * k * (int64_t)sizeof(uint16_t) <= (40 << 10);
     for (int64_t mt = mt_lo; mt < mt_hi; mt += 2) {
         _tile_zero(4);
@@ -691,8 +691,8 @@ static int next_amx_task(ts_task_list *lists, int64_t nth, int64_t tid, int64_t 
 /* One thread's share of amx_matmul: tasks, each a (chunk of x, panel) pair. Each thread starts from the
  * even split's share, chunk-major so that a chunk's packed rows stay in L2 while its panels pass, and once
  * that is done takes tasks from the back of another thread's: on a shared host the two cores' tile units
- * run at rates 2-3x apart for seconds at a time, each independently of the other (docs/benchmarks.md,
- * thirty-first round), and an even split alone waits for the slower core at the end of every product.
+ * run at rates 2-3x apart for seconds at a time, each independently of the other (docs/benchmarks.md),
+ * and an even split alone waits for the slower core at the end of every product.
  * (Tasks handed out one by one from a single counter balanced as well, but interleaved the threads'
  * weight rows: 4-14% slower than the even split on an LM head, 24 rows and 2,048 rows while the cores ran
  * alike.) A thread decodes the panel of its next task while it multiplies the current one, into the other

@@ -486,7 +486,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel)(con
  * for 8 vpdpbusd, and a Zen 5 core loads two 512-bit vectors a cycle while it retires two vpdpbusd: in a
  * micro-benchmark of the loop alone that tile reached 1.45 TOPS on 2 cores, against 2.1 for 6 rows by 2
  * panels (8 loads for 12 vpdpbusd), the core's vpdpbusd peak; with each block's float epilogue, 1.17
- * against 1.53 (twenty-second round of docs/benchmarks.md). 12 integer and 12 float accumulators, two
+ * against 1.53 (docs/benchmarks.md). 12 integer and 12 float accumulators, two
  * weight vectors and a broadcast fit the 32 registers. CPUs that split 512-bit operations in two (Zen 4)
  * are bound by the vpdpbusd themselves either way. The arithmetic and float order are the 256-bit form's. */
 static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int type, const int R, const int P,

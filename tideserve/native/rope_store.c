@@ -15,167 +15,73 @@
  * without fused multiply-adds; in bfloat16, each product and the sum rounded to bfloat16 as torch's
  * bfloat16 operators round them (the only exception: the AVX-512 BF16 path's vcvtneps2bf16 flushes
  * subnormal values, below 1.2e-38, to zero). A cache of another type gets those values rounded once to its
- * type, as torch's cast rounds (e4m3 saturating at +-448). Paths: scalar, AVX2, AVX-512 (ts_isa_level).
+ * type, as torch's cast rounds (e4m3 saturating at +-448). Paths: scalar, and one body per vector level
+ * (ts_isa_level; rope_store_vec.h for the rotation, convert_vec.h for the store, ts_vec.h).
  */
+#include "ts_align_loops.h" /* first: see there */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "tideserve_native.h"
 #include "ts_simd.h"
+#include "ts_vec.h"
 
 #define TS_ROPE_PARALLEL_MIN 16
 
-/* ---------------------------------------------------------------- rotation, float32 */
+/* ---------------------------------------------------------------- scalar reference */
+
+/* Column pair (i, i + half) of a float32 head: x1 c - x2 s, x2 c + x1 s, without fused multiply-adds. */
+static inline void rotate_f32_at(float *x, const float *cos, const float *sin, int64_t half, int64_t i) {
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * cos[i] - x2 * sin[i];
+    x[i + half] = x2 * cos[i] + x1 * sin[i];
+}
 
 static void rotate_f32_scalar(float *x, const float *cos, const float *sin, int64_t half) {
 #pragma omp simd
-    for (int64_t i = 0; i < half; i++) {
-        const float x1 = x[i], x2 = x[i + half];
-        x[i] = x1 * cos[i] - x2 * sin[i];
-        x[i + half] = x2 * cos[i] + x1 * sin[i];
-    }
+    for (int64_t i = 0; i < half; i++) rotate_f32_at(x, cos, sin, half, i);
 }
-
-#ifdef TS_HAVE_AVX2
-static void rotate_f32_avx2(float *x, const float *cos, const float *sin, int64_t half) {
-    int64_t i = 0;
-    for (; i + 8 <= half; i += 8) {
-        const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + i + half);
-        const __m256 c = _mm256_loadu_ps(cos + i), s = _mm256_loadu_ps(sin + i);
-        _mm256_storeu_ps(x + i, _mm256_sub_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x2, s)));
-        _mm256_storeu_ps(x + i + half, _mm256_add_ps(_mm256_mul_ps(x2, c), _mm256_mul_ps(x1, s)));
-    }
-    for (; i < half; i++) {
-        const float x1 = x[i], x2 = x[i + half];
-        x[i] = x1 * cos[i] - x2 * sin[i];
-        x[i + half] = x2 * cos[i] + x1 * sin[i];
-    }
-}
-#endif
-
-#ifdef TS_HAVE_AVX512
-static inline __mmask16 tail_mask(int64_t left) {
-    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-}
-
-static void rotate_f32_avx512(float *x, const float *cos, const float *sin, int64_t half) {
-    for (int64_t i = 0; i < half; i += 16) {
-        const __mmask16 m = tail_mask(half - i);
-        const __m512 x1 = _mm512_maskz_loadu_ps(m, x + i), x2 = _mm512_maskz_loadu_ps(m, x + i + half);
-        const __m512 c = _mm512_maskz_loadu_ps(m, cos + i), s = _mm512_maskz_loadu_ps(m, sin + i);
-        _mm512_mask_storeu_ps(x + i, m, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)));
-        _mm512_mask_storeu_ps(x + i + half, m, _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)));
-    }
-}
-#endif
-
-static void rotate_f32(int isa, float *x, const float *cos, const float *sin, int64_t half) {
-#ifdef TS_HAVE_AVX512
-    if (isa >= TS_ISA_AVX512) {
-        rotate_f32_avx512(x, cos, sin, half);
-        return;
-    }
-#endif
-#ifdef TS_HAVE_AVX2
-    if (isa >= TS_ISA_AVX2) {
-        rotate_f32_avx2(x, cos, sin, half);
-        return;
-    }
-#endif
-    (void)isa;
-    rotate_f32_scalar(x, cos, sin, half);
-}
-
-/* ---------------------------------------------------------------- rotation, bfloat16 */
 
 /* o1 = bf16(bf16(x1 c) - bf16(x2 s)), o2 = bf16(bf16(x2 c) + bf16(x1 s)): torch's four products and two
  * sums, each a bfloat16 tensor. Products of two bfloat16 values are exact in float32. */
+static inline void rotate_bf16_at(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t half, int64_t i) {
+    const float x1 = ts_bf16_to_f32(x[i]), x2 = ts_bf16_to_f32(x[i + half]);
+    const float c = ts_bf16_to_f32(cos[i]), s = ts_bf16_to_f32(sin[i]);
+    x[i] = ts_f32_to_bf16(ts_round_bf16(x1 * c) - ts_round_bf16(x2 * s));
+    x[i + half] = ts_f32_to_bf16(ts_round_bf16(x2 * c) + ts_round_bf16(x1 * s));
+}
+
 static void rotate_bf16_scalar(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t half) {
-    for (int64_t i = 0; i < half; i++) {
-        const float x1 = ts_bf16_to_f32(x[i]), x2 = ts_bf16_to_f32(x[i + half]);
-        const float c = ts_bf16_to_f32(cos[i]), s = ts_bf16_to_f32(sin[i]);
-        x[i] = ts_f32_to_bf16(ts_round_bf16(x1 * c) - ts_round_bf16(x2 * s));
-        x[i + half] = ts_f32_to_bf16(ts_round_bf16(x2 * c) + ts_round_bf16(x1 * s));
+    for (int64_t i = 0; i < half; i++) rotate_bf16_at(x, cos, sin, half, i);
+}
+
+/* n float32 values rounded into a bfloat16 (TS_DTYPE_BF16) or e4m3 (TS_DTYPE_FP8) row. */
+static void narrow_row_scalar(const float *src, void *dst, int dtype, int64_t n) {
+    if (dtype == TS_DTYPE_BF16) {
+        for (int64_t i = 0; i < n; i++) ((uint16_t *)dst)[i] = ts_f32_to_bf16(src[i]);
+    } else {
+        for (int64_t i = 0; i < n; i++) ((uint8_t *)dst)[i] = ts_f32_to_fp8(src[i]);
     }
 }
 
-#ifdef TS_HAVE_AVX2
-static void rotate_bf16_avx2(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t half) {
-    int64_t i = 0;
-    for (; i + 8 <= half; i += 8) {
-        const __m256 x1 = ts_load_bf16x8(x + i), x2 = ts_load_bf16x8(x + i + half);
-        const __m256 c = ts_load_bf16x8(cos + i), s = ts_load_bf16x8(sin + i);
-        ts_store_bf16x8(x + i, _mm256_sub_ps(ts_round_bf16_256(_mm256_mul_ps(x1, c)),
-                                             ts_round_bf16_256(_mm256_mul_ps(x2, s))));
-        ts_store_bf16x8(x + i + half, _mm256_add_ps(ts_round_bf16_256(_mm256_mul_ps(x2, c)),
-                                                    ts_round_bf16_256(_mm256_mul_ps(x1, s))));
-    }
-    for (; i < half; i++) {
-        const float x1 = ts_bf16_to_f32(x[i]), x2 = ts_bf16_to_f32(x[i + half]);
-        const float c = ts_bf16_to_f32(cos[i]), s = ts_bf16_to_f32(sin[i]);
-        x[i] = ts_f32_to_bf16(ts_round_bf16(x1 * c) - ts_round_bf16(x2 * s));
-        x[i + half] = ts_f32_to_bf16(ts_round_bf16(x2 * c) + ts_round_bf16(x1 * s));
-    }
-}
-#endif
+/* ---------------------------------------------------------------- vector levels and dispatch */
 
-#ifdef TS_HAVE_AVX512
-/* ``cvt``: round with vcvtneps2bf16 (AVX-512 BF16); a constant per caller. */
-TS_ALWAYS_INLINE __m512 round512(__m512 v, const int cvt) {
-#ifdef TS_HAVE_AVX512BF16
-    if (cvt) return ts_round_bf16_512_bf16(v);
-#endif
-    (void)cvt;
-    return ts_round_bf16_512(v);
-}
+#define TSV_BODY "rope_store_vec.h"
+#define TSV_BODY_FTZ
+#include "ts_vec_each.h"
+#undef TSV_BODY_FTZ
+#undef TSV_BODY
+#define TSV_BODY "convert_vec.h"
+#include "ts_vec_each.h"
+#undef TSV_BODY
 
-TS_ALWAYS_INLINE void store512(uint16_t *p, __mmask16 m, __m512 v, const int cvt) {
-#ifdef TS_HAVE_AVX512BF16
-    if (cvt) {
-        ts_mask_store_bf16x16_bf16(p, m, v);
-        return;
-    }
-#endif
-    (void)cvt;
-    ts_mask_store_bf16x16(p, m, v);
+static void rotate_f32(int isa, float *x, const float *cos, const float *sin, int64_t half) {
+    TSV_CALL(isa, rotate_f32, x, cos, sin, half);
 }
-
-TS_ALWAYS_INLINE void rotate_bf16_avx512(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t half,
-                                         const int cvt) {
-    for (int64_t i = 0; i < half; i += 16) {
-        const __mmask16 m = tail_mask(half - i);
-        const __m512 x1 = ts_maskz_load_bf16x16(m, x + i), x2 = ts_maskz_load_bf16x16(m, x + i + half);
-        const __m512 c = ts_maskz_load_bf16x16(m, cos + i), s = ts_maskz_load_bf16x16(m, sin + i);
-        store512(x + i, m, _mm512_sub_ps(round512(_mm512_mul_ps(x1, c), cvt), round512(_mm512_mul_ps(x2, s), cvt)),
-                 cvt);
-        store512(x + i + half, m,
-                 _mm512_add_ps(round512(_mm512_mul_ps(x2, c), cvt), round512(_mm512_mul_ps(x1, s), cvt)), cvt);
-    }
-}
-#endif
 
 static void rotate_bf16(int isa, uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t half) {
-#ifdef TS_HAVE_AVX512BF16
-    if (isa >= TS_ISA_AVX512_BF16) {
-        rotate_bf16_avx512(x, cos, sin, half, 1);
-        return;
-    }
-#endif
-#ifdef TS_HAVE_AVX512
-    if (isa >= TS_ISA_AVX512) {
-        rotate_bf16_avx512(x, cos, sin, half, 0);
-        return;
-    }
-#endif
-#ifdef TS_HAVE_AVX2
-    if (isa >= TS_ISA_AVX2) {
-        rotate_bf16_avx2(x, cos, sin, half);
-        return;
-    }
-#endif
-    (void)isa;
-    rotate_bf16_scalar(x, cos, sin, half);
+    TSV_CALL_FTZ(isa, rotate_bf16, x, cos, sin, half);
 }
 
 /* ---------------------------------------------------------------- cache stores */
@@ -186,31 +92,8 @@ static void store_row_f32(int isa, const float *src, void *cache, int64_t offset
         memcpy((float *)cache + offset, src, sizeof(float) * (size_t)n);
         return;
     }
-    int64_t i = 0;
-    if (kv_dtype == TS_DTYPE_FP8) {
-        uint8_t *dst = (uint8_t *)cache + offset;
-#ifdef TS_HAVE_AVX512
-        if (isa >= TS_ISA_AVX512)
-            for (; i + 16 <= n; i += 16) ts_store_fp8x16(dst + i, _mm512_loadu_ps(src + i));
-#endif
-#ifdef TS_HAVE_AVX2
-        if (isa >= TS_ISA_AVX2)
-            for (; i + 8 <= n; i += 8) ts_store_fp8x8(dst + i, _mm256_loadu_ps(src + i));
-#endif
-        for (; i < n; i++) dst[i] = ts_f32_to_fp8(src[i]);
-        return;
-    }
-    uint16_t *dst = (uint16_t *)cache + offset;
-#ifdef TS_HAVE_AVX512
-    if (isa >= TS_ISA_AVX512)
-        for (; i + 16 <= n; i += 16) ts_store_bf16x16(dst + i, _mm512_loadu_ps(src + i));
-#endif
-#ifdef TS_HAVE_AVX2
-    if (isa >= TS_ISA_AVX2)
-        for (; i + 8 <= n; i += 8) ts_store_bf16x8(dst + i, _mm256_loadu_ps(src + i));
-#endif
-    (void)isa;
-    for (; i < n; i++) dst[i] = ts_f32_to_bf16(src[i]);
+    void *dst = kv_dtype == TS_DTYPE_FP8 ? (void *)((uint8_t *)cache + offset) : (void *)((uint16_t *)cache + offset);
+    TSV_CALL(isa, narrow_row, src, dst, kv_dtype, n);
 }
 
 /* n bfloat16 values into the cache: as bfloat16, widened to float32 (both exact) or rounded to e4m3. */

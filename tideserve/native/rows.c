@@ -4,19 +4,22 @@
  * more in dispatch and thread wake-ups than in arithmetic. Rows are contiguous; threads split the rows of
  * large inputs.
  *
- * RMSNorm has a scalar reference, an AVX2 and an AVX-512 path (ts_isa_level); in bfloat16 the AVX-512 BF16
- * level rounds with vcvtneps2bf16. Every path computes out = (x * inv_rms) * weight with the sum of squares
- * in float32, and in bfloat16 rounds each stored value once, as torch's operators do: the residual sum
- * (like ``residual.add_(x)``) and the output (like F.rms_norm). Only the order of the float32 sum of
- * squares differs between paths. The int8 helpers are plain loops the compiler vectorizes for the build's
- * instruction set: there is nothing for hand-written paths to add.
+ * RMSNorm has a scalar reference and one body (rows_vec.h) compiled per vector level (ts_vec.h: AVX2,
+ * AVX-512, chosen by ts_isa_level); in bfloat16 the AVX-512 BF16 level rounds with vcvtneps2bf16. Every
+ * path computes out = (x * inv_rms) * weight with the sum of squares in float32, and in bfloat16 rounds
+ * each stored value once, as torch's operators do: the residual sum (like ``residual.add_(x)``) and the
+ * output (like F.rms_norm). Only the order of the float32 sum of squares differs between paths. The int8
+ * helpers are plain loops the compiler vectorizes for the build's instruction set: there is nothing for
+ * hand-written paths to add.
  */
+#include "ts_align_loops.h" /* first: see there */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "tideserve_native.h"
 #include "ts_simd.h"
+#include "ts_vec.h"
 
 /* Below this many elements a single thread beats waking the others. */
 #define TS_PARALLEL_MIN 32768
@@ -32,69 +35,54 @@ static void rms_row_f32_scalar(const float *x, const float *weight, float *out, 
     for (int64_t c = 0; c < cols; c++) out[c] = (x[c] * inv) * weight[c];
 }
 
-#ifdef TS_HAVE_AVX2
-static void rms_row_f32_avx2(const float *x, const float *weight, float *out, int64_t cols, float eps) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
-    int64_t c = 0;
-    for (; c + 16 <= cols; c += 16) {
-        const __m256 a = _mm256_loadu_ps(x + c), b = _mm256_loadu_ps(x + c + 8);
-        s0 = _mm256_fmadd_ps(a, a, s0);
-        s1 = _mm256_fmadd_ps(b, b, s1);
+/* ---------------------------------------------------------------- bfloat16 RMSNorm */
+
+/* Column c of the row to normalise: res[c], or with ``x`` non-NULL res[c] = bf16(res[c] + x[c]) first. */
+static inline float rms_bf16_input(const uint16_t *x, uint16_t *res, int64_t c) {
+    float v = ts_bf16_to_f32(res[c]);
+    if (x != NULL) {
+        const uint16_t h = ts_f32_to_bf16(v + ts_bf16_to_f32(x[c]));
+        res[c] = h;
+        v = ts_bf16_to_f32(h);
     }
-    float sum = ts_hsum256(_mm256_add_ps(s0, s1));
-    for (; c < cols; c++) sum += x[c] * x[c];
+    return v;
+}
+
+static inline uint16_t rms_bf16_output(const uint16_t *res, const uint16_t *weight, int64_t c, float inv) {
+    return ts_f32_to_bf16((ts_bf16_to_f32(res[c]) * inv) * ts_bf16_to_f32(weight[c]));
+}
+
+/* One row: with ``x`` non-NULL, first res = bf16(res + x) (res is then the row to normalise); out =
+ * bf16((res * inv) * weight). */
+static void rms_row_bf16_scalar(const uint16_t *x, uint16_t *res, const uint16_t *weight, uint16_t *out,
+                                int64_t cols, float eps) {
+    float sum = 0.0f;
+    for (int64_t c = 0; c < cols; c++) {
+        const float v = rms_bf16_input(x, res, c);
+        sum += v * v;
+    }
     const float inv = 1.0f / sqrtf(sum / (float)cols + eps);
-    const __m256 vinv = _mm256_set1_ps(inv);
-    for (c = 0; c + 8 <= cols; c += 8)
-        _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + c), vinv), _mm256_loadu_ps(weight + c)));
-    for (; c < cols; c++) out[c] = (x[c] * inv) * weight[c];
-}
-#endif
-
-#ifdef TS_HAVE_AVX512
-static inline __mmask16 tail_mask(int64_t left) {
-    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+    for (int64_t c = 0; c < cols; c++) out[c] = rms_bf16_output(res, weight, c, inv);
 }
 
-static void rms_row_f32_avx512(const float *x, const float *weight, float *out, int64_t cols, float eps) {
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0;
-    int64_t c = 0;
-    for (; c + 32 <= cols; c += 32) {
-        const __m512 a = _mm512_loadu_ps(x + c), b = _mm512_loadu_ps(x + c + 16);
-        s0 = _mm512_fmadd_ps(a, a, s0);
-        s1 = _mm512_fmadd_ps(b, b, s1);
-    }
-    for (; c < cols; c += 16) {
-        const __m512 a = _mm512_maskz_loadu_ps(tail_mask(cols - c), x + c);
-        s0 = _mm512_fmadd_ps(a, a, s0);
-    }
-    const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) / (float)cols + eps);
-    const __m512 vinv = _mm512_set1_ps(inv);
-    for (c = 0; c < cols; c += 16) {
-        const __mmask16 m = tail_mask(cols - c);
-        const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + c), vinv),
-                                       _mm512_maskz_loadu_ps(m, weight + c));
-        _mm512_mask_storeu_ps(out + c, m, y);
-    }
-}
-#endif
+/* ---------------------------------------------------------------- vector levels (rows_vec.h) and dispatch */
+
+#define TSV_BODY "rows_vec.h"
+#define TSV_BODY_FTZ
+#include "ts_vec_each.h"
+#undef TSV_BODY_FTZ
+#undef TSV_BODY
 
 static void rms_row_f32(int isa, const float *x, const float *weight, float *out, int64_t cols, float eps) {
-#ifdef TS_HAVE_AVX512
-    if (isa >= TS_ISA_AVX512) {
-        rms_row_f32_avx512(x, weight, out, cols, eps);
-        return;
-    }
-#endif
-#ifdef TS_HAVE_AVX2
-    if (isa >= TS_ISA_AVX2) {
-        rms_row_f32_avx2(x, weight, out, cols, eps);
-        return;
-    }
-#endif
-    (void)isa;
-    rms_row_f32_scalar(x, weight, out, cols, eps);
+    TSV_CALL(isa, rms_row_f32, x, weight, out, cols, eps);
 }
+
+static void rms_row_bf16(int isa, const uint16_t *x, uint16_t *res, const uint16_t *weight, uint16_t *out, int64_t cols,
+                         float eps) {
+    TSV_CALL_FTZ(isa, rms_row_bf16, x, res, weight, out, cols, eps);
+}
+
+/* ---------------------------------------------------------------- exports */
 
 /* residual += x (one row). */
 static void add_row_f32(float *res, const float *x, int64_t cols) {
@@ -117,121 +105,6 @@ void ts_add_rms_norm_f32(const float *x, float *residual, const float *weight, f
         add_row_f32(residual + r * cols, x + r * cols, cols);
         rms_row_f32(isa, residual + r * cols, weight, out + r * cols, cols, eps);
     }
-}
-
-/* ---------------------------------------------------------------- bfloat16 RMSNorm */
-
-/* One row: with ``x`` non-NULL, first res = bf16(res + x) (res is then the row to normalise); out =
- * bf16((res * inv) * weight). */
-static void rms_row_bf16_scalar(const uint16_t *x, uint16_t *res, const uint16_t *weight, uint16_t *out,
-                                int64_t cols, float eps) {
-    float sum = 0.0f;
-    for (int64_t c = 0; c < cols; c++) {
-        float v = ts_bf16_to_f32(res[c]);
-        if (x != NULL) {
-            const uint16_t h = ts_f32_to_bf16(v + ts_bf16_to_f32(x[c]));
-            res[c] = h;
-            v = ts_bf16_to_f32(h);
-        }
-        sum += v * v;
-    }
-    const float inv = 1.0f / sqrtf(sum / (float)cols + eps);
-    for (int64_t c = 0; c < cols; c++) out[c] = ts_f32_to_bf16((ts_bf16_to_f32(res[c]) * inv) * ts_bf16_to_f32(weight[c]));
-}
-
-#ifdef TS_HAVE_AVX2
-static void rms_row_bf16_avx2(const uint16_t *x, uint16_t *res, const uint16_t *weight, uint16_t *out, int64_t cols,
-                              float eps) {
-    __m256 s0 = _mm256_setzero_ps();
-    int64_t c = 0;
-    for (; c + 8 <= cols; c += 8) {
-        __m256 v = ts_load_bf16x8(res + c);
-        if (x != NULL) {
-            v = ts_round_bf16_256(_mm256_add_ps(v, ts_load_bf16x8(x + c)));
-            ts_store_bf16x8(res + c, v); /* exact: v is already a bfloat16 value */
-        }
-        s0 = _mm256_fmadd_ps(v, v, s0);
-    }
-    float sum = ts_hsum256(s0);
-    for (; c < cols; c++) {
-        float v = ts_bf16_to_f32(res[c]);
-        if (x != NULL) {
-            const uint16_t h = ts_f32_to_bf16(v + ts_bf16_to_f32(x[c]));
-            res[c] = h;
-            v = ts_bf16_to_f32(h);
-        }
-        sum += v * v;
-    }
-    const float inv = 1.0f / sqrtf(sum / (float)cols + eps);
-    const __m256 vinv = _mm256_set1_ps(inv);
-    for (c = 0; c + 8 <= cols; c += 8)
-        ts_store_bf16x8(out + c, _mm256_mul_ps(_mm256_mul_ps(ts_load_bf16x8(res + c), vinv), ts_load_bf16x8(weight + c)));
-    for (; c < cols; c++) out[c] = ts_f32_to_bf16((ts_bf16_to_f32(res[c]) * inv) * ts_bf16_to_f32(weight[c]));
-}
-#endif
-
-#ifdef TS_HAVE_AVX512
-/* ``cvt``: round with vcvtneps2bf16 (AVX-512 BF16) instead of integer arithmetic; a constant per caller. */
-TS_ALWAYS_INLINE void rms_row_bf16_avx512_impl(const uint16_t *x, uint16_t *res, const uint16_t *weight, uint16_t *out,
-                                               int64_t cols, float eps, const int cvt) {
-    __m512 s0 = _mm512_setzero_ps();
-    for (int64_t c = 0; c < cols; c += 16) {
-        const __mmask16 m = tail_mask(cols - c);
-        __m512 v = ts_maskz_load_bf16x16(m, res + c);
-        if (x != NULL) {
-            v = _mm512_add_ps(v, ts_maskz_load_bf16x16(m, x + c));
-#ifdef TS_HAVE_AVX512BF16
-            if (cvt) {
-                v = ts_round_bf16_512_bf16(v);
-                ts_mask_store_bf16x16_bf16(res + c, m, v);
-            } else
-#endif
-            {
-                v = ts_round_bf16_512(v);
-                ts_mask_store_bf16x16(res + c, m, v);
-            }
-        }
-        s0 = _mm512_fmadd_ps(v, v, s0);
-    }
-    const __m512 vinv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(s0) / (float)cols + eps));
-    for (int64_t c = 0; c < cols; c += 16) {
-        const __mmask16 m = tail_mask(cols - c);
-        const __m512 y = _mm512_mul_ps(_mm512_mul_ps(ts_maskz_load_bf16x16(m, res + c), vinv),
-                                       ts_maskz_load_bf16x16(m, weight + c));
-#ifdef TS_HAVE_AVX512BF16
-        if (cvt) {
-            ts_mask_store_bf16x16_bf16(out + c, m, y);
-            continue;
-        }
-#endif
-        ts_mask_store_bf16x16(out + c, m, y);
-    }
-    (void)cvt;
-}
-#endif
-
-static void rms_row_bf16(int isa, const uint16_t *x, uint16_t *res, const uint16_t *weight, uint16_t *out, int64_t cols,
-                         float eps) {
-#ifdef TS_HAVE_AVX512BF16
-    if (isa >= TS_ISA_AVX512_BF16) {
-        rms_row_bf16_avx512_impl(x, res, weight, out, cols, eps, 1);
-        return;
-    }
-#endif
-#ifdef TS_HAVE_AVX512
-    if (isa >= TS_ISA_AVX512) {
-        rms_row_bf16_avx512_impl(x, res, weight, out, cols, eps, 0);
-        return;
-    }
-#endif
-#ifdef TS_HAVE_AVX2
-    if (isa >= TS_ISA_AVX2) {
-        rms_row_bf16_avx2(x, res, weight, out, cols, eps);
-        return;
-    }
-#endif
-    (void)isa;
-    rms_row_bf16_scalar(x, res, weight, out, cols, eps);
 }
 
 void ts_rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows, int64_t cols,
