@@ -14,9 +14,13 @@ tight. Two ways to hold the tensors:
   commit its pages ahead, on a thread of its own (``commit_ahead``), a chunk of every region at a time,
   each usable once done: on virtual machines that hand freed memory back to the host, a first touch costs
   3-8 s per GiB, and a commit on the engine's thread stops every step for that long.
-- ``CopyKVStore`` (CUDA, and any device without the above): one tensor per pool size. A resize copies
-  the blocks that stay into a new tensor, so growth is capped to what fits beside the existing storage;
-  an allocation failure raises ``KVStoreGrowError`` and leaves the store as it was.
+- ``MappedKVStore`` (CUDA, ``worker/cuda_kv_store.py``): the same layout over one reserved range of device
+  addresses, into which the driver maps device memory in its granularity as the pool grows and from which
+  it unmaps it as the pool shrinks.
+- ``CopyKVStore`` (any device without the above, and fixed-size pools on CUDA): one tensor per pool size. A
+  resize copies the blocks that stay into a new tensor, so growth is capped to what fits beside the existing
+  storage (about half the free memory); an allocation failure raises ``KVStoreGrowError`` and leaves the
+  store as it was.
 
 A block-size change re-chunks every token, so it is done only when no request holds KV (then the same
 bytes are simply read with another block size; no copy either way). The host swap tier is a store too.
@@ -115,6 +119,31 @@ def _round_down(n: int, to: int) -> int:
     return n // to * to
 
 
+def region_bytes_for(reserve_bytes: int, num_regions: int, align: int) -> int:
+    """Bytes of each of ``num_regions`` equal regions that together hold ``reserve_bytes``, each a multiple of
+    ``align`` (a huge page on the host, the driver's granularity on a GPU)."""
+    return _round_up(max(1, math.ceil(reserve_bytes / num_regions)), align)
+
+
+def region_views(regions: torch.Tensor, layout: KVLayout, num_blocks: int,
+                 block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (K, V), each ``[num_blocks, block_size, heads, dim]`` at the start of its region: ``regions``
+    is ``[2 * num_layers, elements]`` in the cache dtype, K of layer i in row 2i and its V in row 2i + 1."""
+    shape = (num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
+    elems = num_blocks * block_size * layout.num_kv_heads * layout.head_dim
+    return [(regions[2 * i, :elems].view(shape), regions[2 * i + 1, :elems].view(shape))
+            for i in range(layout.num_layers)]
+
+
+def fill_region_slots(regions: torch.Tensor, layout: KVLayout, num_tokens: int, slots: torch.Tensor,
+                      value: float) -> None:
+    """``fill_slots`` over every layer at once: the regions read as ``[2 * layers, tokens, heads * dim]``."""
+    width = layout.num_kv_heads * layout.head_dim
+    raw = as_copyable(regions)
+    raw[:, :num_tokens * width].view(2 * layout.num_layers, num_tokens, width).index_fill_(
+        1, slots, fill_code(regions, value))
+
+
 class KVStore(ABC):
     """Per-layer K and V, each ``[num_blocks, block_size, num_kv_heads, head_dim]`` and contiguous."""
 
@@ -134,6 +163,29 @@ class KVStore(ABC):
     @property
     def pool_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block()
+
+    @property
+    def fixed_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per-layer K and V over the store's whole reservation, ``[capacity blocks, block_size, heads, dim]``,
+        at addresses and shapes that no resize changes (only a block-size change does); the same list object
+        until then. Blocks past ``num_blocks`` must never be read or written through them. What a captured
+        CUDA graph holds (worker/cuda_graphs.py): a resize then leaves it valid. None: a store whose resizes
+        move its tensors."""
+        return None
+
+    @property
+    def bytes_outside_allocator(self) -> int:
+        """Bytes of the pool that the platform's ``used_by_process_bytes`` does not see (device memory the
+        driver maps beside torch's allocator); 0 where the probe counts the pool."""
+        return 0
+
+    def describe(self) -> str:
+        """What holds the pool and what a resize costs, for the start-up log."""
+        return type(self).__name__
+
+    def close(self) -> None:
+        """Give the store's memory and address space back now (garbage collection does the same later)."""
+        return None
 
     @abstractmethod
     def resize(self, num_blocks: int) -> None:
@@ -225,7 +277,7 @@ class ReservedKVStore(KVStore):
         blocks at once (an honest footprint for neighbours reading the cgroup) instead of on first write."""
         super().__init__(layout, torch.device("cpu"), block_size)
         regions = 2 * layout.num_layers
-        self.region_bytes = _round_up(max(1, math.ceil(reserve_bytes / regions)), HUGE_PAGE)
+        self.region_bytes = region_bytes_for(reserve_bytes, regions, HUGE_PAGE)
         self.populate = populate
         self._map = mmap.mmap(-1, regions * self.region_bytes,
                               flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
@@ -244,6 +296,7 @@ class ReservedKVStore(KVStore):
         elem = raw.new_empty((), dtype=layout.dtype).element_size()
         self._regions = raw[:, :_round_down(self.region_bytes, elem)].view(layout.dtype)
         self.capacity_tokens = self.region_bytes // layout.token_bytes
+        self._fixed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.resize(num_blocks)
 
     @classmethod
@@ -266,6 +319,16 @@ class ReservedKVStore(KVStore):
     @property
     def capacity_blocks(self) -> int:
         return self.capacity_tokens // self.block_size
+
+    @property
+    def fixed_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self._fixed is None:
+            self._fixed = region_views(self._regions, self.layout, self.capacity_blocks, self.block_size)
+        return self._fixed
+
+    def describe(self) -> str:
+        return (f"reserved host range ({len(self._map) / 2**30:.1f} GiB of addresses, {2 * self.layout.num_layers} "
+                "regions, one per layer's K and V): resizes commit and release pages in place, nothing is copied")
 
     @property
     def committed_bytes(self) -> int:
@@ -375,13 +438,7 @@ class ReservedKVStore(KVStore):
         return num_blocks * self.block_size * self.layout.token_bytes
 
     def _build_views(self) -> None:
-        n, bs, L = self.num_blocks, self.block_size, self.layout
-        tokens = n * bs
-        shape = (n, bs, L.num_kv_heads, L.head_dim)
-        elems = tokens * L.num_kv_heads * L.head_dim
-        r = self._regions
-        self.caches = [(r[2 * i, :elems].view(shape), r[2 * i + 1, :elems].view(shape))
-                       for i in range(L.num_layers)]
+        self.caches = region_views(self._regions, self.layout, self.num_blocks, self.block_size)
 
     def _commit(self, lo: int, hi: int) -> None:
         """Make bytes [lo, hi) of every region resident (zero pages), a chunk of every region at a time;
@@ -470,6 +527,7 @@ class ReservedKVStore(KVStore):
             self._release(old_end, self._ahead_target)
         self._ahead_end = self._ahead_target = 0
         self.block_size = new_block_size
+        self._fixed = None
         new_end = self._end_bytes(new_num)
         if new_end < old_end:
             self._release(new_end, old_end)
@@ -484,12 +542,7 @@ class ReservedKVStore(KVStore):
 
     def fill_slots(self, slots: torch.Tensor, value: float = 0.0) -> None:
         """One call for every layer: the regions read as [2 * layers, tokens, heads * dim]."""
-        L = self.layout
-        width = L.num_kv_heads * L.head_dim
-        tokens = self.num_blocks * self.block_size
-        regions = as_copyable(self._regions)
-        regions[:, :tokens * width].view(2 * L.num_layers, tokens, width).index_fill_(1, slots,
-                                                                                     fill_code(self._regions, value))
+        fill_region_slots(self._regions, self.layout, self.num_blocks * self.block_size, slots, value)
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
@@ -507,10 +560,12 @@ class CopyKVStore(KVStore):
     """One tensor per pool size: resizes copy the kept blocks into a new tensor (see the module doc)."""
 
     def __init__(self, layout: KVLayout, device: torch.device, block_size: int, num_blocks: int,
-                 zero: bool = False, pin_memory: bool = False) -> None:
+                 zero: bool = False, pin_memory: bool = False, why: str = "") -> None:
+        """``why``: the reason this store holds a pool that could have resized in place, for the log."""
         super().__init__(layout, device, block_size)
         self.zero = zero
         self.pin_memory = pin_memory
+        self.why = why
         self.storage: torch.Tensor | None = None
         self.storage = self._allocate(num_blocks, block_size)
         self.num_blocks = num_blocks
@@ -565,6 +620,13 @@ class CopyKVStore(KVStore):
         # The new tensor is allocated while the old one still exists: it must fit beside it.
         return KVStoreLimits(copies_on_resize=True)
 
+    def describe(self) -> str:
+        if self.zero:  # a fixed-size pool: nothing resizes it
+            return f"one tensor on {self.device}, allocated once at its fixed size"
+        text = (f"one tensor on {self.device}: every resize allocates a new one and copies the kept blocks into "
+                "it, so a growth must fit beside the pool (an elastic pool reaches about half the free memory)")
+        return f"{text}; {self.why}" if self.why else text
+
     def fill_slots(self, slots: torch.Tensor, value: float = 0.0) -> None:
         s = as_copyable(self.storage)
         s.view(*s.shape[:2], -1, *s.shape[4:]).index_fill_(2, slots, fill_code(self.storage, value))
@@ -572,15 +634,20 @@ class CopyKVStore(KVStore):
 
 def create_kv_store(layout: KVLayout, device: torch.device, block_size: int, num_blocks: int,
                     reserve_bytes: int, static: bool) -> KVStore:
-    """The device's pool: a reserved range on CPU (zero-copy resizes), a copying tensor elsewhere.
+    """The device's pool: a reserved host range on CPU, a mapped device range where the driver maps memory in
+    steps (CUDA, ``MappedKVStore``), both resizing without a copy; else a copying tensor, which says why.
 
-    ``reserve_bytes`` is the largest the pool may ever grow to; ``static`` pools commit everything now.
+    ``reserve_bytes`` is the largest the pool may ever grow to; ``static`` pools commit everything now (on a
+    GPU they stay one plain tensor: nothing resizes them).
     """
-    if platform_for(device).host_memory:
+    platform = platform_for(device)
+    why = ""
+    if platform.host_memory:
         store = ReservedKVStore.try_create(layout, block_size, num_blocks, reserve_bytes)
         if store is not None:
             return store
-    return CopyKVStore(layout, device, block_size, num_blocks, zero=static)
+        why = "the host would not reserve the address range"
+    return CopyKVStore(layout, device, block_size, num_blocks, zero=static, why=why)
 
 
 def create_swap_store(layout: KVLayout, device: torch.device, block_size: int, num_blocks: int) -> KVStore:
@@ -637,6 +704,14 @@ class KVCacheStorage:
     def limits(self) -> KVStoreLimits:
         return self.device_store.limits()
 
+    def describe(self) -> str:
+        return self.device_store.describe()
+
+    @property
+    def bytes_outside_allocator(self) -> int:
+        """The device pool's bytes that the platform's memory probe does not count (``KVStore``'s)."""
+        return self.device_store.bytes_outside_allocator if self.device_store is not None else 0
+
     def apply_geometry(self, geometry: KVGeometry) -> None:
         """Make the device pool and the swap tier match ``geometry``: a block-size change (only while no
         block holds live KV) or a resize (``KVStoreGrowError``, changing nothing, when growth fails)."""
@@ -654,6 +729,13 @@ class KVCacheStorage:
     @property
     def caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.device_store.caches
+
+    @property
+    def graph_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The caches a captured graph should hold: the store's ``fixed_caches`` where it has them (a resize
+        leaves the graph valid), else ``caches``."""
+        fixed = self.device_store.fixed_caches
+        return fixed if fixed is not None else self.device_store.caches
 
     @property
     def block_size(self) -> int:
