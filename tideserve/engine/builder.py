@@ -128,6 +128,7 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
                      max_model_len)
         limits = KVStoreLimits.tightest(executor.collective_rpc(
             Worker.initialize_kv_cache, plan.geometry, plan.reserve_bytes, plan.policy is None))
+        _log_kv_store(executor, plan, limits)
         geometry = plan.geometry
         # Pages are committed in steps, each while the machine keeps half the safety margin free beyond it.
         executor.collective_rpc(Worker.set_commit_floor, plan.account.margin_bytes // 2)
@@ -228,6 +229,18 @@ def _plan(cache: CacheConfig, sched: SchedulerConfig, elastic: ElasticConfig, ex
     account = memory_account(reading.available_bytes, model_weight_bytes(model), activation, elastic, baseline,
                              reading.used_by_process_bytes)
     return plan_kv_cache(shape, cache, sched, elastic, max_model_len, account, reading.total_bytes)
+
+
+def _log_kv_store(executor: Executor, plan: KVPlan, limits: KVStoreLimits) -> None:
+    """Which store holds the pool, once; a warning when an elastic pool copies on every resize, since it can
+    then grow only to about half the free memory."""
+    text = executor.collective_rpc(Worker.describe_kv_store, unique_reply_rank=0)
+    if plan.policy is not None and limits.copies_on_resize:
+        logger.warning("KV store: %s. The elastic pool can grow to about %.2f GiB of the %.2f GiB budget at most "
+                       "(the new tensor must fit beside the old one)", text,
+                       plan.account.budget_bytes / 2 / GiB, plan.account.budget_bytes / GiB)
+    else:
+        logger.info("KV store: %s", text)
 
 
 def _enable_cuda_graphs(platform: Platform, model_config: ModelConfig, executor: Executor, max_num_seqs: int,

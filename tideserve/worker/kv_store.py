@@ -25,25 +25,35 @@ tight. Two ways to hold the tensors:
 A block-size change re-chunks every token, so it is done only when no request holds KV (then the same
 bytes are simply read with another block size; no copy either way). The host swap tier is a store too.
 ``KVCacheStorage`` holds the device pool and the swap tier together and carries out every move of their
-bytes, so the runner only reads the caches.
+bytes, so the runner only reads the caches. What every store shares (``KVStore``, ``KVLayout``,
+``KVStoreGrowError``, the region arithmetic) lives in ``kv_store_base.py`` and is named here too.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import mmap
 import threading
-from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tideserve.core.kv_cache.geometry import KVGeometry, KVStoreLimits
 from tideserve.platform import platform_for
+from tideserve.worker.kv_store_base import (  # the base of every store, named here too for the callers
+    KVLayout,
+    KVStore,
+    KVStoreGrowError,
+    as_copyable,
+    fill_code,
+    fill_region_slots,
+    region_bytes_for,
+    region_views,
+    round_down,
+    round_up,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,183 +83,6 @@ def _libc_madvise():
 
 
 _MADVISE = None
-
-
-class KVStoreGrowError(RuntimeError):
-    """Growing the pool failed (out of memory, or beyond the reservation); the store is unchanged."""
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """The shape of one token's KV: what every store, the runner and the pool's arithmetic share."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def token_bytes(self) -> int:
-        """Bytes of one token in one layer's K (or V)."""
-        return self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
-
-    def block_bytes(self, block_size: int) -> int:
-        """Bytes of one block across every layer's K and V."""
-        return 2 * self.num_layers * block_size * self.token_bytes
-
-
-def as_copyable(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself, or for a float8 cache its bytes: torch's CPU index_copy_ / index_fill_ have no float8
-    kernels, and moving or zeroing the bytes is the same operation."""
-    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
-
-
-def fill_code(t: torch.Tensor, value: float) -> float | int:
-    """``value`` as ``as_copyable(t)`` holds it (a float8 value's byte)."""
-    if t.is_floating_point() and t.element_size() == 1:
-        return int(torch.tensor(value).to(t.dtype).view(torch.uint8))
-    return value
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-def _round_down(n: int, to: int) -> int:
-    return n // to * to
-
-
-def region_bytes_for(reserve_bytes: int, num_regions: int, align: int) -> int:
-    """Bytes of each of ``num_regions`` equal regions that together hold ``reserve_bytes``, each a multiple of
-    ``align`` (a huge page on the host, the driver's granularity on a GPU)."""
-    return _round_up(max(1, math.ceil(reserve_bytes / num_regions)), align)
-
-
-def region_views(regions: torch.Tensor, layout: KVLayout, num_blocks: int,
-                 block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (K, V), each ``[num_blocks, block_size, heads, dim]`` at the start of its region: ``regions``
-    is ``[2 * num_layers, elements]`` in the cache dtype, K of layer i in row 2i and its V in row 2i + 1."""
-    shape = (num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
-    elems = num_blocks * block_size * layout.num_kv_heads * layout.head_dim
-    return [(regions[2 * i, :elems].view(shape), regions[2 * i + 1, :elems].view(shape))
-            for i in range(layout.num_layers)]
-
-
-def fill_region_slots(regions: torch.Tensor, layout: KVLayout, num_tokens: int, slots: torch.Tensor,
-                      value: float) -> None:
-    """``fill_slots`` over every layer at once: the regions read as ``[2 * layers, tokens, heads * dim]``."""
-    width = layout.num_kv_heads * layout.head_dim
-    raw = as_copyable(regions)
-    raw[:, :num_tokens * width].view(2 * layout.num_layers, num_tokens, width).index_fill_(
-        1, slots, fill_code(regions, value))
-
-
-class KVStore(ABC):
-    """Per-layer K and V, each ``[num_blocks, block_size, num_kv_heads, head_dim]`` and contiguous."""
-
-    def __init__(self, layout: KVLayout, device: torch.device, block_size: int) -> None:
-        self.layout = layout
-        self.device = device
-        self.block_size = block_size
-        self.num_blocks = 0
-        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # Asked before each chunk of pages a growth commits: may this many more bytes be made resident now?
-        # (None: always.) A store whose allocations fail cleanly (a GPU's) never asks.
-        self.commit_guard: Callable[[int], bool] | None = None
-
-    def bytes_per_block(self, block_size: int | None = None) -> int:
-        return self.layout.block_bytes(block_size or self.block_size)
-
-    @property
-    def pool_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block()
-
-    @property
-    def fixed_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Per-layer K and V over the store's whole reservation, ``[capacity blocks, block_size, heads, dim]``,
-        at addresses and shapes that no resize changes (only a block-size change does); the same list object
-        until then. Blocks past ``num_blocks`` must never be read or written through them. What a captured
-        CUDA graph holds (worker/cuda_graphs.py): a resize then leaves it valid. None: a store whose resizes
-        move its tensors."""
-        return None
-
-    @property
-    def bytes_outside_allocator(self) -> int:
-        """Bytes of the pool that the platform's ``used_by_process_bytes`` does not see (device memory the
-        driver maps beside torch's allocator); 0 where the probe counts the pool."""
-        return 0
-
-    def describe(self) -> str:
-        """What holds the pool and what a resize costs, for the start-up log."""
-        return type(self).__name__
-
-    def close(self) -> None:
-        """Give the store's memory and address space back now (garbage collection does the same later)."""
-        return None
-
-    @abstractmethod
-    def resize(self, num_blocks: int) -> None:
-        """Make blocks 0..num_blocks-1 addressable; blocks below min(old, new) keep their KV."""
-
-    def commit_ahead(self, num_blocks: int, on_done: Callable[[], None] | None = None) -> bool:
-        """Prepare a growth to ``num_blocks`` off the caller's thread; True when ``resize`` may follow at
-        once (stores without background commits: always). ``on_done`` is called once: when a commit this
-        call starts ends, or at once when it starts none."""
-        if on_done is not None:
-            on_done()
-        return True
-
-    @property
-    def commit_in_flight(self) -> bool:
-        """Whether a background commit (``commit_ahead``) is running now."""
-        return False
-
-    @property
-    def committed_ahead_blocks(self) -> int:
-        """The largest pool whose pages are committed already (a resize to it commits nothing)."""
-        return self.num_blocks
-
-    @property
-    def commit_goal_blocks(self) -> int:
-        """The largest pool a background commit under way will have made resident (a growth up to it waits
-        only for the part it needs); ``committed_ahead_blocks`` when none is."""
-        return self.committed_ahead_blocks
-
-    @abstractmethod
-    def reshape_blocks(self, new_block_size: int) -> int:
-        """Read the pool with another block size; only while no block holds live KV. Returns the new
-        block count (the same bytes, or fewer)."""
-
-    @abstractmethod
-    def limits(self) -> KVStoreLimits:
-        """What bounds a growth of this store (a reservation, or a copy beside the old pool)."""
-
-    def max_blocks_within(self, spare_bytes: int) -> int:
-        """The largest pool size a resize can reach when ``spare_bytes`` more memory may be taken."""
-        return self.limits().max_blocks_within(self.geometry_now(), spare_bytes)
-
-    def geometry_now(self) -> KVGeometry:
-        """This store's block size and count as a geometry (its own bytes per token)."""
-        layout = self.layout
-        return KVGeometry(layout.num_layers, layout.token_bytes, str(layout.dtype).removeprefix("torch."),
-                          self.block_size, self.num_blocks)
-
-    def copy_blocks(self, moves: list[tuple[int, int]]) -> None:
-        """Copy the KV of block ``src`` to block ``dst`` for each (src, dst): compaction's only copy."""
-        if not moves:
-            return
-        src = torch.tensor([m[0] for m in moves], dtype=torch.long, device=self.device)
-        dst = torch.tensor([m[1] for m in moves], dtype=torch.long, device=self.device)
-        for k, v in self.caches:
-            for t in (as_copyable(k), as_copyable(v)):
-                t.index_copy_(0, dst, t.index_select(0, src))
-
-    def fill_slots(self, slots: torch.Tensor, value: float = 0.0) -> None:
-        """Set the token slots ``block_id * block_size + offset`` of every layer's K and V to ``value``."""
-        hd = (self.layout.num_kv_heads, self.layout.head_dim)
-        for k, v in self.caches:
-            for t in (as_copyable(k), as_copyable(v)):
-                t.view(-1, *hd).index_fill_(0, slots, fill_code(k, value))
 
 
 def copy_between(src: KVStore, dst: KVStore, pairs: list[tuple[int, int]]) -> None:
@@ -294,7 +127,7 @@ class ReservedKVStore(KVStore):
         self._ahead_progress = threading.Condition()  # notified as each chunk is done, and when the thread ends
         self._ahead_done = True  # whether the latest thread has ended (set under _ahead_progress)
         elem = raw.new_empty((), dtype=layout.dtype).element_size()
-        self._regions = raw[:, :_round_down(self.region_bytes, elem)].view(layout.dtype)
+        self._regions = raw[:, :round_down(self.region_bytes, elem)].view(layout.dtype)
         self.capacity_tokens = self.region_bytes // layout.token_bytes
         self._fixed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.resize(num_blocks)
@@ -335,7 +168,7 @@ class ReservedKVStore(KVStore):
         """Bytes of the pool's pages that are (or may be) resident: every region up to the pool's end, or
         up to what is being committed ahead of it."""
         end = max(self._end_bytes(self.num_blocks), self._ahead_target)
-        return 2 * self.layout.num_layers * _round_up(end, PAGE)
+        return 2 * self.layout.num_layers * round_up(end, PAGE)
 
     def commit_ahead(self, num_blocks: int, on_done: Callable[[], None] | None = None) -> bool:
         """Commit the pages of a pool of ``num_blocks`` on a background thread; True once they are
@@ -347,7 +180,7 @@ class ReservedKVStore(KVStore):
         the thread this call starts ends, or at once when it starts none."""
         started = False
         try:
-            end = _round_up(self._end_bytes(num_blocks), PAGE)
+            end = round_up(self._end_bytes(num_blocks), PAGE)
             if not self.populate or not self._can_populate or num_blocks <= self.num_blocks:
                 return True
             if self._ahead_thread is not None:
@@ -356,7 +189,7 @@ class ReservedKVStore(KVStore):
                 self._ahead_thread = None
             if self._ahead_failed:  # resize meets the failure on the caller's thread, and reports it
                 return True
-            start = max(_round_down(self._end_bytes(self.num_blocks), PAGE), self._ahead_end)
+            start = max(round_down(self._end_bytes(self.num_blocks), PAGE), self._ahead_end)
             if start >= end or num_blocks > self.capacity_blocks:
                 return True
             self._ahead_target = max(self._ahead_target, end)
@@ -391,7 +224,7 @@ class ReservedKVStore(KVStore):
         change) or when the kernel refuses."""
         try:
             madvise = _libc_madvise()
-            chunk = _round_up(max(AHEAD_CHUNK_BYTES // (2 * self.layout.num_layers), PAGE), PAGE)
+            chunk = round_up(max(AHEAD_CHUNK_BYTES // (2 * self.layout.num_layers), PAGE), PAGE)
             regions = 2 * self.layout.num_layers
             for lo in range(start, end, chunk):
                 hi = min(end, lo + chunk)
@@ -445,11 +278,11 @@ class ReservedKVStore(KVStore):
         before each chunk ``commit_guard`` is asked whether the machine still has room for it. When it has
         not (or the kernel refuses), what this call committed goes back and ``KVStoreGrowError`` is raised:
         the store is as it was."""
-        start, end = _round_down(lo, PAGE), _round_up(hi, PAGE)
+        start, end = round_down(lo, PAGE), round_up(hi, PAGE)
         if end <= start:
             return
         regions = 2 * self.layout.num_layers
-        chunk = _round_up(max(AHEAD_CHUNK_BYTES // regions, PAGE), PAGE)
+        chunk = round_up(max(AHEAD_CHUNK_BYTES // regions, PAGE), PAGE)
         done = start
         try:
             for c_lo in range(start, end, chunk):
@@ -481,7 +314,7 @@ class ReservedKVStore(KVStore):
 
     def _release(self, lo: int, hi: int) -> None:
         """Give the pages wholly inside bytes [lo, hi) of every region back to the kernel."""
-        start, end = _round_up(lo, PAGE), _round_up(hi, PAGE)
+        start, end = round_up(lo, PAGE), round_up(hi, PAGE)
         if end <= start:
             return
         for i in range(2 * self.layout.num_layers):
@@ -647,6 +480,12 @@ def create_kv_store(layout: KVLayout, device: torch.device, block_size: int, num
         if store is not None:
             return store
         why = "the host would not reserve the address range"
+    elif platform.maps_device_memory and not static:
+        from tideserve.worker.cuda_kv_store import MappedKVStore
+
+        mapped, why = MappedKVStore.try_create(layout, device, block_size, num_blocks, reserve_bytes)
+        if mapped is not None:
+            return mapped
     return CopyKVStore(layout, device, block_size, num_blocks, zero=static, why=why)
 
 
