@@ -43,6 +43,7 @@ SAMPLES = {
     "enforce_eager": (True, None, True),
     "attention_backend": ("torch", "torch", "torch"),
     "max_logprobs": (5, "5", 5),
+    "cpu_offload_gb": (4.0, "4", 4.0),
     "pooler_config": ({"pooling_type": "mean", "normalize": False},
                       '{"pooling_type": "MEAN", "normalize": false}',
                       PoolerConfig(pooling_type="MEAN", normalize=False)),

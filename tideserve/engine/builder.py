@@ -95,6 +95,7 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
     requested = None if model_config.device == "auto" else resolve_device(model_config.device)
     loaded, device = match_loaded(model_config, loaded, requested)
     platform = platform_for(device)
+    check_cpu_offload(model_config, platform)
     platform.tune_allocator()
     torch.manual_seed(model_config.seed)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(loaded.path)
@@ -163,6 +164,27 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
         tokenizer=tokenizer, max_model_len=max_model_len, executor=executor, memory=memory, kv_manager=kv_manager,
         scheduler=scheduler, pool=pool, input_processor=processor, output_processor=OutputProcessor(tokenizer),
         structured_output=structured_output, thread_governor=thread_governor, kv_events=kv_events)
+
+
+def check_cpu_offload(config: ModelConfig, platform: Platform, warn: bool = True) -> None:
+    """vLLM's ``cpu_offload_gb`` keeps that many GiB of the weights in host memory; tideserve keeps every
+    weight where the model computes. On a device whose memory is the host's that changes nothing (a warning,
+    unless ``warn`` is False); on a GPU it can decide whether a model fits, so the engine refuses to start,
+    saying what to do instead, rather than start with another memory plan than the one asked for."""
+    gib = config.cpu_offload_gb
+    if not gib:
+        return
+    if platform.host_memory:
+        if warn:
+            logger.warning("cpu_offload_gb=%g has no effect on the %s: the weights are host memory already.", gib,
+                           platform.device_name)
+        return
+    raise ValueError(
+        f"cpu_offload_gb={gib:g} is not supported on {platform.device_name}: tideserve keeps every weight in device "
+        "memory and offloads none of them to host memory, so a model that needs the offload would not fit as "
+        "planned. Make the weights smaller (--quantization int4, or a quantized GGUF file), split them over "
+        "several GPUs (--tensor-parallel-size N), or give the KV cache less (a smaller --max-model-len); then "
+        "leave cpu_offload_gb at 0.")
 
 
 def _prepare_weights(loaded: LoadedModel, tokenizer: Tokenizer, device: torch.device) -> torch.nn.Module:
