@@ -19,6 +19,18 @@ Needs root and a writable memory cgroup (v1 or v2); a child of this process's ow
 removed at the end. Reproduce (10-20 minutes on 2 cores) with:
 
     .venv/bin/python benchmarks/cotenancy.py --out out/cotenancy.json
+
+``--device cuda``: the two servers share one GPU instead (``CUDA_VISIBLE_DEVICES`` picks it), and there is
+no cgroup. The limit is held by this process: a ballast tensor of the device's size less the limit, so the
+servers' free memory ends where the limit says (usage = everything on the device but the ballast, read
+with ``torch.cuda.mem_get_info``). One elastic pair is calibrated, then bursts in turn (``elastic``) and at
+once (``joint``); the static split is the one the articles recommend, two instances at
+``--gpu-memory-utilization 0.45``: each server's KV gets what 0.45 of the limit leaves after its own
+weights, runtime and activation peak (``--gpu-room whole``: no ballast, the whole GPU, the flag itself, and
+a workload the user makes large enough to bind). An OOM is a server that died or a CUDA out-of-memory
+error in a server's log (the pool's own growth failures, which back off, are counted apart).
+
+    python3 benchmarks/cotenancy.py --device cuda --bursts 1 --out out/cotenancy-gpu.json
 """
 
 from __future__ import annotations
@@ -55,6 +67,8 @@ from tideserve.platform.host_memory import CgroupMemory
 logger = logging.getLogger("cotenancy")
 MiB, GiB = 2**20, 2**30
 MODES = ("elastic", "static", "static-swap", "joint")
+GPU_MODES = ("elastic", "joint", "static")
+GPU_STATIC_SHARE = 0.45  # two instances at --gpu-memory-utilization 0.45 each: the split the articles recommend
 POLL_S = 0.25
 # An idle elastic pool keeps its reserve plus up to idle_unhit_cache_bytes of unhit prefix cache; the
 # warmup leaves that much cache behind so every burst starts from the same after-serving floor.
@@ -155,6 +169,71 @@ class Cgroup:
         logger.warning("could not remove the cgroup %s", self.path)
 
 
+class GpuMemory:
+    """One GPU shared by the servers, read and limited from this process (see the module docstring): the
+    same questions a ``Cgroup`` answers, so the drive, the sampling and the report are the same code."""
+
+    version = 0
+
+    def __init__(self, index: int = 0) -> None:
+        import torch
+
+        self._torch = torch
+        if not torch.cuda.is_available():
+            raise SystemExit("cotenancy --device cuda: torch sees no CUDA device")
+        self.device = torch.device("cuda", index)
+        self.name = torch.cuda.get_device_name(self.device)
+        self.total_bytes = int(torch.cuda.mem_get_info(self.device)[1])
+        self.path = Path(f"/dev/nvidia{index}")  # what the report names as the scope
+        self._ballast = None
+        self.ballast_bytes = 0
+        self.servers: list[ServerProcess] = []
+
+    def _free(self) -> int:
+        return int(self._torch.cuda.mem_get_info(self.device)[0])
+
+    def usage(self) -> int:
+        """Device memory in use by everything but the ballast (the servers, this process's context)."""
+        return self.total_bytes - self._free() - self.ballast_bytes
+
+    def working_set(self) -> int:
+        return self.usage()
+
+    def set_limit(self, limit_bytes: int | None) -> None:
+        """Hold ``total - limit`` bytes, so that usage + free = limit; None: hold nothing."""
+        self._ballast, self.ballast_bytes = None, 0
+        self._torch.cuda.empty_cache()
+        if limit_bytes is None:
+            return
+        want = self.total_bytes - limit_bytes
+        take = max(0, min(want, self._free() - 64 * MiB))
+        if take < want:
+            logger.warning("the ballast holds %.0f MiB, not %.0f: the servers already use more than the limit",
+                           take / MiB, want / MiB)
+        self._ballast = self._torch.empty(take, dtype=self._torch.uint8, device=self.device)
+        self.ballast_bytes = take
+
+    def counters(self) -> dict[str, int]:
+        """OOMs so far: servers that died, and CUDA out-of-memory errors in their logs; the pool growths that
+        failed and backed off (a mapped row or a copy the device could not back) are counted apart."""
+        deaths = sum(s.proc is not None and s.proc.poll() is not None for s in self.servers)
+        errors = growth = 0
+        for s in self.servers:
+            text = s.log_path.read_text(errors="replace") if s.log_path and s.log_path.exists() else ""
+            for line in text.splitlines():
+                if "KV pool growth" in line:
+                    growth += 1
+                elif "CUDA out of memory" in line or "OutOfMemoryError" in line:
+                    errors += 1
+        return {"oom_kills": deaths + errors, "limit_hits": growth, "kernel_peak": 0}
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        return cmd
+
+    def remove(self) -> None:
+        self.set_limit(None)
+
+
 # ----------------------------------------------------------------------------------------- workload
 def make_prompt(tokenizer: TokenizerLike, target: int, rng: random.Random, qid: int, prefix: str,
                 output_len: int) -> SampleRequest:
@@ -223,6 +302,8 @@ def parse_log(text: str) -> dict[str, float]:
 def mode_flags(mode: str, args: argparse.Namespace, sizing: Sizing | None) -> list[str]:
     if mode in ("elastic", "joint"):
         return ["--kv-cache-shrink-delay", str(args.shrink_delay)]
+    if mode == "static" and args.device == "cuda" and args.gpu_room == "whole":
+        return ["--gpu-memory-utilization", str(GPU_STATIC_SHARE)]
     x = sizing.static_kv_bytes  # type: ignore[union-attr]
     if mode == "static":
         return ["--kv-cache-memory", str(x)]
@@ -230,9 +311,10 @@ def mode_flags(mode: str, args: argparse.Namespace, sizing: Sizing | None) -> li
 
 
 @contextmanager
-def start_servers(cg: Cgroup, args: argparse.Namespace, flags: list[str], name: str) -> Iterator[list[ServerProcess]]:
-    """Servers A and B in the cgroup, one after the other (a static pool is committed at start, so B's fit
-    check sees A's pool); both stopped at the end."""
+def start_servers(cg: Cgroup | GpuMemory, args: argparse.Namespace, flags: list[str],
+                  name: str) -> Iterator[list[ServerProcess]]:
+    """Servers A and B in the cgroup (or on the GPU), one after the other (a static pool is committed at
+    start, so B's fit check sees A's pool); both stopped at the end."""
     with ExitStack() as stack:
         servers = []
         for tag in "AB":
@@ -242,6 +324,8 @@ def start_servers(cg: Cgroup, args: argparse.Namespace, flags: list[str], name: 
             servers.append(stack.enter_context(ServerProcess(
                 cg.wrap(cmd), port, env={"OMP_NUM_THREADS": str(args.threads)}, name=f"{name}-{tag}",
                 ready_timeout_s=args.ready_timeout)))
+            if isinstance(cg, GpuMemory):
+                cg.servers = list(servers)
         yield servers
 
 
@@ -282,7 +366,7 @@ class Burst:
     records: list[RequestRecord] = field(default_factory=list)
 
 
-async def sample_loop(urls: list[str], cg: Cgroup, t0: float, samples: list[dict[str, Any]],
+async def sample_loop(urls: list[str], cg: Cgroup | GpuMemory, t0: float, samples: list[dict[str, Any]],
                       stop: asyncio.Event) -> None:
     """Both servers' /metrics and the cgroup's usage every POLL_S seconds until ``stop``."""
     async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
@@ -338,7 +422,7 @@ def recovery_s(samples: list[dict[str, Any]], burst: Burst, window_s: float) -> 
 
 
 async def drive(servers: list[ServerProcess], bursts: list[list[SampleRequest]], warmup: list[SampleRequest],
-                cg: Cgroup, args: argparse.Namespace, elastic: bool,
+                cg: Cgroup | GpuMemory, args: argparse.Namespace, elastic: bool,
                 limit_above_idle: int | None, joint: bool = False) -> dict[str, Any]:
     """Warm both servers, then the staggered bursts A, B, A, B, ``gap`` seconds apart (elastic: and each once
     the previous burster's pool is back near its floor, so a burst never starts inside the last one's
@@ -448,8 +532,11 @@ def _num(v: Any, digits: int = 0) -> str:
 
 def format_report(result: dict[str, Any]) -> str:
     s, c, w = result["sizing"], result["calibration"], result["workload"]
+    gpu = result.get("gpu")
+    where = (f"gpu: {gpu['name']} ({gpu['total_bytes'] / GiB:.1f} GiB), limit held by a ballast"
+             if gpu and gpu["room"] == "auto" else f"gpu: {gpu['name']}, the whole device" if gpu else "")
     lines = [
-        f"command: `{result['command']}`", f"cpu: {result['cpu']}", "",
+        f"command: `{result['command']}`", f"cpu: {result['cpu']}", *([where] if where else []), "",
         f"workload: {w['num_requests']} requests per burst, prompts {w['prompt_tokens_min']}-{w['prompt_tokens_max']} "
         f"tokens (mean {w['prompt_tokens_mean']:.1f}; half share a {w['shared_prefix_tokens']}-token prefix), "
         f"{w['output_tokens']} output tokens, {w['num_bursts']} bursts (A, B, ...), gap {result['config']['gap']:.1f} "
@@ -460,10 +547,14 @@ def format_report(result: dict[str, Any]) -> str:
         f"{c['idle_usage_bytes'] / MiB:.0f} MiB (fresh {c['fresh_usage_bytes'] / MiB:.0f}, idle pools "
         f"{' + '.join(f'{p / MiB:.0f}' for p in c['idle_pool_bytes'])})"
         f" + activation {c['activation_bytes'] / MiB:.0f} + margin {c['margin_bytes'] / MiB:.0f} -> limit "
-        f"{s['limit_bytes'] / MiB:.0f} MiB{' (--limit)' if s['limit_overridden'] else ''}; static X "
-        f"{s['static_kv_bytes'] / MiB:.0f} MiB; R/2 < prompt KV: {'yes' if s['memory_binds'] else 'NO'}", "",
+        f"{s['limit_bytes'] / MiB:.0f} MiB{' (--limit)' if s['limit_overridden'] else ''}; static "
+        + (f"--gpu-memory-utilization {GPU_STATIC_SHARE} each (of the limit: {s['static_kv_bytes'] / MiB:.0f} MiB of "
+           "KV each)" if gpu else f"X {s['static_kv_bytes'] / MiB:.0f} MiB")
+        + f"; R/2 < prompt KV: {'yes' if s['memory_binds'] else 'NO'}", "",
         "| mode | TTFT mean ms | TTFT p99 ms | tok/s per burst (median) | tok/s overall | preemptions | swap-ins "
-        "| OOM kills | alive | failed | back at floor s (per burst) | peak pool A / B MiB | peak cgroup / limit MiB |",
+        + ("| OOMs (deaths + CUDA OOM errors) | alive | failed | back at floor s (per burst) | peak pool A / B MiB "
+           "| peak GPU use / limit MiB |" if gpu else "| OOM kills | alive | failed | back at floor s (per burst) "
+           "| peak pool A / B MiB | peak cgroup / limit MiB |"),
         "|" + "---|" * 13]
     for m in result["modes"].values():
         if "error" in m:
@@ -476,6 +567,9 @@ def format_report(result: dict[str, Any]) -> str:
             f"{m['swap_ins']:.0f} | {m['oom_kills']} | {'both' if all(m['alive']) else m['alive']} | {m['failed']} | "
             f"{rec} | {m['peak_pool_bytes'][0] / MiB:.0f} / {m['peak_pool_bytes'][1] / MiB:.0f} | "
             f"{m['peak_cgroup_bytes'] / MiB:.0f} / {(m.get('limit_bytes') or s['limit_bytes']) / MiB:.0f} |")
+    if gpu:
+        lines.append("\npool growths that failed and backed off (the device had no memory for them), per mode: "
+                     + ", ".join(f"{m['mode']} {m.get('limit_hits', 'n/a')}" for m in result["modes"].values()))
     for name, r in result["ratios"].items():
         lines.append(f"\n{name}: p99 TTFT static/elastic {_num(r['ttft_p99'], 2)}x; output tok/s elastic/static "
                      f"{_num(r['throughput'], 2)}x overall, {_num(r['throughput_median_burst'], 2)}x median burst")
@@ -498,27 +592,84 @@ def calibrate(cg: Cgroup, args: argparse.Namespace,
     ``make_warmup(kv_bytes_per_token)`` builds the warmup (it must leave a full idle floor of cache)."""
     cg.set_limit(None)
     with start_servers(cg, args, mode_flags("elastic", args, None), "calibrate") as servers:
-        info = parse_log(servers[0].log_path.read_text())  # type: ignore[union-attr]
-        fresh = cg.working_set()
-        warmup = make_warmup(int(info["kv_bytes_per_token"]))
-        asyncio.run(warm([s.base_url for s in servers], discover_model(servers[0].base_url), warmup, args))
-        pools = [parse_metrics(httpx.get(s.base_url + "/metrics", trust_env=False).text)["pool_bytes"]
-                 for s in servers]
-        idle = cg.working_set()
-    return Calibration(int(info["kv_bytes_per_token"]), int(info["block_size"]), int(info["activation_gib"] * GiB),
-                       int(info["margin_gib"] * GiB), fresh, idle, pools), warmup
+        return warmed_calibration(cg, servers, args, make_warmup)
 
 
-def compute_sizing(burst: list[SampleRequest], cal: Calibration, args: argparse.Namespace) -> Sizing:
+def compute_sizing(burst: list[SampleRequest], cal: Calibration, args: argparse.Namespace,
+                   total_bytes: int | None = None) -> Sizing:
+    """R, the limit and the static split. On a GPU (``total_bytes``: the device's size) the static split is
+    two instances at ``--gpu-memory-utilization 0.45`` of the limit: each server's KV is what 0.45 of it
+    leaves after the server's own non-KV memory and activation peak; with ``--gpu-room whole`` the limit is
+    the device itself, R what the idle servers leave of it."""
     per_block = cal.kv_bytes_per_token * cal.block_size
     burst_kv = kv_blocks(burst, cal.block_size) * per_block
     prompt_kv = kv_blocks(burst, cal.block_size, with_output=False) * per_block
     fixed = cal.idle_usage_bytes + cal.activation_bytes + cal.margin_bytes
-    room = math.ceil(burst_kv * (1 + args.slack)) if args.limit is None else args.limit - fixed
+    limit = args.limit
+    if total_bytes is not None and args.gpu_room == "whole":
+        limit = total_bytes
+    room = math.ceil(burst_kv * (1 + args.slack)) if limit is None else limit - fixed
     if room <= 0:
-        raise SystemExit(f"--limit {args.limit} leaves no KV room above the {fixed} bytes the idle servers need")
-    return Sizing(room, args.limit or fixed + room, int(0.97 * room / 2), burst_kv, prompt_kv, args.limit is not None,
+        raise SystemExit(f"--limit {limit} leaves no KV room above the {fixed} bytes the idle servers need")
+    limit = limit or fixed + room
+    static = int(0.97 * room / 2)
+    if total_bytes is not None:
+        non_kv_one = (cal.idle_usage_bytes - sum(cal.idle_pool_bytes)) / 2
+        static = int(GPU_STATIC_SHARE * limit - non_kv_one - cal.activation_bytes)
+    return Sizing(room, limit, static, burst_kv, prompt_kv, limit == args.limit and args.limit is not None,
                   room / 2 < prompt_kv)
+
+
+def warmed_calibration(cg: Cgroup | GpuMemory, servers: list[ServerProcess], args: argparse.Namespace,
+                       make_warmup: Callable[[int], list[SampleRequest]]) -> tuple[Calibration, list[SampleRequest]]:
+    """``calibrate``'s figures from a pair already started (the GPU run keeps it for its elastic modes)."""
+    info = parse_log(servers[0].log_path.read_text())  # type: ignore[union-attr]
+    fresh = cg.working_set()
+    warmup = make_warmup(int(info["kv_bytes_per_token"]))
+    asyncio.run(warm([s.base_url for s in servers], discover_model(servers[0].base_url), warmup, args))
+    pools = [parse_metrics(httpx.get(s.base_url + "/metrics", trust_env=False).text)["pool_bytes"] for s in servers]
+    idle = cg.working_set()
+    return Calibration(int(info["kv_bytes_per_token"]), int(info["block_size"]), int(info["activation_gib"] * GiB),
+                       int(info["margin_gib"] * GiB), fresh, idle, pools), warmup
+
+
+def run_gpu_modes(cg: GpuMemory, args: argparse.Namespace, bursts: list[list[SampleRequest]],
+                  make_warmup: Callable[[int], list[SampleRequest]], result: dict[str, Any]) -> None:
+    """One elastic pair, calibrated with no limit, then driven staggered and jointly under the limit; then a
+    pair at the static split for each static mode."""
+    elastic_modes = [m for m in args.modes if m in ("elastic", "joint")]
+    window = args.shrink_delay + 15
+    cg.set_limit(None)
+    with start_servers(cg, args, mode_flags("elastic", args, None), "elastic") as servers:
+        cal, warmup = warmed_calibration(cg, servers, args, make_warmup)
+        sizing = compute_sizing(bursts[0], cal, args, cg.total_bytes)
+        result["calibration"], result["sizing"] = asdict(cal), asdict(sizing)
+        result["workload"]["warmup_requests"] = len(warmup)
+        logger.info("sizing: %s", result["sizing"])
+        if not sizing.memory_binds:
+            logger.warning("R/2 holds every prompt of a burst: memory does not bind (raise N or P, lower O)")
+        non_kv_idle = cal.idle_usage_bytes - int(sum(cal.idle_pool_bytes))
+        above_idle = None if args.gpu_room == "whole" else sizing.limit_bytes - non_kv_idle
+        for mode in elastic_modes:
+            try:
+                run = asyncio.run(drive(servers, bursts, warmup, cg, args, elastic=True, limit_above_idle=above_idle,
+                                        joint=mode == "joint"))
+                result["modes"][mode] = summarize(mode, run, window)
+            except RuntimeError as exc:
+                logger.error("mode %s failed: %s", mode, exc)
+                result["modes"][mode] = {"mode": mode, "error": str(exc).splitlines()[-1]}
+            finally:
+                cg.set_limit(None)
+    for mode in [m for m in args.modes if m not in ("elastic", "joint")]:
+        try:
+            with start_servers(cg, args, mode_flags(mode, args, sizing), mode) as servers:
+                run = asyncio.run(drive(servers, bursts, warmup, cg, args, elastic=False, limit_above_idle=above_idle))
+            result["modes"][mode] = summarize(mode, run, window)
+        except RuntimeError as exc:
+            logger.error("mode %s failed: %s", mode, exc)
+            result["modes"][mode] = {"mode": mode, "error": str(exc).splitlines()[-1]}
+        finally:
+            cg.set_limit(None)
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -533,7 +684,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         return build_bursts(tokenizer, max(2, n), args.prompt_tokens, 16, 1, seed=1)[0]
 
     lens = [r.prompt_len for b in bursts for r in b]
-    cg = Cgroup.create(f"tideserve-cotenancy-{os.getpid()}")
+    cg = GpuMemory() if args.device == "cuda" else Cgroup.create(f"tideserve-cotenancy-{os.getpid()}")
     result: dict[str, Any] = {
         "command": shlex.join([sys.executable, *sys.argv]), "cpu": cpu_summary(), "config": vars(args),
         "cgroup": {"version": cg.version, "path": str(cg.path)}, "modes": {}, "ratios": {},
@@ -541,6 +692,14 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                      "prompt_tokens_min": min(lens), "prompt_tokens_max": max(lens),
                      "prompt_tokens_mean": statistics.fmean(lens),
                      "shared_prefix_tokens": len(os.path.commonprefix([r.prompt_token_ids for r in bursts[0][::2]]))}}
+    if isinstance(cg, GpuMemory):
+        result["gpu"] = {"name": cg.name, "total_bytes": cg.total_bytes, "room": args.gpu_room}
+        try:
+            run_gpu_modes(cg, args, bursts, make_warmup, result)
+        finally:
+            cg.remove()
+        add_ratios(result)
+        return result
     try:
         cal, warmup = calibrate(cg, args, make_warmup)
         sizing = compute_sizing(bursts[0], cal, args)
@@ -565,19 +724,30 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 result["modes"][mode] = {"mode": mode, "error": str(exc).splitlines()[-1]}
     finally:
         cg.remove()
-    if (base := result["modes"].get("elastic")) is not None:  # p99 TTFT static/elastic, tok/s elastic/static
+    add_ratios(result)
+    return result
+
+
+def add_ratios(result: dict[str, Any]) -> None:
+    """p99 TTFT static/elastic and output tok/s elastic/static, per static mode."""
+    if (base := result["modes"].get("elastic")) is not None:
         for mode, m in result["modes"].items():
             if mode not in ("elastic", "joint") and "error" not in m and "error" not in base:
                 result["ratios"][mode] = {
                     "ttft_p99": m["ttft_p99_ms"] / base["ttft_p99_ms"] if base["ttft_p99_ms"] else None,
                     "throughput": base["output_tok_s_overall"] / m["output_tok_s_overall"],
                     "throughput_median_burst": base["output_tok_s_median_burst"] / m["output_tok_s_median_burst"]}
-    return result
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES), help="comma list of " + ",".join(MODES))
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: a memory cgroup; cuda: one GPU, limited by a ballast (see the module docstring)")
+    p.add_argument("--gpu-room", choices=("auto", "whole"), default="auto",
+                   help="cuda: auto sizes the limit from the workload (a ballast holds the rest); whole: the whole "
+                        "GPU, static at --gpu-memory-utilization 0.45 as given")
+    p.add_argument("--modes", type=lambda s: s.split(","), default=None,
+                   help=f"comma list of {','.join(MODES)} (default: all; cuda: {','.join(GPU_MODES)})")
     p.add_argument("--num-requests", "-n", type=int, default=32, help="N: concurrent requests per burst")
     p.add_argument("--prompt-tokens", "-p", type=int, default=320, help="P: prompt tokens per request (about)")
     p.add_argument("--output-tokens", "-o", type=int, default=192, help="O: output tokens per request")
@@ -586,13 +756,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gap", type=float, default=None, help="seconds between bursts (default: shrink delay + 4)")
     p.add_argument("--slack", type=float, default=0.07, help="R = burst KV * (1 + slack), for block rounding")
     p.add_argument("--limit", type=int, default=None, help="the cgroup limit in bytes (default: computed)")
-    p.add_argument("--server-args", default="--dtype float32 --max-model-len 1024", help="flags for every server")
+    p.add_argument("--server-args", default=None,
+                   help="flags for every server (default: --dtype float32 --max-model-len 1024; cuda: --device cuda "
+                        "--dtype bfloat16 --max-model-len 2048)")
     p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each server")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the embedded model)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds for a server to load")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--out", default=None, help="write the JSON result here")
     args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    if args.modes is None:
+        args.modes = list(GPU_MODES if cuda else MODES)
+    if args.server_args is None:
+        args.server_args = ("--device cuda --dtype bfloat16 --max-model-len 2048" if cuda
+                            else "--dtype float32 --max-model-len 1024")
     if unknown := set(args.modes) - set(MODES):
         p.error(f"unknown modes {sorted(unknown)}; choose from {','.join(MODES)}")
     args.gap = args.shrink_delay + 4 if args.gap is None else args.gap

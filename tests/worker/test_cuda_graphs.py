@@ -7,6 +7,7 @@ the test marked ``cuda`` captures real CUDA graphs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -59,17 +60,82 @@ def test_replayed_decodes_give_the_eager_tokens(make_llm):
 
 
 @needs_native
-def test_graphs_are_recaptured_when_the_kv_pool_changes(make_llm):
+def test_graphs_survive_resizes_of_a_store_with_fixed_caches_and_not_a_block_size_change(make_llm):
+    """A store over one reserved range hands the graphs views of its whole reservation (``fixed_caches``):
+    growing and shrinking the pool changes no address or shape they hold, so nothing is recaptured. A block-
+    size change reshapes every view: then every graph is dropped and recaptured."""
     llm = make_llm(dtype="float32", max_model_len=256, enable_prefix_caching=False, attention_backend="cpu-native")
     engine = llm.engine
-    assert engine.executor.driver_worker.runner.enable_graphs(max_num_seqs=8, max_model_len=256, capture=eager_capture)
+    runner = engine.executor.driver_worker.runner
+    assert runner.enable_graphs(max_num_seqs=8, max_model_len=256, capture=eager_capture)
     want = tokens(llm.generate(PROMPTS[:2], GREEDY))
-    graphs = engine.executor.driver_worker.runner.graphs
+    graphs = runner.graphs
     before = graphs.num_captures
     assert before >= 1
-    engine.pool._resize(engine.kv_manager.num_blocks + 64, "test")  # the pool grows: every graph is stale
+    for target in (engine.kv_manager.num_blocks + 64, 40, engine.kv_manager.num_blocks + 200):
+        assert engine.pool._resize(target, "test")
+        assert tokens(llm.generate(PROMPTS[:2], GREEDY)) == want
+    assert graphs.num_captures == before and graphs.num_invalidations == 0
+    assert engine.pool.change_block_size(32, "test")
     assert tokens(llm.generate(PROMPTS[:2], GREEDY)) == want
-    assert graphs.num_captures > before
+    assert graphs.num_captures > before and graphs.num_invalidations == 1
+
+
+@needs_native
+def test_graphs_are_recaptured_when_a_copying_store_resizes(make_llm, monkeypatch):
+    """A copying store's resize reallocates its tensors: the graphs read stale addresses and are dropped."""
+    from tideserve.worker import kv_store
+
+    monkeypatch.setattr(kv_store.ReservedKVStore, "try_create", classmethod(lambda cls, *a, **k: None))
+    llm = make_llm(dtype="float32", max_model_len=256, enable_prefix_caching=False, attention_backend="cpu-native")
+    engine = llm.engine
+    runner = engine.executor.driver_worker.runner
+    assert isinstance(runner.kv_storage.device_store, kv_store.CopyKVStore)
+    assert runner.enable_graphs(max_num_seqs=8, max_model_len=256, capture=eager_capture)
+    want = tokens(llm.generate(PROMPTS[:2], GREEDY))
+    graphs = runner.graphs
+    before = graphs.num_captures
+    engine.pool._resize(engine.kv_manager.num_blocks + 64, "test")
+    assert tokens(llm.generate(PROMPTS[:2], GREEDY)) == want
+    assert graphs.num_captures > before and graphs.num_invalidations == 1
+
+
+def test_graph_validity_is_keyed_on_every_layers_addresses_shapes_and_the_block_size():
+    captured: list[int] = []
+
+    def capture(fn):
+        captured.append(1)
+        return eager_capture(fn)
+
+    class Model(torch.nn.Module):
+        def forward(self, ids, pos, kv_caches, meta):
+            return torch.zeros(ids.shape[0], 4)
+
+    @dataclasses.dataclass
+    class Meta:
+        num_decode_tokens: int
+        slot_mapping: torch.Tensor
+
+    graphs = DecodeGraphs(Model(), ("slot_mapping",), torch.device("cpu"), 4, 64, capture)
+    pool = torch.zeros(2, 2, 100, 16, 1, 4)
+    caches = [(pool[0, 0], pool[0, 1]), (pool[1, 0], pool[1, 1])]
+    meta = Meta(2, torch.zeros(2, dtype=torch.long))
+    ids, pos = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long)
+
+    def run(kv, block_size=16):
+        assert graphs.run(ids, pos, meta, kv, block_size) is not None
+
+    run(caches)
+    run(list(caches))  # another list over the same tensors: still valid
+    assert (len(captured), graphs.num_invalidations) == (1, 0)
+    run([(pool[0, 0], pool[0, 1]), (pool[1, 0][:50], pool[1, 1])])  # a later layer's shape changed
+    assert (len(captured), graphs.num_invalidations) == (2, 1)
+    other = torch.zeros_like(pool)
+    run([(pool[0, 0], pool[0, 1]), (pool[1, 0][:50], other[1, 1])])  # a later layer's V moved
+    assert (len(captured), graphs.num_invalidations) == (3, 2)
+    kv = [(pool[0, 0], pool[0, 1]), (pool[1, 0][:50], other[1, 1])]
+    run(kv, block_size=32)  # the same tensors read with another block size
+    assert (len(captured), graphs.num_invalidations) == (4, 3)
 
 
 def test_the_torch_backend_stays_eager(make_llm):
@@ -93,18 +159,18 @@ def test_cuda_graphs_give_the_eager_tokens(make_llm):
 
 
 @pytest.mark.cuda
-def test_cuda_graphs_are_recaptured_after_the_kv_pool_changes_twice(make_llm):
+def test_cuda_graphs_are_recaptured_after_the_kv_tensors_change_twice(make_llm):
     """Dropping every graph frees their private memory pool: the next generation of graphs must capture
     into a fresh one (capturing into the freed pool's handle fails an assertion in torch's allocator),
-    and the one after it as well."""
+    and the one after it as well. A block-size change reshapes the KV views of every store."""
     model = os.environ.get("TIDESERVE_TEST_MODEL") or None
     llm = make_llm(model=model, dtype="bfloat16", device="cuda", max_model_len=256, enable_prefix_caching=False)
     engine = llm.engine
     want = tokens(llm.generate(PROMPTS, GREEDY))
     graphs = engine.executor.driver_worker.runner.graphs
     assert graphs is not None and graphs.num_captures > 0
-    for _ in range(2):
+    for block_size in (32, 16):
         before = graphs.num_captures
-        engine.pool._resize(engine.kv_manager.num_blocks + 64, "test")  # every graph is stale
+        assert engine.pool.change_block_size(block_size, "test")  # every graph is stale
         assert tokens(llm.generate(PROMPTS, GREEDY)) == want
         assert graphs.num_captures > before

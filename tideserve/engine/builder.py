@@ -96,6 +96,7 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
     requested = None if model_config.device == "auto" else resolve_device(model_config.device)
     loaded, device = match_loaded(model_config, loaded, requested)
     platform = platform_for(device)
+    check_cpu_offload(model_config, platform)
     platform.tune_allocator()
     torch.manual_seed(model_config.seed)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(loaded.path)
@@ -129,6 +130,7 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
                      max_model_len)
         limits = KVStoreLimits.tightest(executor.collective_rpc(
             Worker.initialize_kv_cache, plan.geometry, plan.reserve_bytes, plan.policy is None))
+        _log_kv_store(executor, plan, limits)
         geometry = plan.geometry
         # Pages are committed in steps, each while the machine keeps half the safety margin free beyond it.
         executor.collective_rpc(Worker.set_commit_floor, plan.account.margin_bytes // 2)
@@ -163,6 +165,27 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
         tokenizer=tokenizer, max_model_len=max_model_len, executor=executor, memory=memory, kv_manager=kv_manager,
         scheduler=scheduler, pool=pool, input_processor=processor, output_processor=OutputProcessor(tokenizer),
         structured_output=structured_output, thread_governor=thread_governor, kv_events=kv_events)
+
+
+def check_cpu_offload(config: ModelConfig, platform: Platform, warn: bool = True) -> None:
+    """vLLM's ``cpu_offload_gb`` keeps that many GiB of the weights in host memory; tideserve keeps every
+    weight where the model computes. On a device whose memory is the host's that changes nothing (a warning,
+    unless ``warn`` is False); on a GPU it can decide whether a model fits, so the engine refuses to start,
+    saying what to do instead, rather than start with another memory plan than the one asked for."""
+    gib = config.cpu_offload_gb
+    if not gib:
+        return
+    if platform.host_memory:
+        if warn:
+            logger.warning("cpu_offload_gb=%g has no effect on the %s: the weights are host memory already.", gib,
+                           platform.device_name)
+        return
+    raise ValueError(
+        f"cpu_offload_gb={gib:g} is not supported on {platform.device_name}: tideserve keeps every weight in device "
+        "memory and offloads none of them to host memory, so a model that needs the offload would not fit as "
+        "planned. Make the weights smaller (--quantization int4, or a quantized GGUF file), split them over "
+        "several GPUs (--tensor-parallel-size N), or give the KV cache less (a smaller --max-model-len); then "
+        "leave cpu_offload_gb at 0.")
 
 
 def _prepare_weights(loaded: LoadedModel, tokenizer: Tokenizer, device: torch.device) -> torch.nn.Module:
@@ -241,6 +264,18 @@ def _plan(cache: CacheConfig, sched: SchedulerConfig, elastic: ElasticConfig, ex
     account = memory_account(reading.available_bytes, model_weight_bytes(model), activation, elastic, baseline,
                              reading.used_by_process_bytes)
     return plan_kv_cache(shape, cache, sched, elastic, max_model_len, account, reading.total_bytes)
+
+
+def _log_kv_store(executor: Executor, plan: KVPlan, limits: KVStoreLimits) -> None:
+    """Which store holds the pool, once; a warning when an elastic pool copies on every resize, since it can
+    then grow only to about half the free memory."""
+    text = executor.collective_rpc(Worker.describe_kv_store, unique_reply_rank=0)
+    if plan.policy is not None and limits.copies_on_resize:
+        logger.warning("KV store: %s. The elastic pool can grow to about %.2f GiB of the %.2f GiB budget at most "
+                       "(the new tensor must fit beside the old one)", text,
+                       plan.account.budget_bytes / 2 / GiB, plan.account.budget_bytes / GiB)
+    else:
+        logger.info("KV store: %s", text)
 
 
 def _enable_cuda_graphs(platform: Platform, model_config: ModelConfig, executor: Executor, max_num_seqs: int,

@@ -20,13 +20,13 @@ import torch
 
 from tideserve.core.scheduler import SchedulerOutput
 from tideserve.engine.arg_utils import EngineArgs
-from tideserve.engine.builder import EngineParts, build_engine
+from tideserve.engine.builder import EngineParts, build_engine, check_cpu_offload
 from tideserve.engine.input_processor import EngineRequest
 from tideserve.engine.stats import EngineStats
 from tideserve.errors import EngineBusyError, EngineSleepingError, InvalidParameterError
 from tideserve.model.loader import LoadedModel, load_model
 from tideserve.outputs import RequestOutput
-from tideserve.platform import resolve_device
+from tideserve.platform import platform_for, resolve_device
 from tideserve.pooling_params import PoolingParams
 from tideserve.request import Request, RequestStatus
 from tideserve.sampling_params import SamplingParams
@@ -93,6 +93,7 @@ class LLMEngine:
         args = EngineArgs.coerce(args)
         model_config = args.configs()[0]  # every setting checked before anything loads
         device = resolve_device(model_config.device)
+        check_cpu_offload(model_config, platform_for(device), warn=False)  # refused before the weights load
         torch.manual_seed(model_config.seed)
         quantization = model_config.quantization
         if quantization == "auto" and args.parallel_config().tensor_parallel_size > 1:

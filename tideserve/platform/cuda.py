@@ -15,6 +15,7 @@ class CudaPlatform(Platform):
     async_host_copies = True
     attention_backends = ("triton", "torch")
     graph_capture = True
+    maps_device_memory = True
     distributed_backend = "nccl"
 
     def device_for_rank(self, rank: int) -> torch.device:

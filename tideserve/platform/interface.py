@@ -36,6 +36,10 @@ class Platform(ABC):
     attention_backends: ClassVar[tuple[str, ...]] = ("torch",)
     """The attention backends that can run here, best first: ``--attention-backend auto`` takes the first
     whose kernels fit the model (model/attention/selector.py); torch's SDPA runs everywhere."""
+    maps_device_memory: ClassVar[bool] = False
+    """Its driver can reserve a range of device addresses and map device memory into it in steps (CUDA's
+    virtual memory management): the elastic KV pool is then such a range, resized without a copy
+    (worker/cuda_kv_store.py), where the driver and its binding allow it at run time."""
     graph_capture: ClassVar[bool] = False
     """Decode-only steps can be captured once and replayed as a graph (CUDA graphs,
     worker/cuda_graphs.py); ``--enforce-eager`` turns it off."""

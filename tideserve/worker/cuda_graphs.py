@@ -12,9 +12,13 @@ How a step runs as a graph:
   Block tables are as wide as ``max_model_len`` needs, so any context fits.
 - Padding: the rows past ``n`` repeat the last real row (same token, position, slot and block table),
   so they write the very K/V that row writes, to the same slot, and their outputs are dropped.
-- Validity: a graph holds the addresses and shapes of the KV tensors and the block size. When the KV
-  storage resizes (a copying store reallocates on CUDA) or changes block size, every graph is dropped and
-  each size is captured again at its next step; so the elastic pool and graphs coexist.
+- Validity: a graph holds what its kernels were launched with: every layer's K and V address, shape and
+  strides (torch's indexed stores also bake the cache's first dimension in, as a bounds check) and the
+  block size (the block tables' width). The runner hands it the store's ``fixed_caches`` where the store
+  has them (a mapped range: each layer's K and V over its whole region, at addresses and shapes no resize
+  changes), so the pool grows and shrinks under captured graphs. Only when what a graph holds changes (a
+  copying store's resize reallocates; a block-size change reshapes every view) are the graphs dropped and
+  each size captured again at its next step.
 - Capture is lazy (a size is captured the first time a batch needs it) and warmed up once eagerly first
   (Triton compiles its kernels, cuBLAS picks its algorithms) so nothing but kernel launches is recorded.
 
@@ -74,6 +78,12 @@ def cuda_graph_capture(device: torch.device) -> GraphCapture:
     return capture
 
 
+def kv_key(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> tuple:
+    """What a captured step depends on in the KV caches: the block size and, per layer, K's and V's
+    address, shape and strides."""
+    return (block_size, tuple((t.data_ptr(), tuple(t.shape), t.stride()) for pair in kv_caches for t in pair))
+
+
 def eager_capture(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
     """The same contract without a graph: replay re-runs fn over the same static buffers."""
     out = fn()
@@ -105,9 +115,11 @@ class DecodeGraphs:
         self._capture = capture
         self._graphs: dict[int, _Captured] = {}
         self._key: tuple | None = None
+        self._seen: list | None = None  # the caches list the key was last computed for
         self._buffers: dict[str, torch.Tensor] = {}
         self.num_captures = 0
         self.num_replays = 0
+        self.num_invalidations = 0  # times the captured graphs were dropped because the KV tensors changed
 
     def size_for(self, num_rows: int) -> int | None:
         return next((s for s in self.sizes if s >= num_rows), None)
@@ -119,15 +131,17 @@ class DecodeGraphs:
         size = self.size_for(n)
         if size is None or n == 0 or meta.num_decode_tokens != n:
             return None
-        k0 = kv_caches[0][0]
-        key = (k0.data_ptr(), tuple(k0.shape), block_size, len(kv_caches))
-        if key != self._key:  # the pool moved, grew, shrank or changed block size: the graphs read stale KV
-            if self._graphs:
-                logger.info("CUDA graphs: KV cache changed (%d blocks of %d tokens); %d graphs dropped, "
-                            "recaptured on use", k0.shape[0], block_size, len(self._graphs))
-            self._graphs.clear()
-            self._buffers = self._allocate(input_ids, meta, block_size)
-            self._key = key
+        if kv_caches is not self._seen or block_size != (self._key or (None,))[0]:
+            key = kv_key(kv_caches, block_size)
+            self._seen = kv_caches
+            if key != self._key:  # the caches moved or changed shape, or the block size changed
+                if self._graphs:
+                    self.num_invalidations += 1
+                    logger.info("CUDA graphs: the KV tensors changed (%d blocks of %d tokens); %d graphs dropped, "
+                                "recaptured on use", kv_caches[0][0].shape[0], block_size, len(self._graphs))
+                self._graphs.clear()
+                self._buffers = self._allocate(input_ids, meta, block_size)
+                self._key = key
         self._fill(input_ids, positions, meta, n, size)
         captured = self._graphs.get(size)
         if captured is None:

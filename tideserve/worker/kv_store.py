@@ -14,32 +14,46 @@ tight. Two ways to hold the tensors:
   commit its pages ahead, on a thread of its own (``commit_ahead``), a chunk of every region at a time,
   each usable once done: on virtual machines that hand freed memory back to the host, a first touch costs
   3-8 s per GiB, and a commit on the engine's thread stops every step for that long.
-- ``CopyKVStore`` (CUDA, and any device without the above): one tensor per pool size. A resize copies
-  the blocks that stay into a new tensor, so growth is capped to what fits beside the existing storage;
-  an allocation failure raises ``KVStoreGrowError`` and leaves the store as it was.
+- ``MappedKVStore`` (CUDA, ``worker/cuda_kv_store.py``): the same layout over one reserved range of device
+  addresses, into which the driver maps device memory in its granularity as the pool grows and from which
+  it unmaps it as the pool shrinks.
+- ``CopyKVStore`` (any device without the above, and fixed-size pools on CUDA): one tensor per pool size. A
+  resize copies the blocks that stay into a new tensor, so growth is capped to what fits beside the existing
+  storage (about half the free memory); an allocation failure raises ``KVStoreGrowError`` and leaves the
+  store as it was.
 
 A block-size change re-chunks every token, so it is done only when no request holds KV (then the same
 bytes are simply read with another block size; no copy either way). The host swap tier is a store too.
 ``KVCacheStorage`` holds the device pool and the swap tier together and carries out every move of their
-bytes, so the runner only reads the caches.
+bytes, so the runner only reads the caches. What every store shares (``KVStore``, ``KVLayout``,
+``KVStoreGrowError``, the region arithmetic) lives in ``kv_store_base.py`` and is named here too.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import mmap
 import threading
-from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tideserve.core.kv_cache.geometry import KVGeometry, KVStoreLimits
 from tideserve.platform import platform_for
+from tideserve.worker.kv_store_base import (  # the base of every store, named here too for the callers
+    KVLayout,
+    KVStore,
+    KVStoreGrowError,
+    as_copyable,
+    fill_code,
+    fill_region_slots,
+    region_bytes_for,
+    region_views,
+    round_down,
+    round_up,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,144 +85,6 @@ def _libc_madvise():
 _MADVISE = None
 
 
-class KVStoreGrowError(RuntimeError):
-    """Growing the pool failed (out of memory, or beyond the reservation); the store is unchanged."""
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """The shape of one token's KV: what every store, the runner and the pool's arithmetic share."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def token_bytes(self) -> int:
-        """Bytes of one token in one layer's K (or V)."""
-        return self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
-
-    def block_bytes(self, block_size: int) -> int:
-        """Bytes of one block across every layer's K and V."""
-        return 2 * self.num_layers * block_size * self.token_bytes
-
-
-def as_copyable(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself, or for a float8 cache its bytes: torch's CPU index_copy_ / index_fill_ have no float8
-    kernels, and moving or zeroing the bytes is the same operation."""
-    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
-
-
-def fill_code(t: torch.Tensor, value: float) -> float | int:
-    """``value`` as ``as_copyable(t)`` holds it (a float8 value's byte)."""
-    if t.is_floating_point() and t.element_size() == 1:
-        return int(torch.tensor(value).to(t.dtype).view(torch.uint8))
-    return value
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-def _round_down(n: int, to: int) -> int:
-    return n // to * to
-
-
-class KVStore(ABC):
-    """Per-layer K and V, each ``[num_blocks, block_size, num_kv_heads, head_dim]`` and contiguous."""
-
-    def __init__(self, layout: KVLayout, device: torch.device, block_size: int) -> None:
-        self.layout = layout
-        self.device = device
-        self.block_size = block_size
-        self.num_blocks = 0
-        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # Asked before each chunk of pages a growth commits: may this many more bytes be made resident now?
-        # (None: always.) A store whose allocations fail cleanly (a GPU's) never asks.
-        self.commit_guard: Callable[[int], bool] | None = None
-
-    def bytes_per_block(self, block_size: int | None = None) -> int:
-        return self.layout.block_bytes(block_size or self.block_size)
-
-    @property
-    def pool_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block()
-
-    @abstractmethod
-    def resize(self, num_blocks: int) -> None:
-        """Make blocks 0..num_blocks-1 addressable; blocks below min(old, new) keep their KV."""
-
-    def commit_ahead(self, num_blocks: int, on_done: Callable[[], None] | None = None) -> bool:
-        """Prepare a growth to ``num_blocks`` off the caller's thread; True when ``resize`` may follow at
-        once (stores without background commits: always). ``on_done`` is called once: when a commit this
-        call starts ends, or at once when it starts none."""
-        if on_done is not None:
-            on_done()
-        return True
-
-    @property
-    def commit_in_flight(self) -> bool:
-        """Whether a background commit (``commit_ahead``) is running now."""
-        return False
-
-    @property
-    def committed_ahead_blocks(self) -> int:
-        """The largest pool whose pages are committed already (a resize to it commits nothing)."""
-        return self.num_blocks
-
-    @property
-    def commit_goal_blocks(self) -> int:
-        """The largest pool a background commit under way will have made resident (a growth up to it waits
-        only for the part it needs); ``committed_ahead_blocks`` when none is."""
-        return self.committed_ahead_blocks
-
-    @abstractmethod
-    def reshape_blocks(self, new_block_size: int) -> int:
-        """Read the pool with another block size; only while no block holds live KV. Returns the new
-        block count (the same bytes, or fewer)."""
-
-    @abstractmethod
-    def release_pages(self) -> None:
-        """Hand every byte of the pool back while keeping its geometry: what the blocks held is lost (sleep
-        mode, with no request holding KV). ``restore_pages`` makes the pool usable again."""
-
-    @abstractmethod
-    def restore_pages(self) -> None:
-        """Make the pool's memory resident again after ``release_pages`` (zeroed)."""
-
-    @abstractmethod
-    def limits(self) -> KVStoreLimits:
-        """What bounds a growth of this store (a reservation, or a copy beside the old pool)."""
-
-    def max_blocks_within(self, spare_bytes: int) -> int:
-        """The largest pool size a resize can reach when ``spare_bytes`` more memory may be taken."""
-        return self.limits().max_blocks_within(self.geometry_now(), spare_bytes)
-
-    def geometry_now(self) -> KVGeometry:
-        """This store's block size and count as a geometry (its own bytes per token)."""
-        layout = self.layout
-        return KVGeometry(layout.num_layers, layout.token_bytes, str(layout.dtype).removeprefix("torch."),
-                          self.block_size, self.num_blocks)
-
-    def copy_blocks(self, moves: list[tuple[int, int]]) -> None:
-        """Copy the KV of block ``src`` to block ``dst`` for each (src, dst): compaction's only copy."""
-        if not moves:
-            return
-        src = torch.tensor([m[0] for m in moves], dtype=torch.long, device=self.device)
-        dst = torch.tensor([m[1] for m in moves], dtype=torch.long, device=self.device)
-        for k, v in self.caches:
-            for t in (as_copyable(k), as_copyable(v)):
-                t.index_copy_(0, dst, t.index_select(0, src))
-
-    def fill_slots(self, slots: torch.Tensor, value: float = 0.0) -> None:
-        """Set the token slots ``block_id * block_size + offset`` of every layer's K and V to ``value``."""
-        hd = (self.layout.num_kv_heads, self.layout.head_dim)
-        for k, v in self.caches:
-            for t in (as_copyable(k), as_copyable(v)):
-                t.view(-1, *hd).index_fill_(0, slots, fill_code(k, value))
-
-
 def copy_between(src: KVStore, dst: KVStore, pairs: list[tuple[int, int]]) -> None:
     """Copy blocks ``(src block, dst block)`` from one store to another (the swap tier's moves)."""
     if not pairs:
@@ -234,7 +110,7 @@ class ReservedKVStore(KVStore):
         blocks at once (an honest footprint for neighbours reading the cgroup) instead of on first write."""
         super().__init__(layout, torch.device("cpu"), block_size)
         regions = 2 * layout.num_layers
-        self.region_bytes = _round_up(max(1, math.ceil(reserve_bytes / regions)), HUGE_PAGE)
+        self.region_bytes = region_bytes_for(reserve_bytes, regions, HUGE_PAGE)
         self.populate = populate
         self._map = mmap.mmap(-1, regions * self.region_bytes,
                               flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
@@ -251,8 +127,9 @@ class ReservedKVStore(KVStore):
         self._ahead_progress = threading.Condition()  # notified as each chunk is done, and when the thread ends
         self._ahead_done = True  # whether the latest thread has ended (set under _ahead_progress)
         elem = raw.new_empty((), dtype=layout.dtype).element_size()
-        self._regions = raw[:, :_round_down(self.region_bytes, elem)].view(layout.dtype)
+        self._regions = raw[:, :round_down(self.region_bytes, elem)].view(layout.dtype)
         self.capacity_tokens = self.region_bytes // layout.token_bytes
+        self._fixed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.resize(num_blocks)
 
     @classmethod
@@ -277,11 +154,21 @@ class ReservedKVStore(KVStore):
         return self.capacity_tokens // self.block_size
 
     @property
+    def fixed_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self._fixed is None:
+            self._fixed = region_views(self._regions, self.layout, self.capacity_blocks, self.block_size)
+        return self._fixed
+
+    def describe(self) -> str:
+        return (f"reserved host range ({len(self._map) / 2**30:.1f} GiB of addresses, {2 * self.layout.num_layers} "
+                "regions, one per layer's K and V): resizes commit and release pages in place, nothing is copied")
+
+    @property
     def committed_bytes(self) -> int:
         """Bytes of the pool's pages that are (or may be) resident: every region up to the pool's end, or
         up to what is being committed ahead of it."""
         end = max(self._end_bytes(self.num_blocks), self._ahead_target)
-        return 2 * self.layout.num_layers * _round_up(end, PAGE)
+        return 2 * self.layout.num_layers * round_up(end, PAGE)
 
     def commit_ahead(self, num_blocks: int, on_done: Callable[[], None] | None = None) -> bool:
         """Commit the pages of a pool of ``num_blocks`` on a background thread; True once they are
@@ -293,7 +180,7 @@ class ReservedKVStore(KVStore):
         the thread this call starts ends, or at once when it starts none."""
         started = False
         try:
-            end = _round_up(self._end_bytes(num_blocks), PAGE)
+            end = round_up(self._end_bytes(num_blocks), PAGE)
             if not self.populate or not self._can_populate or num_blocks <= self.num_blocks:
                 return True
             if self._ahead_thread is not None:
@@ -302,7 +189,7 @@ class ReservedKVStore(KVStore):
                 self._ahead_thread = None
             if self._ahead_failed:  # resize meets the failure on the caller's thread, and reports it
                 return True
-            start = max(_round_down(self._end_bytes(self.num_blocks), PAGE), self._ahead_end)
+            start = max(round_down(self._end_bytes(self.num_blocks), PAGE), self._ahead_end)
             if start >= end or num_blocks > self.capacity_blocks:
                 return True
             self._ahead_target = max(self._ahead_target, end)
@@ -337,7 +224,7 @@ class ReservedKVStore(KVStore):
         change) or when the kernel refuses."""
         try:
             madvise = _libc_madvise()
-            chunk = _round_up(max(AHEAD_CHUNK_BYTES // (2 * self.layout.num_layers), PAGE), PAGE)
+            chunk = round_up(max(AHEAD_CHUNK_BYTES // (2 * self.layout.num_layers), PAGE), PAGE)
             regions = 2 * self.layout.num_layers
             for lo in range(start, end, chunk):
                 hi = min(end, lo + chunk)
@@ -384,24 +271,18 @@ class ReservedKVStore(KVStore):
         return num_blocks * self.block_size * self.layout.token_bytes
 
     def _build_views(self) -> None:
-        n, bs, L = self.num_blocks, self.block_size, self.layout
-        tokens = n * bs
-        shape = (n, bs, L.num_kv_heads, L.head_dim)
-        elems = tokens * L.num_kv_heads * L.head_dim
-        r = self._regions
-        self.caches = [(r[2 * i, :elems].view(shape), r[2 * i + 1, :elems].view(shape))
-                       for i in range(L.num_layers)]
+        self.caches = region_views(self._regions, self.layout, self.num_blocks, self.block_size)
 
     def _commit(self, lo: int, hi: int) -> None:
         """Make bytes [lo, hi) of every region resident (zero pages), a chunk of every region at a time;
         before each chunk ``commit_guard`` is asked whether the machine still has room for it. When it has
         not (or the kernel refuses), what this call committed goes back and ``KVStoreGrowError`` is raised:
         the store is as it was."""
-        start, end = _round_down(lo, PAGE), _round_up(hi, PAGE)
+        start, end = round_down(lo, PAGE), round_up(hi, PAGE)
         if end <= start:
             return
         regions = 2 * self.layout.num_layers
-        chunk = _round_up(max(AHEAD_CHUNK_BYTES // regions, PAGE), PAGE)
+        chunk = round_up(max(AHEAD_CHUNK_BYTES // regions, PAGE), PAGE)
         done = start
         try:
             for c_lo in range(start, end, chunk):
@@ -433,7 +314,7 @@ class ReservedKVStore(KVStore):
 
     def _release(self, lo: int, hi: int) -> None:
         """Give the pages wholly inside bytes [lo, hi) of every region back to the kernel."""
-        start, end = _round_up(lo, PAGE), _round_up(hi, PAGE)
+        start, end = round_up(lo, PAGE), round_up(hi, PAGE)
         if end <= start:
             return
         for i in range(2 * self.layout.num_layers):
@@ -486,6 +367,7 @@ class ReservedKVStore(KVStore):
             self._release(old_end, self._ahead_target)
         self._ahead_end = self._ahead_target = 0
         self.block_size = new_block_size
+        self._fixed = None
         new_end = self._end_bytes(new_num)
         if new_end < old_end:
             self._release(new_end, old_end)
@@ -500,12 +382,7 @@ class ReservedKVStore(KVStore):
 
     def fill_slots(self, slots: torch.Tensor, value: float = 0.0) -> None:
         """One call for every layer: the regions read as [2 * layers, tokens, heads * dim]."""
-        L = self.layout
-        width = L.num_kv_heads * L.head_dim
-        tokens = self.num_blocks * self.block_size
-        regions = as_copyable(self._regions)
-        regions[:, :tokens * width].view(2 * L.num_layers, tokens, width).index_fill_(1, slots,
-                                                                                     fill_code(self._regions, value))
+        fill_region_slots(self._regions, self.layout, self.num_blocks * self.block_size, slots, value)
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
@@ -523,10 +400,12 @@ class CopyKVStore(KVStore):
     """One tensor per pool size: resizes copy the kept blocks into a new tensor (see the module doc)."""
 
     def __init__(self, layout: KVLayout, device: torch.device, block_size: int, num_blocks: int,
-                 zero: bool = False, pin_memory: bool = False) -> None:
+                 zero: bool = False, pin_memory: bool = False, why: str = "") -> None:
+        """``why``: the reason this store holds a pool that could have resized in place, for the log."""
         super().__init__(layout, device, block_size)
         self.zero = zero
         self.pin_memory = pin_memory
+        self.why = why
         self.storage: torch.Tensor | None = None
         self.storage = self._allocate(num_blocks, block_size)
         self.num_blocks = num_blocks
@@ -595,6 +474,13 @@ class CopyKVStore(KVStore):
         # The new tensor is allocated while the old one still exists: it must fit beside it.
         return KVStoreLimits(copies_on_resize=True)
 
+    def describe(self) -> str:
+        if self.zero:  # a fixed-size pool: nothing resizes it
+            return f"one tensor on {self.device}, allocated once at its fixed size"
+        text = (f"one tensor on {self.device}: every resize allocates a new one and copies the kept blocks into "
+                "it, so a growth must fit beside the pool (an elastic pool reaches about half the free memory)")
+        return f"{text}; {self.why}" if self.why else text
+
     def fill_slots(self, slots: torch.Tensor, value: float = 0.0) -> None:
         s = as_copyable(self.storage)
         s.view(*s.shape[:2], -1, *s.shape[4:]).index_fill_(2, slots, fill_code(self.storage, value))
@@ -602,15 +488,26 @@ class CopyKVStore(KVStore):
 
 def create_kv_store(layout: KVLayout, device: torch.device, block_size: int, num_blocks: int,
                     reserve_bytes: int, static: bool) -> KVStore:
-    """The device's pool: a reserved range on CPU (zero-copy resizes), a copying tensor elsewhere.
+    """The device's pool: a reserved host range on CPU, a mapped device range where the driver maps memory in
+    steps (CUDA, ``MappedKVStore``), both resizing without a copy; else a copying tensor, which says why.
 
-    ``reserve_bytes`` is the largest the pool may ever grow to; ``static`` pools commit everything now.
+    ``reserve_bytes`` is the largest the pool may ever grow to; ``static`` pools commit everything now (on a
+    GPU they stay one plain tensor: nothing resizes them).
     """
-    if platform_for(device).host_memory:
+    platform = platform_for(device)
+    why = ""
+    if platform.host_memory:
         store = ReservedKVStore.try_create(layout, block_size, num_blocks, reserve_bytes)
         if store is not None:
             return store
-    return CopyKVStore(layout, device, block_size, num_blocks, zero=static)
+        why = "the host would not reserve the address range"
+    elif platform.maps_device_memory and not static:
+        from tideserve.worker.cuda_kv_store import MappedKVStore
+
+        mapped, why = MappedKVStore.try_create(layout, device, block_size, num_blocks, reserve_bytes)
+        if mapped is not None:
+            return mapped
+    return CopyKVStore(layout, device, block_size, num_blocks, zero=static, why=why)
 
 
 def create_swap_store(layout: KVLayout, device: torch.device, block_size: int, num_blocks: int) -> KVStore:
@@ -667,6 +564,14 @@ class KVCacheStorage:
     def limits(self) -> KVStoreLimits:
         return self.device_store.limits()
 
+    def describe(self) -> str:
+        return self.device_store.describe()
+
+    @property
+    def bytes_outside_allocator(self) -> int:
+        """The device pool's bytes that the platform's memory probe does not count (``KVStore``'s)."""
+        return self.device_store.bytes_outside_allocator if self.device_store is not None else 0
+
     def apply_geometry(self, geometry: KVGeometry) -> None:
         """Make the device pool and the swap tier match ``geometry``: a block-size change (only while no
         block holds live KV) or a resize (``KVStoreGrowError``, changing nothing, when growth fails)."""
@@ -684,6 +589,13 @@ class KVCacheStorage:
     @property
     def caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.device_store.caches
+
+    @property
+    def graph_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The caches a captured graph should hold: the store's ``fixed_caches`` where it has them (a resize
+        leaves the graph valid), else ``caches``."""
+        fixed = self.device_store.fixed_caches
+        return fixed if fixed is not None else self.device_store.caches
 
     @property
     def block_size(self) -> int:

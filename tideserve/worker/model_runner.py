@@ -352,7 +352,7 @@ class ModelRunner:
         positions = torch.from_numpy(layout.positions).to(self.device)
         hidden = None
         if graphs and self.graphs is not None:
-            hidden = self.graphs.run(ids, positions, meta, self.kv_caches, self.block_size)
+            hidden = self.graphs.run(ids, positions, meta, self.kv_storage.graph_caches, self.block_size)
         if hidden is None:
             hidden = self.model(ids, positions, self.kv_caches, meta)
         return hidden

@@ -139,12 +139,14 @@ class Worker:
         return self.runner.attn_backend.describe()
 
     def memory_report(self) -> MemoryReport:
+        """The probe's figures; what the process holds counts the KV pool also where the probe cannot see it
+        (device memory the driver maps beside torch's allocator, worker/cuda_kv_store.py)."""
         probe = self.memory_probe
         describe = getattr(probe, "describe", None)
         scope = getattr(probe, "memory_scope", None)
-        return MemoryReport(os.uname().nodename, probe.available_bytes(), probe.total_bytes(),
-                            probe.used_by_process_bytes(), self.kv_token_bytes(),
-                            describe() if describe is not None else type(probe).__name__,
+        used = probe.used_by_process_bytes() + self.kv_storage.bytes_outside_allocator
+        return MemoryReport(os.uname().nodename, probe.available_bytes(), probe.total_bytes(), used,
+                            self.kv_token_bytes(), describe() if describe is not None else type(probe).__name__,
                             scope() if scope is not None else None)
 
     def profile_activation_bytes(self, num_tokens: int, max_num_seqs: int, block_size: int) -> int:
@@ -158,6 +160,10 @@ class Worker:
         self.kv_storage.create_store(geometry.num_blocks, reserve_bytes, static, block_size=geometry.block_size)
         self.kv_storage.allocate_swap(geometry.num_swap_blocks)
         return self.kv_storage.limits()
+
+    def describe_kv_store(self) -> str:
+        """What holds the KV pool and what a resize costs (``KVStore.describe``), for the start-up log."""
+        return self.kv_storage.describe()
 
     def apply_kv_geometry(self, geometry: KVGeometry) -> KVStoreLimits:
         """Make the pool match ``geometry``: resize it (blocks below min(old, new) keep their KV; raises
