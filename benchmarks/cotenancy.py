@@ -9,8 +9,8 @@ the room the limit leaves: neither may be killed and no request may fail (the en
 headroom through their memory ledger and preempt or wait instead).
 Memory, not compute, must bind, so the limit is measured: the working set of both servers started,
 warmed and idle, less their KV pools (taken again in each mode once its servers are warm; a calibration
-pair of elastic servers gives the rest) + their idle floors + R + activation peak + safety margin (from
-the logs), where
+pair of elastic servers gives the rest) + their idle floors + R + both activation peaks + the safety margin
+(from the logs), where
 the KV room R holds one whole burst, N (P + O) tokens of KV plus slack, while R / 2 cannot hold all N
 prompts. Reported per mode: burst TTFT mean / p99, output tok/s, preemptions, swap-ins, OOM kills,
 failures, seconds until the bursting pool was back at its floor, peak pools and cgroup usage.
@@ -546,7 +546,7 @@ def format_report(result: dict[str, Any]) -> str:
         f"{s['room_bytes'] / MiB:.0f} MiB, R/2 {s['room_bytes'] / 2 / MiB:.0f} MiB; idle usage "
         f"{c['idle_usage_bytes'] / MiB:.0f} MiB (fresh {c['fresh_usage_bytes'] / MiB:.0f}, idle pools "
         f"{' + '.join(f'{p / MiB:.0f}' for p in c['idle_pool_bytes'])})"
-        f" + activation {c['activation_bytes'] / MiB:.0f} + margin {c['margin_bytes'] / MiB:.0f} -> limit "
+        f" + activation 2 x {c['activation_bytes'] / MiB:.0f} + margin {c['margin_bytes'] / MiB:.0f} -> limit "
         f"{s['limit_bytes'] / MiB:.0f} MiB{' (--limit)' if s['limit_overridden'] else ''}; static "
         + (f"--gpu-memory-utilization {GPU_STATIC_SHARE} each (of the limit: {s['static_kv_bytes'] / MiB:.0f} MiB of "
            "KV each)" if gpu else f"X {s['static_kv_bytes'] / MiB:.0f} MiB")
@@ -604,7 +604,10 @@ def compute_sizing(burst: list[SampleRequest], cal: Calibration, args: argparse.
     per_block = cal.kv_bytes_per_token * cal.block_size
     burst_kv = kv_blocks(burst, cal.block_size) * per_block
     prompt_kv = kv_blocks(burst, cal.block_size, with_output=False) * per_block
-    fixed = cal.idle_usage_bytes + cal.activation_bytes + cal.margin_bytes
+    # Each server's activation peak: either may be handed a request at any moment, and each claims the part of
+    # its peak not resident in the ledger the other reads (one shared safety margin: both keep the same free
+    # memory in reserve).
+    fixed = cal.idle_usage_bytes + 2 * cal.activation_bytes + cal.margin_bytes
     limit = args.limit
     if total_bytes is not None and args.gpu_room == "whole":
         limit = total_bytes

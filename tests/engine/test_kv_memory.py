@@ -624,6 +624,27 @@ def test_admission_takes_pages_committed_ahead_and_does_not_wait_for_the_rest(ma
     assert pool.grow_for_allocation(short) is True and resized[-1] > n + 10
 
 
+def test_pages_committed_ahead_stay_reachable_when_the_machine_has_nothing_more(make_llm, monkeypatch):
+    """Pages a background commit made resident are already out of the machine's free memory: with no
+    free memory left beyond the margin and the activation peak, the pool still grows onto them (they
+    are the base the free memory adds to, not a second charge against it)."""
+    from tideserve.worker.kv_store import KVCacheStorage
+
+    clock = [0.0]
+    probe = FakeProbe(available=4 * GiB)
+    llm = make_llm(dtype="float32", enable_prefix_caching=False, max_model_len=512, memory_probe=probe)
+    engine, pool = llm.engine, llm.engine.pool
+    pool.clock = lambda: clock[0]
+    n = pool.kv.num_blocks
+    monkeypatch.setattr(KVCacheStorage, "committed_ahead_blocks", property(lambda self: n + 40))
+    monkeypatch.setattr(KVCacheStorage, "commit_in_flight", property(lambda self: False))
+    probe.available = pool.account.margin_bytes + pool.account.activation_bytes  # nothing spare
+    clock[0] = 10.0
+    engine.maintain()  # the ceiling follows the machine
+    assert pool.max_blocks >= n + 40
+    assert pool.grow_for_allocation(4) is True and pool.kv.num_blocks == n + 40
+
+
 def test_an_allocation_inside_a_commit_under_way_grows_by_what_it_needs(make_llm, monkeypatch):
     """While a background commit is under way towards enough blocks, an allocation short of blocks grows
     the pool by what it lacks (or onto what is resident already, if more), so the store waits for those

@@ -134,7 +134,7 @@ class PoolController:
         reading = self.memory.read()
         others = self.others_claimed_bytes = self.ledger.others() if self.ledger is not None else 0
         headroom = self.account.headroom_bytes(reading.available_bytes - others, self._non_kv_bytes(reading))
-        return self.limits.max_blocks_within(self.geometry, headroom)
+        return self.limits.max_blocks_within(self.geometry, headroom, self.resident_bytes() // self.bytes_per_block)
 
     def _non_kv_bytes(self, reading: MemoryReading) -> int:
         """What the process holds beside its KV pages (pages committed ahead of a growth are KV pages)."""

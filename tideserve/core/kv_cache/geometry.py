@@ -87,12 +87,15 @@ class KVStoreLimits:
     copies_on_resize: bool
     capacity_tokens: int | None = None  # token slots of the reservation (None: no reservation)
 
-    def max_blocks_within(self, geometry: KVGeometry, spare_bytes: int) -> int:
-        """The largest pool a resize can reach when ``spare_bytes`` more memory may be taken."""
+    def max_blocks_within(self, geometry: KVGeometry, spare_bytes: int, resident_blocks: int = 0) -> int:
+        """The largest pool a resize can reach when ``spare_bytes`` more memory may be taken and the store
+        holds ``resident_blocks`` blocks' pages already (a pool, plus what a background commit made
+        resident ahead of a growth: those pages are already missing from the free memory, so they count
+        once, as the base the spare bytes add to)."""
         extra = geometry.blocks_for_bytes(spare_bytes)
         if self.copies_on_resize:
             return max(geometry.num_blocks, extra)
-        top = geometry.num_blocks + extra
+        top = max(geometry.num_blocks, resident_blocks) + extra
         return top if self.capacity_tokens is None else min(self.capacity_tokens // geometry.block_size, top)
 
     @staticmethod
