@@ -35,14 +35,14 @@ def test_the_static_split_is_what_0_45_of_the_limit_leaves_each_server():
                             idle_pool_bytes=[64 * MiB, 64 * MiB])
     args = bench.parse_args(["--device", "cuda"])
     sizing = bench.compute_sizing(burst, cal, args, total_bytes=80 * GiB)
-    assert sizing.limit_bytes == 4 * GiB + 356 * MiB + sizing.room_bytes
+    assert sizing.limit_bytes == 4 * GiB + 456 * MiB + sizing.room_bytes  # idle + 2 activations + margin
     non_kv_one = (4 * GiB - 128 * MiB) / 2
     assert sizing.static_kv_bytes == int(0.45 * sizing.limit_bytes - non_kv_one - 100 * MiB)
     cpu = bench.compute_sizing(burst, cal, bench.parse_args([]))  # the cgroup run keeps its own split
     assert cpu.static_kv_bytes == int(0.97 * cpu.room_bytes / 2)
     whole = bench.compute_sizing(burst, cal, bench.parse_args(["--device", "cuda", "--gpu-room", "whole"]),
                                  total_bytes=80 * GiB)
-    assert whole.limit_bytes == 80 * GiB and whole.room_bytes == 80 * GiB - 4 * GiB - 356 * MiB
+    assert whole.limit_bytes == 80 * GiB and whole.room_bytes == 80 * GiB - 4 * GiB - 456 * MiB
 
 
 class FakeTorch:
