@@ -538,8 +538,8 @@ def test_static_sizes_beyond_the_machine_fail_with_the_numbers(make_llm, flag):
 
 
 def test_watermark_growth_commits_its_pages_ahead_and_the_answers_stay(make_llm, reference, monkeypatch, caplog):
-    """With every watermark growth large enough to commit ahead, the pool still grows (a step or more
-    later, once its pages are in) and greedy answers are those of the reference."""
+    """With every growth large enough to commit ahead, the pool still grows (a step or more later, once
+    its pages are in) and greedy answers are those of the reference."""
     from tideserve.engine import pool_controller
     from tideserve.worker import worker
     from tideserve.worker.kv_store import ReservedKVStore
@@ -557,7 +557,10 @@ def test_watermark_growth_commits_its_pages_ahead_and_the_answers_stay(make_llm,
     outs = llm.generate(chats(llm) * 4, GREEDY)
     assert token_lists(outs) == reference * 4
     assert ranges and all(r > 0 for r in ranges)  # background commits ran
-    assert any("above the high watermark" in r.message for r in caplog.records)
+    # the pool grew onto pages committed ahead (at the watermark, or for an allocation when the burst's
+    # commit was in first: which one depends on how fast the commit thread ran)
+    assert any("committed in the background" in r.message for r in caplog.records)
+    assert llm.engine.pool.num_background_commits >= 1
 
 
 def test_with_every_core_in_the_step_a_background_commit_is_lent_one(make_llm, reference, monkeypatch, caplog):

@@ -57,13 +57,17 @@ def cotenancy(smollm2_gguf_path) -> ModuleType:
     return bench
 
 
-def test_elastic_servers_share_one_cgroup_limit(cotenancy: ModuleType) -> None:
-    args = cotenancy.parse_args([
-        "--modes", "elastic", "--num-requests", "32", "--prompt-tokens", "160", "--output-tokens", "16",
+@pytest.fixture(scope="module")
+def result(cotenancy: ModuleType) -> dict:
+    """One calibration, then both modes: bursts in turn (``elastic``) and at once (``joint``)."""
+    return cotenancy.run_benchmark(cotenancy.parse_args([
+        "--modes", "elastic,joint", "--num-requests", "32", "--prompt-tokens", "160", "--output-tokens", "16",
         "--bursts", "1", "--shrink-delay", str(SHRINK_DELAY_S),
         "--server-args", "--dtype float32 --max-model-len 512",
-        "--ready-timeout", "120", "--request-timeout", "120"])
-    result = cotenancy.run_benchmark(args)
+        "--ready-timeout", "120", "--request-timeout", "240"]))
+
+
+def test_elastic_servers_share_one_cgroup_limit(result: dict) -> None:
     sizing, calibration, run = result["sizing"], result["calibration"], result["modes"]["elastic"]
     assert "error" not in run, run.get("error")
     room = sizing["room_bytes"]
@@ -91,16 +95,10 @@ def test_elastic_servers_share_one_cgroup_limit(cotenancy: ModuleType) -> None:
     assert run["peak_cgroup_bytes"] <= run["limit_bytes"]
 
 
-def test_a_joint_burst_beyond_the_limit_kills_nothing_and_fails_nothing(cotenancy: ModuleType) -> None:
+def test_a_joint_burst_beyond_the_limit_kills_nothing_and_fails_nothing(result: dict) -> None:
     """Both servers burst at the same moment, together wanting about twice the room the limit leaves: each
     grows only into headroom the other has not claimed (their memory ledger), the rest of the requests
     wait or are preempted, and every request finishes; nobody is OOM-killed."""
-    args = cotenancy.parse_args([
-        "--modes", "joint", "--num-requests", "32", "--prompt-tokens", "160", "--output-tokens", "16",
-        "--bursts", "1", "--shrink-delay", str(SHRINK_DELAY_S),
-        "--server-args", "--dtype float32 --max-model-len 512",
-        "--ready-timeout", "120", "--request-timeout", "240"])
-    result = cotenancy.run_benchmark(args)
     sizing, run = result["sizing"], result["modes"]["joint"]
     assert "error" not in run, run.get("error")
     assert 2 * sizing["burst_kv_bytes"] > sizing["room_bytes"] * 1.5  # the two bursts want more than the limit

@@ -17,11 +17,11 @@ from tideserve.serve.openai.server import build_app
 
 schemathesis = pytest.importorskip("schemathesis")
 
-# Examples per operation and mode: about 380 requests in all (a parameterless GET needs one). Valid
+# Examples per operation and mode: about 340 requests in all (a parameterless GET needs one). Valid
 # generation requests run the model (up to a context's worth of tokens, one request at a time), so they
 # get fewer.
 MAX_EXAMPLES = 50
-MAX_GENERATION_EXAMPLES = 25
+MAX_GENERATION_EXAMPLES = 15
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")
 
 

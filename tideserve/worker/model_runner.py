@@ -11,6 +11,7 @@ can batch them.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,13 @@ from tideserve.worker.cuda_graphs import DecodeGraphs, GraphCapture, cuda_graph_
 from tideserve.worker.kv_store import CopyKVStore, KVCacheStorage
 
 logger = logging.getLogger(__name__)
+
+
+# Measured activation peaks per loaded model, by the profiling pass's shape (tokens, sequences, block size,
+# attention backend, KV dtype): the peak is a property of the model and those shapes, so engines built
+# again over the same loaded model (``LLM.from_loaded``, a wake from sleep) reuse the first measurement,
+# which is also the most conservative one (later passes find the allocator's heap already grown).
+_MEASURED_PEAKS: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, int]] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -132,13 +140,16 @@ class ModelRunner:
         estimate = num_tokens * per_token + logits
 
         block_size = block_size or self.block_size
-        scratch = CopyKVStore(self.layout, self.device, block_size, -(-n // block_size), zero=True)
-        meta = self.attn_backend.build_metadata(BatchLayout.single_prefill(n, block_size))
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        pos = torch.arange(n, device=self.device)
-        measured = self.platform.measure_peak_bytes(
-            lambda: self.model.compute_logits(self.model(ids, pos, scratch.caches, meta)[-1:]))
-        measured = int(measured * num_tokens / n) + logits
+        key = (n, block_size, type(self.attn_backend).__name__, str(self.layout.dtype), str(self.device))
+        peaks = _MEASURED_PEAKS.setdefault(self.model, {})
+        if key not in peaks:
+            scratch = CopyKVStore(self.layout, self.device, block_size, -(-n // block_size), zero=True)
+            meta = self.attn_backend.build_metadata(BatchLayout.single_prefill(n, block_size))
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            pos = torch.arange(n, device=self.device)
+            peaks[key] = self.platform.measure_peak_bytes(
+                lambda: self.model.compute_logits(self.model(ids, pos, scratch.caches, meta)[-1:]))
+        measured = int(peaks[key] * num_tokens / n) + logits
         logger.info("profiling run: %d tokens, activation peak %.1f MiB measured (scaled to %d tokens), "
                     "%.1f MiB estimated from shapes", n, measured / 2**20, num_tokens, estimate / 2**20)
         return max(measured, estimate)
