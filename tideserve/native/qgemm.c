@@ -965,10 +965,13 @@ static int rows_matmul(const ts_qmat *w, const float *x, int64_t x_stride, int64
     const int64_t k = w->k, kb = k / TS_QBLOCK;
     const int regroup = tiles && isa == TS_QG_AVX512;
     const int64_t grouped_rows = (m + TS_ACT_GROUP - 1) / TS_ACT_GROUP * TS_ACT_GROUP;
-    int int_offsets = 0; /* tb, the integer offsets' x sums, only where a segment needs them */
-    for (int64_t s = 0; s < w->num_segs; s++)
+    int int_offsets = 0, code_offsets = 0; /* tb, qb: the integer offsets' x sums, only where a segment needs them */
+    for (int64_t s = 0; s < w->num_segs; s++) {
         int_offsets |= ts_tile_int_offset_shift((int)w->seg[s].type, isa == TS_QG_AVX512) != 0;
-    const int row_sums = tiles && isa == TS_QG_AVX2 && int_offsets; /* qb, for AVX2's tiles */
+        code_offsets |= ts_tile_int_offset_shift((int)w->seg[s].type, 0) != 0;
+    }
+    /* qb, per row: AVX2's tiles, and every matrix-vector and SIMD row kernel, take the same integer offsets */
+    const int row_sums = isa != TS_QG_SCALAR && (regroup ? 0 : (tiles ? int_offsets : code_offsets));
     ts_act a = {malloc((size_t)(m * k)), malloc(sizeof(float) * (size_t)(m * kb)),
                 malloc(sizeof(float) * (size_t)(2 * m * kb)), k, kb,
                 regroup ? malloc((size_t)(grouped_rows * k)) : NULL,

@@ -13,8 +13,10 @@
  * give 8 rows' partial sums, and the 8 rows' fp16 scales convert in one instruction. That is about 7
  * instructions per row and block.
  *
- * The arithmetic is the row kernels' (x rounded to 8 bits per block of 32, exact integer block products,
- * each block's scale and offset in float); only the float summation order differs.
+ * The arithmetic is the tiles' to the bit (qgemm_tiles.h, "one order of operations"): per block, the exact
+ * integer product (with an offset that is a power of two times the scale taken into it), times x's scale,
+ * then the weight's scale added in by one FMA and a float offset by a second, into one accumulator per row
+ * and column. So a row's result does not depend on whether this kernel or the tiles took its batch.
  */
 
 #ifndef TS_GEMV_ROWS
@@ -40,8 +42,9 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group)(const int 
     const int64_t block_bytes = ts_qunit_bytes(type);
     const __m256i ones = _mm256_set1_epi16(1);
     (void)ones; /* unused where VNNI adds in int32 */
-    __m256 acc[TS_GEMV_ROWS], acc_offset[TS_GEMV_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = acc_offset[r] = _mm256_setzero_ps();
+    const int shift = ts_tile_int_offset_shift(type, 0); /* Q4_0, Q5_0: the offset in the integer sums */
+    __m256 acc[TS_GEMV_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *block = rows + b * block_bytes * (x8 ? 8 : 1);
         for (int64_t l = b * lines / kb; l < (b + 1) * lines / kb; l++) __builtin_prefetch(next + 64 * l, 0, 3);
@@ -103,15 +106,19 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group)(const int 
         for (int r = 0; r < R; r++) {
             const int64_t at = (r0 + r) * a->kb + b;
             const __m256 xd = _mm256_set1_ps(a->d[at]);
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dots[r]), xd), d, acc[r]);
-            if (type != TS_Q8_0) { /* the offset times the sum of the block's x */
+            __m256i whole = dots[r];
+            if (shift) {
+                const int32_t *qs = a->qb + 2 * at;
+                whole = _mm256_add_epi32(whole, _mm256_slli_epi32(_mm256_set1_epi32(qs[0] + qs[1]), shift));
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(whole), xd), d, acc[r]);
+            if (!shift && type != TS_Q8_0) { /* Q4_1, Q5_1: the minimum times the sum of the block's x */
                 const float *xs = a->s + 2 * at;
-                acc_offset[r] = _mm256_fmadd_ps(TS_SIMD(rows8_offsets)(type, d, m), _mm256_set1_ps(xs[0] + xs[1]),
-                                                acc_offset[r]);
+                acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[0] + xs[1]), acc[r]);
             }
         }
     }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(res[r], _mm256_add_ps(acc[r], acc_offset[r]));
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(res[r], acc[r]);
 }
 
 #if !TS_SIMD_VNNI /* AVX2; VNNI's Q4_K and Q6_K kernels use 512-bit vectors (below) */
@@ -127,8 +134,8 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k)(const 
     (void)type; /* Q4_K: the argument keeps gemv_group's signature */
     const int64_t pairs = kb / 2, lines = (next_bytes + 63) / 64;
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f), byte = _mm256_set1_epi32(0xff);
-    __m256 acc[TS_GEMV_ROWS], acc_offset[TS_GEMV_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = acc_offset[r] = _mm256_setzero_ps();
+    __m256 acc[TS_GEMV_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t u = 0; u < kb / 8; u++) {
         const uint8_t *unit = rows + u * 144 * (x8 ? 8 : 1);
         __m256 d, dmin; /* dmin negated */
@@ -167,19 +174,18 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k)(const 
                     const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, ones));
                     acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dots, _mm256_set1_ps(a->d[at])), scale, acc[r]);
                     const float *xs = a->s + 2 * at;
-                    acc_offset[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xs[0] + xs[1]), acc_offset[r]);
+                    acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xs[0] + xs[1]), acc[r]);
                 }
             }
         }
     }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(res[r], _mm256_add_ps(acc[r], acc_offset[r]));
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(res[r], acc[r]);
 }
 
 /* gemv_group over Q6_K. Per half of a 256-value unit, the 8 rows' 32-byte runs of low nibbles (two) and of
  * high bits (one) are each transposed once and serve its four sub-blocks. A code is its nibble and its two
- * high bits moved to bits 4-5 by one shift (or none) and a mask each. Every 16 values' int8 scale multiplies
- * their int16 sums in vpmaddwd (in place of ones), so a sub-block is one int32 dot per row; the offset -32 s
- * and the unit's d are applied once per unit, in floats. */
+ * high bits moved to bits 4-5 by one shift (or none) and a mask each. Each 16 values' integer sum starts
+ * from x's codes' sum times -32 (the code's offset) and takes its scale d x sc in float, as the tiles do. */
 static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const int type, const int x8, const int R,
                                                                  const uint8_t *rows,
                                                                  int64_t row_bytes, int64_t kb, const ts_act *a,
@@ -187,15 +193,13 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const 
                                                                  float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
     (void)type; /* Q6_K */
     const int64_t halves = kb / 4, lines = (next_bytes + 63) / 64;
-    const __m256i low4 = _mm256_set1_epi8(0x0f), bits45 = _mm256_set1_epi8(0x30);
+    const __m256i low4 = _mm256_set1_epi8(0x0f), bits45 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
     __m256 acc[TS_GEMV_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t u = 0; u < kb / 8; u++) {
         const uint8_t *unit = rows + u * 210 * (x8 ? 8 : 1);
         __m256i scales[4]; /* scales[i] lane c: row c's int8 scales 4i .. 4i + 3 */
         const __m256 d = TS_SIMD(q6k_unit_header)(unit, x8, row_bytes, scales);
-        __m256 dots[TS_GEMV_ROWS], offsets[TS_GEMV_ROWS]; /* the unit's sum of xd x dot, and of s x xs */
-        for (int r = 0; r < R; r++) dots[r] = offsets[r] = _mm256_setzero_ps();
         for (int n = 0; n < 2; n++) {
             const int64_t half = u * 2 + n;
             for (int64_t l = half * lines / halves; l < (half + 1) * lines / halves; l++)
@@ -224,35 +228,29 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const 
                                                   : _mm256_srli_epi16(qh[g], 2);
                     codes[g] = _mm256_or_si256(_mm256_and_si256(low, low4), _mm256_and_si256(high, bits45));
                 }
-                __m256i scale16[2]; /* values 0-15 and 16-31: int8 scales 2j and 2j + 1, in both int16 halves */
-                __m256 scale[2];
-                for (int i = 0; i < 2; i++) {
-                    const __m256i s32 = TS_SIMD(q6k_scale)(scales, 2 * j + i);
-                    scale16[i] = _mm256_blend_epi16(_mm256_slli_epi32(s32, 16), s32, 0x55);
-                    scale[i] = _mm256_cvtepi32_ps(s32);
-                }
+                __m256 scale[2]; /* values 0-15 and 16-31: d x int8 scales 2j and 2j + 1 */
+                for (int i = 0; i < 2; i++)
+                    scale[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(TS_SIMD(q6k_scale)(scales, 2 * j + i)));
                 for (int r = 0; r < R; r++) {
                     const int64_t at = (r0 + r) * a->kb + u * 8 + j;
                     const int8_t *x = a->q + (r0 + r) * a->k + (u * 8 + j) * TS_QBLOCK;
-                    const float *xs = a->s + 2 * at;
-                    __m256i dot = _mm256_setzero_si256(); /* 2 x 2 x 2 x 32,004 x 128 < 2^25 */
-                    for (int g = 0; g < 8; g += 2) { /* 2 x 2 x 63 x 127 = 32,004 in int16 */
-                        int32_t x0, x1;
-                        memcpy(&x0, x + 4 * g, 4);
-                        memcpy(&x1, x + 4 * g + 4, 4);
-                        const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(codes[g], _mm256_set1_epi32(x0)),
-                                                              _mm256_maddubs_epi16(codes[g + 1], _mm256_set1_epi32(x1)));
-                        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pair, scale16[g / 4]));
+                    const int32_t *qs = a->qb + 2 * at;
+                    const __m256 xd = _mm256_set1_ps(a->d[at]);
+                    for (int i = 0; i < 2; i++) { /* each 16 values: -32 x (x's codes' sum) + codes . x */
+                        __m256i dot = _mm256_slli_epi32(_mm256_set1_epi32(qs[i]), 5);
+                        for (int g = 4 * i; g < 4 * i + 4; g += 2) { /* 2 x 2 x 63 x 127 = 32,004 in int16 */
+                            int32_t x0, x1;
+                            memcpy(&x0, x + 4 * g, 4);
+                            memcpy(&x1, x + 4 * g + 4, 4);
+                            const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(codes[g], _mm256_set1_epi32(x0)),
+                                                                  _mm256_maddubs_epi16(codes[g + 1], _mm256_set1_epi32(x1)));
+                            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pair, ones));
+                        }
+                        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), xd), scale[i], acc[r]);
                     }
-                    dots[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(a->d[at]), dots[r]);
-                    offsets[r] = _mm256_fmadd_ps(scale[0], _mm256_set1_ps(xs[0]), offsets[r]);
-                    offsets[r] = _mm256_fmadd_ps(scale[1], _mm256_set1_ps(xs[1]), offsets[r]);
                 }
             }
         }
-        /* d x (sum of xd x dot - 32 x sum of s x xs): the code's offset of -32 */
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm256_fmadd_ps(d, _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), offsets[r], dots[r]), acc[r]);
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(res[r], acc[r]);
 }
@@ -263,25 +261,21 @@ static inline __attribute__((always_inline)) __m512i TS_SIMD(zmm_pair)(__m256i l
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
-static inline __attribute__((always_inline)) __m512 TS_SIMD(zmm_twice)(__m256 v) {
-    return _mm512_insertf32x8(_mm512_castps256_ps512(v), v, 1);
-}
-
 /* The vpermd indices that put x's 4-code words 2q and 2q + 1 in the two halves of a vector. */
 static inline __attribute__((always_inline)) void TS_SIMD(zmm_step_pairs)(__m512i idx[4]) {
     for (int q = 0; q < 4; q++) idx[q] = TS_SIMD(zmm_pair)(_mm256_set1_epi32(2 * q), _mm256_set1_epi32(2 * q + 1));
 }
 
-/* The sums of a vector's two halves: the 8 rows' results. */
-static inline __attribute__((always_inline)) __m256 TS_SIMD(zmm_halves_sum)(__m512 v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+/* The integer sums of a vector's two halves: the 8 rows' products over both steps of each pair, exact. */
+static inline __attribute__((always_inline)) __m256i TS_SIMD(zmm_halves_sum_epi32)(__m512i v) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
 
 /* gemv_group_q4k in 512-bit vectors: one vector holds two consecutive 4-code steps of the 8 rows (steps 2q
- * and 2q + 1 of a pair's 32 bytes: lanes 0-7 and 8-15), x's matching codes are permuted into place, and
- * the float sums run over both halves (scales repeated) until the group's end adds them. Half the
- * instructions of 256-bit vectors per weight: Q4_K in cache on one Zen 5 core 36 -> 51 GB/s, more than one
- * core's memory gives (docs/benchmarks.md). */
+ * and 2q + 1 of a pair's 32 bytes: lanes 0-7 and 8-15) and x's matching codes are permuted into place: half
+ * the instructions of 256-bit vectors per weight (Q4_K in cache on one Zen 5 core 36 -> 51 GB/s, more than
+ * one core's memory gives, docs/benchmarks.md). The two halves' integer sums are added before the float
+ * epilogue, which is then the tiles' (one accumulator of 8 rows, the scale's FMA then the offset's). */
 static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k)(const int type, const int x8, const int R,
                                                                      const uint8_t *rows, int64_t row_bytes, int64_t kb,
                                                                      const ts_act *a, int64_t r0, const uint8_t *next,
@@ -289,24 +283,18 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k)(const 
                                                                      float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
     (void)type; /* Q4_K */
     const int64_t pairs = kb / 2, lines = (next_bytes + 63) / 64;
-    const __m512i low4 = _mm512_set1_epi8(0x0f), byte = _mm512_set1_epi32(0xff);
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
     const __m256i bytey = _mm256_set1_epi32(0xff);
     __m512i idx[4];
     TS_SIMD(zmm_step_pairs)(idx);
-    __m512 acc[TS_GEMV_ROWS];
-    __m256 acc_offset[TS_GEMV_ROWS];
-    for (int r = 0; r < R; r++) {
-        acc[r] = _mm512_setzero_ps();
-        acc_offset[r] = _mm256_setzero_ps();
-    }
+    __m256 acc[TS_GEMV_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t u = 0; u < kb / 8; u++) {
         const uint8_t *unit = rows + u * 144 * (x8 ? 8 : 1);
         __m256 d, dmin; /* dmin negated */
         __m256i words[4];
         TS_SIMD(k4_unit_header)(unit, x8, row_bytes, &d, &dmin, words);
-        const __m512 d2 = TS_SIMD(zmm_twice)(d);
-        const __m512i sc[2] = {TS_SIMD(zmm_pair)(words[0], words[0]), TS_SIMD(zmm_pair)(words[1], words[1])};
-        const __m256i *mn = words + 2;
+        const __m256i *sc = words, *mn = words + 2;
         for (int p = 0; p < 4; p++) {
             const int64_t pair = u * 4 + p;
             for (int64_t l = pair * lines / pairs; l < (pair + 1) * lines / pairs; l++)
@@ -322,8 +310,8 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k)(const 
             for (int h = 0; h < 2; h++) {
                 const int j = 2 * p + h;
                 const __m128i shift = _mm_cvtsi32_si128(8 * (j % 4));
-                const __m512 scale = _mm512_mul_ps(
-                    d2, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(sc[j / 4], shift), byte)));
+                const __m256 scale = _mm256_mul_ps(
+                    d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(sc[j / 4], shift), bytey)));
                 const __m256 offset = _mm256_mul_ps(
                     dmin, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mn[j / 4], shift), bytey)));
                 __m512i codes[4];
@@ -334,18 +322,19 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q4k)(const 
                         _mm256_loadu_si256((const __m256i *)(a->q + (r0 + r) * a->k + (u * 8 + j) * TS_QBLOCK)));
                     __m512i sums = _mm512_setzero_si512();
                     for (int q = 0; q < 4; q++) sums = _mm512_dpbusd_epi32(sums, codes[q], _mm512_permutexvar_epi32(idx[q], x));
-                    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(a->d[at])), scale, acc[r]);
+                    const __m256 dots = _mm256_cvtepi32_ps(TS_SIMD(zmm_halves_sum_epi32)(sums));
+                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dots, _mm256_set1_ps(a->d[at])), scale, acc[r]);
                     const float *xs = a->s + 2 * at;
-                    acc_offset[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xs[0] + xs[1]), acc_offset[r]);
+                    acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xs[0] + xs[1]), acc[r]);
                 }
             }
         }
     }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(res[r], _mm256_add_ps(TS_SIMD(zmm_halves_sum)(acc[r]), acc_offset[r]));
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(res[r], acc[r]);
 }
 
-/* gemv_group_q6k in 512-bit vectors, as gemv_group_q4k's: two 4-code steps of the 8 rows a vector, the float
- * sums over both halves until the group's end (the -32 offset's term in the low half only). */
+/* gemv_group_q6k in 512-bit vectors, as gemv_group_q4k's: two 4-code steps of the 8 rows a vector, the two
+ * halves' integer sums added (with -32 x x's codes' sum, the code's offset) before the tiles' float epilogue. */
 static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const int type, const int x8, const int R,
                                                                      const uint8_t *rows, int64_t row_bytes, int64_t kb,
                                                                      const ts_act *a, int64_t r0, const uint8_t *next,
@@ -356,13 +345,12 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const 
     const __m512i low4 = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);
     __m512i idx[4];
     TS_SIMD(zmm_step_pairs)(idx);
-    __m512 acc[TS_GEMV_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    __m256 acc[TS_GEMV_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t u = 0; u < kb / 8; u++) {
         const uint8_t *unit = rows + u * 210 * (x8 ? 8 : 1);
         __m256i scales[4]; /* scales[i] lane c: row c's int8 scales 4i .. 4i + 3 */
         const __m256 d = TS_SIMD(q6k_unit_header)(unit, x8, row_bytes, scales);
-        const __m512 d2 = TS_SIMD(zmm_twice)(d);
         for (int n = 0; n < 2; n++) {
             const int64_t half = u * 2 + n;
             for (int64_t l = half * lines / halves; l < (half + 1) * lines / halves; l++)
@@ -398,29 +386,28 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_q6k)(const 
                     /* 0xe4: bits where low4 is set from low, the others from the masked high bits */
                     codes[q] = _mm512_ternarylogic_epi32(low, _mm512_and_si512(high, bits45), low4, 0xe4);
                 }
-                __m512 scale[2]; /* values 0-15 and 16-31: int8 scales 2j and 2j + 1, both halves */
+                __m256 scale[2]; /* values 0-15 and 16-31: d x int8 scales 2j and 2j + 1 */
                 for (int i = 0; i < 2; i++)
-                    scale[i] = _mm512_mul_ps(d2, TS_SIMD(zmm_twice)(_mm256_cvtepi32_ps(TS_SIMD(q6k_scale)(scales, 2 * j + i))));
+                    scale[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(TS_SIMD(q6k_scale)(scales, 2 * j + i)));
                 for (int r = 0; r < R; r++) {
                     const int64_t at = (r0 + r) * a->kb + u * 8 + j;
                     const __m512i x = _mm512_castsi256_si512(
                         _mm256_loadu_si256((const __m256i *)(a->q + (r0 + r) * a->k + (u * 8 + j) * TS_QBLOCK)));
-                    const __m512 xd = _mm512_set1_ps(a->d[at]);
-                    const float *xs = a->s + 2 * at;
+                    const __m256 xd = _mm256_set1_ps(a->d[at]);
+                    const int32_t *qs = a->qb + 2 * at;
                     for (int i = 0; i < 2; i++) {
                         __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[2 * i],
                                                           _mm512_permutexvar_epi32(idx[2 * i], x));
                         dot = _mm512_dpbusd_epi32(dot, codes[2 * i + 1], _mm512_permutexvar_epi32(idx[2 * i + 1], x));
-                        /* s * (xd * dot - 32 * sum of x's 16 values), that sum's term in lanes 0-7 only */
-                        const __m512 term = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), xd,
-                                                            _mm512_maskz_mov_ps(0x00ff, _mm512_set1_ps(-32.0f * xs[i])));
-                        acc[r] = _mm512_fmadd_ps(term, scale[i], acc[r]);
+                        const __m256i whole = _mm256_add_epi32(TS_SIMD(zmm_halves_sum_epi32)(dot),
+                                                               _mm256_slli_epi32(_mm256_set1_epi32(qs[i]), 5));
+                        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(whole), xd), scale[i], acc[r]);
                     }
                 }
             }
         }
     }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(res[r], TS_SIMD(zmm_halves_sum)(acc[r]));
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(res[r], acc[r]);
 }
 #endif
 

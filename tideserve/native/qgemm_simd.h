@@ -4,7 +4,8 @@
  *
  * Every kernel decodes a weight block to 32 byte codes exactly as ts_block_decode does (tested), takes
  * its integer dot products with up to TS_QGEMM_ROWS activation rows at once, and applies the block's
- * scales in float. A block is decoded once per group of rows, not once per row.
+ * scales in float in the tiles' order of operations. A block is decoded once per group of rows, not once
+ * per row.
  */
 
 /* 32 bytes, 0xFF where bit i of bits is set (llama.cpp's bytes_from_bits_32). */
@@ -140,41 +141,53 @@ static inline __m256i TS_SIMD(dot)(__m256i u, __m256i x) {
 #endif
 }
 
-static inline float TS_SIMD(hsum)(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+/* The sum of int32 lanes lo .. lo + 3 (one 16-value half of a block's products: TS_SIMD(dot)'s lanes 0-3
+ * hold bytes 0-15). */
+static inline int32_t TS_SIMD(hsum4_epi32)(__m256i v, int hi) {
+    __m128i t = hi ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v);
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    return _mm_cvtsi128_si32(t);
 }
 
-/* res[i] = dot(weight row, activation row i) for i < rows; see ts_act in qgemm.c for xq, xd, xs. */
+/* res[i] = dot(weight row, activation row i) for i < rows; see ts_act in qgemm.c for xq, xd, xs, qb.
+ * The order of operations is the tiles' (qgemm_tiles.h), so that a row's result is the same bits whichever
+ * kernel its batch size selects: per block (Q6_K: per 16-value half), the exact integer product, with an
+ * offset that is a power of two times the scale taken into it from x's code sums; times x's scale; added
+ * with the weight's scale by one FMA; a float offset (Q4_1, Q5_1, Q4_K, Q5_K) added by a second. */
 static inline __attribute__((always_inline)) void TS_SIMD(dot_rows)(int type, const uint8_t *row, int64_t kb,
                                                                   const ts_act *a, int64_t r0, int rows,
                                                                   float *res) {
-    __m256 acc[TS_QGEMM_ROWS];
-    float offsets[TS_QGEMM_ROWS];
-    for (int i = 0; i < rows; i++) {
-        acc[i] = _mm256_setzero_ps();
-        offsets[i] = 0.0f;
-    }
+    const int shift = ts_tile_int_offset_shift(type, 0), halves = type == TS_Q6_K ? 2 : 1;
+    float acc[TS_QGEMM_ROWS];
+    for (int i = 0; i < rows; i++) acc[i] = 0.0f;
     float unit_s[16], unit_o[16];
     for (int64_t b = 0; b < kb; b++) {
         float s[2], o[2];
         const __m256i w = TS_SIMD(decode)(type, row, b, s, o, unit_s, unit_o);
-        const __m256 scale = _mm256_set_m128(_mm_set1_ps(s[1]), _mm_set1_ps(s[0]));
         const __m256i w_abs = type == TS_Q8_0 ? _mm256_sign_epi8(w, w) : w;
         for (int i = 0; i < rows; i++) {
-            const int64_t r = r0 + i;
+            const int64_t r = r0 + i, at = r * a->kb + b;
             __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + r * a->k + b * TS_QBLOCK));
             if (type == TS_Q8_0) x = _mm256_sign_epi8(x, w); /* |w| * (x with w's sign): u8 x s8 */
-            const __m256 sums = _mm256_cvtepi32_ps(TS_SIMD(dot)(w_abs, x));
-            const float xd = a->d[r * a->kb + b];
-            acc[i] = _mm256_fmadd_ps(sums, _mm256_mul_ps(scale, _mm256_set1_ps(xd)), acc[i]);
-            const float *xs = a->s + 2 * (r * a->kb + b);
-            offsets[i] += o[0] * xs[0] + o[1] * xs[1];
+            const __m256i lanes = TS_SIMD(dot)(w_abs, x);
+            int32_t dot[2] = {TS_SIMD(hsum4_epi32)(lanes, 0), TS_SIMD(hsum4_epi32)(lanes, 1)};
+            if (shift) {
+                const int32_t *qs = a->qb + 2 * at;
+                dot[0] += qs[0] * (1 << shift);
+                dot[1] += qs[1] * (1 << shift);
+            }
+            const float xd = a->d[at];
+            const float *xs = a->s + 2 * at;
+            for (int h = 0; h < halves; h++) {
+                const int32_t whole = halves == 2 ? dot[h] : dot[0] + dot[1];
+                const float scaled = (float)whole * xd; /* a product of its own, as the tiles' vmulps */
+                acc[i] = fmaf(scaled, s[h], acc[i]);
+                if (!shift && type != TS_Q8_0) acc[i] = fmaf(o[h], halves == 2 ? xs[h] : xs[0] + xs[1], acc[i]);
+            }
         }
     }
-    for (int i = 0; i < rows; i++) res[i] = TS_SIMD(hsum)(acc[i]) + offsets[i];
+    for (int i = 0; i < rows; i++) res[i] = acc[i];
 }
 
 /* One weight row against rows [r0, r0 + rows) of the activations, rows <= TS_QGEMM_ROWS, with the
