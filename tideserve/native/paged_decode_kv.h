@@ -189,13 +189,20 @@ static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, fl
     for (int64_t t0 = key_lo; t0 < key_hi; t0 += ATTN_KEY_TILE) {
         const int64_t t1 = t0 + ATTN_KEY_TILE < key_hi ? t0 + ATTN_KEY_TILE : key_hi;
         const int64_t ahead = t1 + ATTN_KEY_TILE < ahead_hi ? t1 + ATTN_KEY_TILE : ahead_hi;
-        KV_NAME(prefetch_rows)(k_cache, table, t1, ahead, block_size, token_stride, to_l2);
+        /* the next tile's rows asked for a slice before each (run, head) step: a whole tile asked for at once
+         * stalls the core on the line-fill buffers until it comes */
+        const int64_t steps = ((t1 - 1) / block_size - t0 / block_size + 1) * num_kv_heads;
+        const int64_t slice = (ATTN_KEY_TILE + steps - 1) / steps;
+        int64_t fetched = t1;
         for (int64_t p = t0, run; p < t1; p += run) { /* runs of keys within one block */
             const int64_t off = p % block_size;
             run = block_size - off < t1 - p ? block_size - off : t1 - p;
             const KV_T *k = k_cache + (table[p / block_size] * block_size + off) * token_stride;
             for (int64_t h = 0; h < num_kv_heads; h++) {
                 const int64_t r0 = h * group;
+                const int64_t upto = fetched + slice < ahead ? fetched + slice : ahead;
+                KV_NAME(prefetch_rows)(k_cache, table, fetched, upto, block_size, token_stride, to_l2);
+                fetched = upto;
                 KV_NAME(block_scores)(isa, q + r0 * head_dim, qb != NULL ? qb + r0 * head_dim : NULL, scale,
                                       k + h * head_dim, token_stride, run, group, head_dim,
                                       scores + r0 * ATTN_KEY_TILE + (p - t0), ATTN_KEY_TILE);
@@ -203,13 +210,16 @@ static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, fl
         }
         for (int64_t r = 0; r < rows; r++)
             attn_softmax_tile(vec, scores + r * ATTN_KEY_TILE, t1 - t0, m + r, l + r, acc + r * head_dim, head_dim);
-        KV_NAME(prefetch_rows)(v_cache, table, t1, ahead, block_size, token_stride, to_l2);
+        fetched = t1;
         for (int64_t p = t0, run; p < t1; p += run) {
             const int64_t off = p % block_size;
             run = block_size - off < t1 - p ? block_size - off : t1 - p;
             const KV_T *v = v_cache + (table[p / block_size] * block_size + off) * token_stride;
             for (int64_t h = 0; h < num_kv_heads; h++) {
                 const int64_t r0 = h * group;
+                const int64_t upto = fetched + slice < ahead ? fetched + slice : ahead;
+                KV_NAME(prefetch_rows)(v_cache, table, fetched, upto, block_size, token_stride, to_l2);
+                fetched = upto;
                 KV_NAME(block_values)(isa, scores + r0 * ATTN_KEY_TILE + (p - t0), ATTN_KEY_TILE, v + h * head_dim,
                                       token_stride, run, group, head_dim, acc + r0 * head_dim);
             }
