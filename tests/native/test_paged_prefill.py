@@ -218,9 +218,10 @@ def mixed_layout(spans: list[tuple[int, int]], tables: torch.Tensor, block_size:
                          ids=["f32-kv-f32", "f32-kv-bf16", "bf16-kv-bf16", "f32-kv-fp8"])
 def test_the_cpu_backend_attends_prefills_as_the_torch_backend_does(dtype, kv_dtype, monkeypatch):
     """Through each backend's own builder and forward (the K/V stored first): fresh prompts and chunks after
-    a cached prefix. Over a cache of another dtype fresh prompts keep their own keys' precision, as torch's
-    SDPA path does, so the two agree to float32 rounding there too. The kernel itself ran: one call over
-    the cache, and one over the step's own rows where the cache's dtype differs; torch's SDPA never."""
+    a cached prefix. The kernel reads every key from the cache, fresh prompts' too (as their later steps
+    read them), so over a cache of another dtype it agrees with float64 attention over the cache's values,
+    where torch's SDPA path attends fresh prompts over their own rows. The kernel itself ran, one call over
+    the cache; torch's SDPA never."""
     calls: list[int] = []
     bind = native.bind_paged_prefill
 
@@ -243,18 +244,20 @@ def test_the_cpu_backend_attends_prefills_as_the_torch_backend_does(dtype, kv_dt
         results.append(backend.forward(q, k, v, kc, vc, backend.build_metadata(layout), dim ** -0.5))
     ours, theirs = results
     assert ours.dtype == theirs.dtype == dtype
-    # slots the kernel was given: the whole cache, then (another dtype) this step's own rows, unless the AMX
-    # tiles (bfloat16 inside) read fresh prompts from the cache as well
+    # slots the kernel was given: the whole cache
     tiles = native.prefill_uses_tiles(kv_dtype, dim)
     assert tiles == amx_form(native.isa() or "scalar", kv_dtype, dim)
-    own_rows = kv_dtype != dtype and not tiles
-    assert calls == ([k_cache.shape[0] * bs, tokens] if own_rows else [k_cache.shape[0] * bs])
+    assert calls == [k_cache.shape[0] * bs]
+    starts = torch.tensor(layout.query_start_loc[:-1])
     if tiles:
         torch.testing.assert_close(ours.float(), theirs.float(), **AMX_TOLERANCE)
-    elif dtype == torch.float32:
+    elif dtype == torch.float32 and kv_dtype == torch.float32:
         torch.testing.assert_close(ours, theirs, **TOLERANCE[dtype])
+    elif dtype == torch.float32:
+        want = reference(q, kc.float(), vc.float(), tables, starts, torch.tensor(layout.query_lens),
+                         torch.tensor(layout.num_computed), dim ** -0.5)
+        torch.testing.assert_close(ours, want, **TOLERANCE[dtype])
     else:  # torch's bfloat16 SDPA rounds its intermediates: the kernel (float32 inside) must be no further off
-        starts = torch.tensor(layout.query_start_loc[:-1])
         want = reference(q.float(), kc.float(), vc.float(), tables, starts, torch.tensor(layout.query_lens),
                          torch.tensor(layout.num_computed), dim ** -0.5)
         ours_err, theirs_err = (ours.float() - want).abs().max(), (theirs.float() - want).abs().max()

@@ -44,7 +44,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "paged_prefill.c", "rows.c", "qgemm.c",
                                                           "rope_store.c", "decode_forward.c", "isa.c"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("paged_decode_kv.h", "tideserve_native.h", "ts_simd.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("attn_rows.h", "paged_decode_kv.h", "tideserve_native.h",
+                                                          "ts_simd.h"))
 KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the float types the kernels compute in, by suffix
 # KV cache element types the kernels read and write, by their TS_DTYPE_* code (e4m3: --kv-cache-dtype fp8)
 CACHE_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
@@ -60,7 +61,7 @@ HEADERS += tuple(Path(__file__).with_name(name) for name in ("qgemm_formats.h", 
                                                                 "qgemm_gemv.h"))
 # The float kernels' width-generic vector layer, the bodies written once against it, their loops' alignment
 HEADERS += tuple(Path(__file__).with_name(name) for name in ("ts_vec.h", "ts_vec_each.h", "paged_decode_vec.h",
-                                                                "softmax_vec.h", "rows_vec.h", "rope_store_vec.h",
+                                                                "rows_vec.h", "rope_store_vec.h",
                                                                 "convert_vec.h", "ts_align_loops.h"))
 
 
@@ -315,9 +316,7 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t
 def prefill_uses_tiles(kv_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether prefill attention over keys and values of ``kv_dtype`` takes a bfloat16 form at the level in
     use: a bfloat16 cache with head_dim a multiple of 32, on AMX tiles where the CPU has them, else through
-    vdpbf16ps where it has AVX-512 BF16. Those forms take bfloat16 queries and probabilities, so there a
-    float32 model's fresh prompts are read from the cache too, as every later decode step reads them, rather
-    than from their float32 rows."""
+    vdpbf16ps where it has AVX-512 BF16. Those forms take bfloat16 queries and probabilities."""
     lib = load_library()
     return (lib is not None and kv_dtype in CACHE_DTYPE_CODES
             and bool(lib.ts_paged_prefill_tiles(CACHE_DTYPE_CODES[kv_dtype], head_dim)))

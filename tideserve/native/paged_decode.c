@@ -13,12 +13,16 @@
  *   out          [num_seqs, num_heads, head_dim], float32 or bfloat16, rows out_stride elements apart
  *
  * Arithmetic is float32 throughout (bfloat16 and e4m3 inputs widen exactly; a bfloat16 output is rounded once, at
- * the end). Paths (ts_isa_level): scalar reference; AVX2 + FMA; AVX-512; AVX-512 BF16, which takes the
+ * the end). Keys go in tiles and parts at fixed absolute positions with an online softmax (attn_rows.h); at
+ * the scalar and AVX2 levels every step is the arithmetic prefill attention (paged_prefill.c) computes, so
+ * a decode step's output has the bits the same token gets in any prefill, in any batch, on any number of
+ * threads. Paths (ts_isa_level): scalar reference; AVX2 + FMA; AVX-512; AVX-512 BF16, which takes the
  * q . k products of a bfloat16 q and cache with vdpbf16ps (exact products of bfloat16 pairs, summed in
- * float32). AMX is not used: a decode query is a handful of rows per KV head, so the tiles would be
- * mostly empty, and the kernel is bound by reading the cache, not by arithmetic (docs/benchmarks.md).
- * AVX2 and AVX-512 are one body each for the block steps (paged_decode_vec.h) and the softmax
- * (softmax_vec.h), compiled per vector level (ts_vec.h).
+ * float32). From AVX-512 up, the scores are summed in 16 lanes (or by vdpbf16ps), where prefill's AVX-512
+ * form sums each in column order, so there the two kernels agree to rounding, not to the bit. AMX is not
+ * used: a decode query is a handful of rows per KV head, so the tiles would be mostly empty, and the kernel
+ * is bound by reading the cache, not by arithmetic (docs/benchmarks.md). AVX2 and AVX-512 are one body
+ * for the block steps (paged_decode_vec.h), compiled per vector level (ts_vec.h).
  */
 #include "ts_align_loops.h" /* first: see there */
 #include <math.h>
@@ -26,35 +30,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attn_rows.h"
 #include "tideserve_native.h"
 #include "ts_simd.h"
 #include "ts_vec.h"
 
-/* Fewest blocks a part of a split request covers: below this the merge costs more than it spreads. */
-#define TS_MIN_BLOCKS_PER_PART 4
-
-/* In place over scores s[0..n): s[t] = exp(s[t] - max); *max_out = max, *sum_out = sum of the new s. */
-static void softmax_scalar(float *s, int64_t n, float *max_out, float *sum_out) {
-    float m = s[0];
-    for (int64_t t = 1; t < n; t++) m = s[t] > m ? s[t] : m;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; t++) {
-        const float e = ts_exp(s[t] - m);
-        s[t] = e;
-        sum += e;
-    }
-    *max_out = m;
-    *sum_out = sum;
-}
-
-#define TSV_BODY "softmax_vec.h"
-#include "ts_vec_each.h"
-#undef TSV_BODY
-
-static void softmax(int isa, float *s, int64_t n, float *max_out, float *sum_out) {
-    TSV_CALL(isa, softmax, s, n, max_out, sum_out);
-}
+/* Most bytes of per-part states a call keeps to attend a request's parts on several threads; past it
+ * (very long contexts) each request is one task. */
+#define TS_DECODE_SPLIT_MAX_BYTES ((int64_t)64 << 20)
 
 #define KV_T float
 #define KV_IS_BF16 0

@@ -3,18 +3,12 @@
  * (one element as float) defined; it undefines them at its end, for the next type.
  *
  * Every path computes the same two block-level steps, so each can be checked against the scalar one:
- *   scores[g][s] = q_g . k_s * scale             for the n keys of one block and one KV head
- *   acc[g] += sum_s p[g][s] v_s                  for the n values of the same block and head
+ *   scores[g][s] = q_g . k_s                     for n keys of one block and one KV head (q scaled)
+ *   acc[g] += sum_s p[g][s] v_s                  for the n values of the same keys and head
  * for the ``group`` query heads g that share the KV head (rows head_dim floats apart in q and acc). The
- * vector levels share one body (paged_decode_vec.h); vdpbf16ps has its own scores.
+ * vector levels share one body (paged_decode_vec.h); vdpbf16ps has its own scores. At the scalar and AVX2
+ * levels both are the arithmetic of attn_rows.h.
  */
-
-#ifndef TS_PREFETCH_AHEAD_BYTES
-#define TS_PREFETCH_AHEAD_BYTES 12288 /* how far ahead in the stream of K then V blocks the kernel prefetches */
-#endif
-#ifndef TS_PREFETCH_CHUNK
-#define TS_PREFETCH_CHUNK 16 /* keys of one head computed between two slices of prefetch */
-#endif
 
 #ifndef TS_SCORES_BY_THREES
 /* A group's query heads in chunks of up to three, each chunk through TILE with a constant head count (so
@@ -24,24 +18,24 @@
         const float *qg = q + g0 * head_dim;                                                        \
         float *sg = scores + g0 * score_stride;                                                     \
         switch (group - g0 < 3 ? group - g0 : 3) {                                                  \
-        case 1: TILE(qg, k, token_stride, n, head_dim, scale, sg, score_stride, 1); break;          \
-        case 2: TILE(qg, k, token_stride, n, head_dim, scale, sg, score_stride, 2); break;          \
-        default: TILE(qg, k, token_stride, n, head_dim, scale, sg, score_stride, 3); break;         \
+        case 1: TILE(qg, k, token_stride, n, head_dim, sg, score_stride, 1); break;                 \
+        case 2: TILE(qg, k, token_stride, n, head_dim, sg, score_stride, 2); break;                 \
+        default: TILE(qg, k, token_stride, n, head_dim, sg, score_stride, 3); break;                \
         }                                                                                           \
     }
 #endif
 
 /* ---------------------------------------------------------------- scalar reference */
 
+/* The products summed in column order (attn_rows.h): no reassociated reduction. */
 static void KV_NAME(scores_scalar)(const float *q, const KV_T *k, int64_t token_stride, int64_t n, int64_t group,
-                                   int64_t head_dim, float scale, float *scores, int64_t score_stride) {
+                                   int64_t head_dim, float *scores, int64_t score_stride) {
     for (int64_t s = 0; s < n; s++) {
         for (int64_t g = 0; g < group; g++) {
             const float *qg = q + g * head_dim;
             float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * KV_LOAD1(k + s * token_stride + d);
-            scores[g * score_stride + s] = dot * scale;
+            scores[g * score_stride + s] = dot;
         }
     }
 }
@@ -62,7 +56,7 @@ static void KV_NAME(values_scalar)(const float *p, int64_t p_stride, const KV_T 
 #ifdef TS_HAVE_AVX2
 #define TSV_ISA avx2
 #define TSV_LEVEL avx2
-#define DECODE_DIM_MULTIPLE 32
+#define DECODE_DIM_MULTIPLE 8 /* where attn_rows.h takes its AVX2 forms */
 #define DECODE_VALUE_HEADS 3 /* 3 x 2 accumulators, two values and a broadcast in the sixteen ymm registers */
 #define DECODE_VALUE_VECS 2
 #include "paged_decode_vec.h"
@@ -115,10 +109,11 @@ static void KV_NAME(scores_dpbf16)(const uint16_t *q, const KV_T *k, int64_t tok
 
 /* ---------------------------------------------------------------- dispatch (one predictable branch per block) */
 
-/* q: the float32 query rows; qb: the same rows in bfloat16 when the query came as bfloat16, else NULL. */
-static inline void KV_NAME(block_scores)(int isa, const float *q, const uint16_t *qb, const KV_T *k,
+/* q: the float32 query rows, scaled; qb: the query rows as they came in bfloat16, unscaled (their products
+ * are multiplied by scale), or NULL when they came as float32. */
+static inline void KV_NAME(block_scores)(int isa, const float *q, const uint16_t *qb, float scale, const KV_T *k,
                                          int64_t token_stride, int64_t n, int64_t group, int64_t head_dim,
-                                         float scale, float *scores, int64_t score_stride) {
+                                         float *scores, int64_t score_stride) {
 #if KV_IS_BF16 && defined(TS_HAVE_AVX512BF16)
     if (isa >= TS_ISA_AVX512_BF16 && qb != NULL && head_dim % 32 == 0) {
         KV_NAME(scores_dpbf16)(qb, k, token_stride, n, group, head_dim, scale, scores, score_stride);
@@ -127,19 +122,20 @@ static inline void KV_NAME(block_scores)(int isa, const float *q, const uint16_t
 #endif
 #ifdef TS_HAVE_AVX512
     if (isa >= TS_ISA_AVX512 && KV_NAME(takes_avx512)(head_dim)) {
-        KV_NAME(scores_avx512)(q, k, token_stride, n, group, head_dim, scale, scores, score_stride);
+        KV_NAME(scores_avx512)(q, k, token_stride, n, group, head_dim, scores, score_stride);
         return;
     }
 #endif
 #ifdef TS_HAVE_AVX2
     if (isa >= TS_ISA_AVX2 && KV_NAME(takes_avx2)(head_dim)) {
-        KV_NAME(scores_avx2)(q, k, token_stride, n, group, head_dim, scale, scores, score_stride);
+        KV_NAME(scores_avx2)(q, k, token_stride, n, group, head_dim, scores, score_stride);
         return;
     }
 #endif
     (void)isa;
     (void)qb;
-    KV_NAME(scores_scalar)(q, k, token_stride, n, group, head_dim, scale, scores, score_stride);
+    (void)scale;
+    KV_NAME(scores_scalar)(q, k, token_stride, n, group, head_dim, scores, score_stride);
 }
 
 static inline void KV_NAME(block_values)(int isa, const float *p, int64_t p_stride, const KV_T *v, int64_t token_stride,
@@ -160,87 +156,75 @@ static inline void KV_NAME(block_values)(int isa, const float *p, int64_t p_stri
     KV_NAME(values_scalar)(p, p_stride, v, token_stride, n, group, head_dim, acc);
 }
 
-/* Attention of one request's query heads over the keys of blocks [blk_lo, blk_hi) of its table, left
- * unnormalized so that several such parts merge exactly: for each query head r, part_max[r] = the largest
- * score, part_sum[r] = sum_t exp(score_t - part_max[r]) and acc[r] = sum_t exp(score_t - part_max[r]) v_t.
- * A block is read head after head while it is hot in cache, and each key and value serves every query
- * head that shares it. An empty range leaves part_sum at 0. */
-static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, const KV_T *k_cache,
-                                 const KV_T *v_cache, const int64_t *table, int64_t context_len, int64_t blk_lo,
-                                 int64_t blk_hi, int64_t group, int64_t head_dim, int64_t block_size,
-                                 int64_t num_kv_heads, float scale, float *scores, float *acc, float *part_max,
-                                 float *part_sum, int64_t max_context, int to_l2) {
+/* Asks for the token rows (every KV head) at positions [p0, p1) of a request's keys or values: blocks lie
+ * anywhere in the pool, out of the hardware prefetchers' reach. */
+static inline void KV_NAME(prefetch_rows)(const KV_T *cache, const int64_t *table, int64_t p0, int64_t p1,
+                                          int64_t block_size, int64_t token_stride, int to_l2) {
+    for (int64_t p = p0, run; p < p1; p += run) {
+        const int64_t off = p % block_size;
+        run = block_size - off < p1 - p ? block_size - off : p1 - p;
+        ts_prefetch_bytes_to(cache + (table[p / block_size] * block_size + off) * token_stride,
+                             (int64_t)sizeof(KV_T) * run * token_stride, to_l2);
+    }
+}
+
+/* Attention of one request's query heads over its keys [key_lo, key_hi), one part of attn_rows.h (key_lo
+ * a multiple of ATTN_PART_KEYS, key_hi at most ATTN_PART_KEYS further), tile by tile with its online
+ * softmax: for each query head r, m[r] and l[r] the running max and sum and acc[r] the unnormalised output.
+ * q: the scaled float32 query rows (qb, scale: see block_scores). A tile's keys are read block by block,
+ * head after head, each serving every query head that shares it; the next tile's keys (up to ahead_hi)
+ * are asked for before this tile's scores, its values before this tile's values. */
+static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, float scale, const KV_T *k_cache,
+                                 const KV_T *v_cache, const int64_t *table, int64_t key_lo, int64_t key_hi,
+                                 int64_t ahead_hi, int64_t group, int64_t head_dim, int64_t block_size,
+                                 int64_t num_kv_heads, float *scores, float *acc, float *m, float *l, int to_l2) {
     const int64_t token_stride = num_kv_heads * head_dim;
-    const int64_t block_stride = block_size * token_stride;
     const int64_t rows = num_kv_heads * group; /* every query head */
-    const int64_t first = blk_lo * block_size;
-    const int64_t last = blk_hi * block_size < context_len ? blk_hi * block_size : context_len;
+    const int vec = attn_vec_rows(isa, head_dim);
     memset(acc, 0, sizeof(float) * rows * head_dim);
     for (int64_t r = 0; r < rows; r++) {
-        part_max[r] = -INFINITY;
-        part_sum[r] = 0.0f;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
     }
-    if (last <= first) return;
-
-    /* Blocks lie anywhere in the pool, out of the hardware prefetchers' reach, so the kernel asks for the
-     * block about TS_PREFETCH_AHEAD_BYTES ahead itself, a slice of it before each chunk of TS_PREFETCH_CHUNK keys
-     * of one head. Asked for whole, a bf16 or fp8 block stalled the core on the line-fill buffers until it came
-     * (30% of the kernel's time at 64 requests); sliced, the arithmetic runs while it comes. */
-    const int64_t block_bytes = (int64_t)sizeof(KV_T) * block_stride;
-    /* A float32 block (12 KiB for SmolLM2's heads) streamed best asked for whole, before its keys, which go
-     * through in one call per head as they did before slicing. */
-    const int64_t chunk_keys = sizeof(KV_T) >= 4 ? block_size : TS_PREFETCH_CHUNK;
-    const int64_t chunks = sizeof(KV_T) >= 4 ? 1 : num_kv_heads * ((block_size + chunk_keys - 1) / chunk_keys);
-    const int64_t slice = (block_bytes / chunks + 63) / 64 * 64;
-    const int64_t span = blk_hi - blk_lo;
-    const int64_t blocks_ahead = block_bytes < TS_PREFETCH_AHEAD_BYTES ? TS_PREFETCH_AHEAD_BYTES / block_bytes : 1;
-    /* The key blocks come first, then the value blocks: the stream pass 1 and pass 2 read, in order. */
-#define TS_STREAM_BLOCK(i) ((i) < span ? k_cache + table[blk_lo + (i)] * block_stride \
-                                       : v_cache + table[blk_lo + (i) - span] * block_stride)
-    for (int64_t i = 0; i < blocks_ahead && i < 2 * span; i++) ts_prefetch_bytes_to(TS_STREAM_BLOCK(i), block_bytes, to_l2);
-
-    /* Pass 1: scores[r][t - first] = q_r . k_t * scale. */
-    for (int64_t blk = blk_lo; blk < blk_hi; blk++) {
-        const int64_t t0 = blk * block_size;
-        const int64_t n = last - t0 < block_size ? last - t0 : block_size;
-        const int64_t ahead_at = blk - blk_lo + blocks_ahead;
-        const char *ahead = ahead_at < 2 * span ? (const char *)TS_STREAM_BLOCK(ahead_at) : NULL;
-        int64_t to_fetch = ahead != NULL ? block_bytes : 0;
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            const int64_t r0 = h * group;
-            for (int64_t c = 0; c < n; c += chunk_keys) {
-                ts_prefetch_next_slice(ahead, block_bytes, slice, &to_fetch, to_l2);
-                KV_NAME(block_scores)(isa, q + r0 * head_dim, qb != NULL ? qb + r0 * head_dim : NULL,
-                                      k_cache + table[blk] * block_stride + c * token_stride + h * head_dim,
-                                      token_stride, n - c < chunk_keys ? n - c : chunk_keys, group,
-                                      head_dim, scale, scores + r0 * max_context + (t0 + c - first), max_context);
+    for (int64_t t0 = key_lo; t0 < key_hi; t0 += ATTN_KEY_TILE) {
+        const int64_t t1 = t0 + ATTN_KEY_TILE < key_hi ? t0 + ATTN_KEY_TILE : key_hi;
+        const int64_t ahead = t1 + ATTN_KEY_TILE < ahead_hi ? t1 + ATTN_KEY_TILE : ahead_hi;
+        /* the next tile's rows asked for a slice before each (run, head) step: a whole tile asked for at once
+         * stalls the core on the line-fill buffers until it comes */
+        const int64_t steps = ((t1 - 1) / block_size - t0 / block_size + 1) * num_kv_heads;
+        const int64_t slice = (ATTN_KEY_TILE + steps - 1) / steps;
+        int64_t fetched = t1;
+        for (int64_t p = t0, run; p < t1; p += run) { /* runs of keys within one block */
+            const int64_t off = p % block_size;
+            run = block_size - off < t1 - p ? block_size - off : t1 - p;
+            const KV_T *k = k_cache + (table[p / block_size] * block_size + off) * token_stride;
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                const int64_t r0 = h * group;
+                const int64_t upto = fetched + slice < ahead ? fetched + slice : ahead;
+                KV_NAME(prefetch_rows)(k_cache, table, fetched, upto, block_size, token_stride, to_l2);
+                fetched = upto;
+                KV_NAME(block_scores)(isa, q + r0 * head_dim, qb != NULL ? qb + r0 * head_dim : NULL, scale,
+                                      k + h * head_dim, token_stride, run, group, head_dim,
+                                      scores + r0 * ATTN_KEY_TILE + (p - t0), ATTN_KEY_TILE);
+            }
+        }
+        for (int64_t r = 0; r < rows; r++)
+            attn_softmax_tile(vec, scores + r * ATTN_KEY_TILE, t1 - t0, m + r, l + r, acc + r * head_dim, head_dim);
+        fetched = t1;
+        for (int64_t p = t0, run; p < t1; p += run) {
+            const int64_t off = p % block_size;
+            run = block_size - off < t1 - p ? block_size - off : t1 - p;
+            const KV_T *v = v_cache + (table[p / block_size] * block_size + off) * token_stride;
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                const int64_t r0 = h * group;
+                const int64_t upto = fetched + slice < ahead ? fetched + slice : ahead;
+                KV_NAME(prefetch_rows)(v_cache, table, fetched, upto, block_size, token_stride, to_l2);
+                fetched = upto;
+                KV_NAME(block_values)(isa, scores + r0 * ATTN_KEY_TILE + (p - t0), ATTN_KEY_TILE, v + h * head_dim,
+                                      token_stride, run, group, head_dim, acc + r0 * head_dim);
             }
         }
     }
-
-    /* exp(score - max) per query head, in float32. */
-    const int64_t count = last - first;
-    for (int64_t r = 0; r < rows; r++) softmax(isa, scores + r * max_context, count, part_max + r, part_sum + r);
-
-    /* Pass 2: acc_r = sum_t e[r][t] v_t. */
-    for (int64_t blk = blk_lo; blk < blk_hi; blk++) {
-        const int64_t t0 = blk * block_size;
-        const int64_t n = last - t0 < block_size ? last - t0 : block_size;
-        const int64_t ahead_at = span + blk - blk_lo + blocks_ahead;
-        const char *ahead = ahead_at < 2 * span ? (const char *)TS_STREAM_BLOCK(ahead_at) : NULL;
-        int64_t to_fetch = ahead != NULL ? block_bytes : 0;
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            const int64_t r0 = h * group;
-            for (int64_t c = 0; c < n; c += chunk_keys) {
-                ts_prefetch_next_slice(ahead, block_bytes, slice, &to_fetch, to_l2);
-                KV_NAME(block_values)(isa, scores + r0 * max_context + (t0 + c - first), max_context,
-                                      v_cache + table[blk] * block_stride + c * token_stride + h * head_dim,
-                                      token_stride, n - c < chunk_keys ? n - c : chunk_keys, group,
-                                      head_dim, acc + r0 * head_dim);
-            }
-        }
-    }
-#undef TS_STREAM_BLOCK
 }
 
 /* Returns 0 on success, 1 when scratch memory could not be had (the caller falls back). */
@@ -254,23 +238,19 @@ static int KV_NAME(paged_decode)(const void *q, int64_t q_stride, int q_dtype, c
     const int64_t row_width = num_heads * head_dim;
     int64_t max_context = 1;
     for (int64_t i = 0; i < num_seqs; i++) max_context = context_lens[i] > max_context ? context_lens[i] : max_context;
-    const int64_t max_blocks = (max_context + block_size - 1) / block_size;
-    /* Whole requests per task stream their blocks best. With too few requests to keep every thread busy,
-     * each request's blocks are split into parts (all heads each, so each part reads whole tokens), whose
-     * unnormalized results merge exactly; the parts are small enough for dynamic scheduling to even out. */
-    int64_t splits = 1;
-    if (num_seqs < 2 * (int64_t)num_threads && max_blocks >= 2 * TS_MIN_BLOCKS_PER_PART) {
-        splits = (4 * (int64_t)num_threads + num_seqs - 1) / num_seqs;
-        const int64_t most = max_blocks / TS_MIN_BLOCKS_PER_PART;
-        splits = splits < most ? splits : most;
-    }
-    const int64_t tasks = num_seqs * splits;
+    const int64_t max_parts = (max_context + ATTN_PART_KEYS - 1) / ATTN_PART_KEYS;
+    /* Whole requests per task stream their blocks best, folding their parts in order as they go. With too
+     * few requests to keep every thread busy, each part is a task of its own and a request's parts fold
+     * once all are done: the same folds in the same order, so the same bits either way. */
+    const int split = num_threads > 1 && num_seqs < 2 * (int64_t)num_threads && max_parts > 1 &&
+                      num_seqs * max_parts * (row_width + 2 * num_heads) * (int64_t)sizeof(float) <=
+                          TS_DECODE_SPLIT_MAX_BYTES;
+    const int64_t parts = split ? max_parts : 1; /* states kept per request */
+    const int64_t tasks = num_seqs * parts;
     /* A batch (whole requests per task) on an Intel core asks for its blocks into L2: at 64 requests of 250
      * keys the step's attention took 6-9% less time than with prefetcht0; a single request (split in parts)
      * measured the same or 3% slower, so it keeps L1. Other vendors were not measured and keep L1. */
-    const int to_l2 = splits == 1 && (ts_cpu_features() & TS_CPU_VENDOR_INTEL) != 0;
-    const int64_t part_len = (max_blocks + splits - 1) / splits * block_size; /* keys one part may hold */
-    const int64_t score_len = splits > 1 ? part_len : max_context;
+    const int to_l2 = !split && (ts_cpu_features() & TS_CPU_VENDOR_INTEL) != 0;
     float *part_acc = (float *)malloc(sizeof(float) * tasks * row_width);
     float *part_max = (float *)malloc(sizeof(float) * tasks * num_heads);
     float *part_sum = (float *)malloc(sizeof(float) * tasks * num_heads);
@@ -284,63 +264,72 @@ static int KV_NAME(paged_decode)(const void *q, int64_t q_stride, int q_dtype, c
 
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        /* Per thread: the scores of one task, a float32 copy of a bfloat16 query, a float32 output row. */
-        float *scratch = (float *)malloc(sizeof(float) * (num_heads * score_len + row_width + head_dim));
+        /* Per thread: one tile's scores, the scaled float32 query, one part's state, a folded output row. */
+        float *scratch = (float *)malloc(sizeof(float) * (num_heads * ATTN_KEY_TILE + 2 * row_width + 2 * num_heads +
+                                                          head_dim));
         if (scratch == NULL) failed = 1;
         float *scores = scratch;
-        float *q32 = scratch + num_heads * score_len;
-        float *o32 = q32 + row_width;
+        float *q32 = scores + num_heads * ATTN_KEY_TILE;
+        float *acc = q32 + row_width;
+        float *m = acc + row_width, *l = m + num_heads;
+        float *o32 = l + num_heads;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
-            const int64_t seq = task / splits, part = task % splits;
-            const int64_t nb = (context_lens[seq] + block_size - 1) / block_size;
-            const int64_t per = (nb + splits - 1) / splits;
-            const int64_t lo = part * per < nb ? part * per : nb;
-            const int64_t hi = lo + per < nb ? lo + per : nb;
             if (scratch == NULL) continue;
-            const float *qf;
+            const int64_t seq = task / parts, part = task % parts, context = context_lens[seq];
             const uint16_t *qb = NULL;
             if (q_dtype == TS_DTYPE_BF16) {
                 qb = (const uint16_t *)q + seq * q_stride;
-                for (int64_t i = 0; i < row_width; i++) q32[i] = ts_bf16_to_f32(qb[i]);
-                qf = q32;
+                for (int64_t i = 0; i < row_width; i++) q32[i] = ts_bf16_to_f32(qb[i]) * scale;
             } else {
-                qf = (const float *)q + seq * q_stride;
+                const float *qf = (const float *)q + seq * q_stride;
+                for (int64_t i = 0; i < row_width; i++) q32[i] = qf[i] * scale;
             }
-            KV_NAME(attend_part)(isa, qf, qb, k_cache, v_cache, block_tables + seq * table_width, context_lens[seq],
-                                 lo, hi, group, head_dim, block_size, num_kv_heads, scale, scores,
-                                 part_acc + task * row_width, part_max + task * num_heads, part_sum + task * num_heads,
-                                 score_len, to_l2);
+            const int64_t *table = block_tables + seq * table_width;
+            float *t_acc = part_acc + task * row_width, *t_max = part_max + task * num_heads;
+            float *t_sum = part_sum + task * num_heads;
+            if (split) { /* this part's own state */
+                const int64_t lo = part * ATTN_PART_KEYS;
+                const int64_t hi = lo + ATTN_PART_KEYS < context ? lo + ATTN_PART_KEYS : context;
+                KV_NAME(attend_part)(isa, q32, qb, scale, k_cache, v_cache, table, lo, hi, hi, group, head_dim,
+                                     block_size, num_kv_heads, scores, t_acc, t_max, t_sum, to_l2);
+                continue;
+            }
+            for (int64_t r = 0; r < num_heads; r++) t_sum[r] = 0.0f;
+            memset(t_acc, 0, sizeof(float) * row_width); /* an empty context's output: zeros */
+            for (int64_t lo = 0; lo < context; lo += ATTN_PART_KEYS) { /* every part, folded in order */
+                const int64_t hi = lo + ATTN_PART_KEYS < context ? lo + ATTN_PART_KEYS : context;
+                KV_NAME(attend_part)(isa, q32, qb, scale, k_cache, v_cache, table, lo, hi, context, group, head_dim,
+                                     block_size, num_kv_heads, scores, acc, m, l, to_l2);
+                for (int64_t r = 0; r < num_heads; r++)
+                    attn_fold_part(t_max + r, t_sum + r, t_acc + r * head_dim, m[r], l[r], acc + r * head_dim,
+                                   head_dim);
+            }
         }
-        /* Merge each request's parts: out = sum_p acc_p e^(max_p - M) / sum_p sum_p e^(max_p - M). */
+        /* Each query head's output: its parts folded in order (split), then divided by their sum. */
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < num_seqs * num_heads; row++) {
             if (scratch == NULL) continue;
             const int64_t seq = row / num_heads, r = row % num_heads;
-            float *o = out_dtype == TS_DTYPE_F32 ? (float *)out + seq * out_stride + r * head_dim : o32;
-            const int64_t base = seq * splits;
-            float m = -INFINITY;
-            for (int64_t p = 0; p < splits; p++) {
-                const int64_t i = (base + p) * num_heads + r;
-                if (part_sum[i] > 0.0f && part_max[i] > m) m = part_max[i];
+            float mx = -INFINITY, sum = 0.0f;
+            const float *o = part_acc + seq * parts * row_width + r * head_dim;
+            if (split) {
+                memset(o32, 0, sizeof(float) * head_dim);
+                for (int64_t p = 0; p < parts; p++) {
+                    const int64_t i = (seq * parts + p) * num_heads + r;
+                    attn_fold_part(&mx, &sum, o32, part_max[i], part_sum[i], part_acc + i * head_dim, head_dim);
+                }
+                o = o32;
+            } else {
+                sum = part_sum[seq * num_heads + r];
             }
-            float total = 0.0f;
-            memset(o, 0, sizeof(float) * head_dim);
-            for (int64_t p = 0; p < splits; p++) {
-                const int64_t i = (base + p) * num_heads + r;
-                if (part_sum[i] <= 0.0f) continue;
-                const float w = splits > 1 ? ts_exp(part_max[i] - m) : 1.0f;
-                total += w * part_sum[i];
-                const float *a = part_acc + i * head_dim;
-#pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) o[d] += w * a[d];
-            }
-            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; d++) o[d] *= inv;
-            if (out_dtype == TS_DTYPE_BF16) {
-                uint16_t *ob = (uint16_t *)out + seq * out_stride + r * head_dim;
-                for (int64_t d = 0; d < head_dim; d++) ob[d] = ts_f32_to_bf16(o[d]);
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            if (out_dtype == TS_DTYPE_F32) {
+                float *dst = (float *)out + seq * out_stride + r * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) dst[d] = o[d] * inv;
+            } else {
+                uint16_t *dst = (uint16_t *)out + seq * out_stride + r * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) dst[d] = ts_f32_to_bf16(o[d] * inv);
             }
         }
         free(scratch);

@@ -7,13 +7,15 @@
  *                        keeps of each, when head_dim allows (else one): their accumulators, the values
  *                        and a broadcast must fit the level's registers
  *
- *   scores[g][s] = q_g . k_s * scale      V(LANES) / 2 keys per pass, whose sums fill one V(h), against up
- *                                         to three query heads, each key widened once for the heads it serves
- *   acc[g] += sum_s p[g][s] v_s           in key order, each value widened once for the heads it serves
+ *   scores[g][s] = q_g . k_s               (q scaled) V(LANES) / 2 keys per pass, whose sums fill one V(h),
+ *                                          against up to three query heads, each key widened once for the
+ *                                          heads it serves
+ *   acc[g] += sum_s p[g][s] v_s            in key order, each value widened once for the heads it serves
  *
- * Each score sums head_dim / V(LANES) products per lane, then the lanes by V(hsums) (V(hsum) for the last
- * keys of a block); each output column is a chain of multiply-adds in key order, so the values' tiling does
- * not change results.
+ * Each score sums head_dim / V(LANES) products per lane, then the lanes by V(hsums)'s tree, the last keys
+ * of a call too, so a key's score does not depend on which keys share its call; each output column is a
+ * chain of multiply-adds in key order, so the values' tiling does not change results. At AVX2 both are
+ * the arithmetic of attn_rows.h, which prefill attention computes too.
  */
 
 #define DECODE_FN(name) KV_NAME(V_FN(name))
@@ -23,10 +25,8 @@ static inline int DECODE_FN(takes)(int64_t head_dim) { return head_dim % DECODE_
 /* NG (<= 3) query heads against the n keys of one block and KV head: per step of V(LANES) columns, the NG
  * query slices once and each key once for all NG heads; NG x KEYS accumulators. */
 TS_ALWAYS_INLINE void DECODE_FN(scores_tile)(const float *q, const KV_T *k, int64_t token_stride, int64_t n,
-                                            int64_t head_dim, float scale, float *scores, int64_t score_stride,
-                                            const int NG) {
+                                            int64_t head_dim, float *scores, int64_t score_stride, const int NG) {
     enum { KEYS = V(LANES) / 2 };
-    const V(h) vscale = V(h_set1)(scale);
     int64_t s = 0;
     for (; s + KEYS <= n; s += KEYS) {
         const KV_T *ks = k + s * token_stride;
@@ -41,22 +41,25 @@ TS_ALWAYS_INLINE void DECODE_FN(scores_tile)(const float *q, const KV_T *k, int6
                 for (int g = 0; g < NG; g++) a[g][i] = V(fma)(qv[g], kv, a[g][i]);
             }
         }
-        for (int g = 0; g < NG; g++) V(h_store)(scores + g * score_stride + s, V(h_mul)(V(hsums)(a[g]), vscale));
+        for (int g = 0; g < NG; g++) V(h_store)(scores + g * score_stride + s, V(hsums)(a[g]));
     }
-    for (; s < n; s++) {
+    for (; s < n; s++) { /* one key: its heads' sums through the same tree, one per lane of the half vector */
         const KV_T *ks = k + s * token_stride;
-        V(t) a[3];
+        V(t) a[KEYS];
         for (int g = 0; g < NG; g++) a[g] = V(zero)();
         for (int64_t j = 0; j < head_dim; j += V(LANES)) {
             const V(t) kv = V_LOAD_AS_F32(ks + j);
             for (int g = 0; g < NG; g++) a[g] = V(fma)(V(load)(q + g * head_dim + j), kv, a[g]);
         }
-        for (int g = 0; g < NG; g++) scores[g * score_stride + s] = V(hsum)(a[g]) * scale;
+        for (int i = NG; i < KEYS; i++) a[i] = a[0];
+        float sums[KEYS];
+        V(h_store)(sums, V(hsums)(a));
+        for (int g = 0; g < NG; g++) scores[g * score_stride + s] = sums[g];
     }
 }
 
 static void DECODE_FN(scores)(const float *q, const KV_T *k, int64_t token_stride, int64_t n, int64_t group,
-                              int64_t head_dim, float scale, float *scores, int64_t score_stride) {
+                              int64_t head_dim, float *scores, int64_t score_stride) {
     TS_SCORES_BY_THREES(DECODE_FN(scores_tile));
 }
 

@@ -39,6 +39,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attn_rows.h"
 #include "tideserve_native.h"
 #include "ts_simd.h"
 #include "ts_vec.h"
@@ -47,7 +48,7 @@
 #define TS_PREFILL_PAIRS 1 /* the bfloat16 forms (AMX tiles, vdpbf16ps) and their packing */
 #endif
 
-#define KEY_TILE 32      /* keys per tile: scores of one tile stay in L1 next to its widened K/V */
+#define KEY_TILE ATTN_KEY_TILE /* keys per tile (attn_rows.h): its scores stay in L1 next to its widened K/V */
 #define ROWS_PER_ITEM 32 /* query rows (tokens x grouped heads) per work item */
 #define LANE_ROWS 32     /* query rows per pass of the AVX-512 path: two vectors of 16 */
 #define KEY_BLOCK 8      /* keys whose scores the AVX-512 path accumulates at once (16 of 32 registers) */
@@ -72,9 +73,11 @@ typedef struct {
 /* One thread's working set for one work item. */
 typedef struct {
     float *q;       /* [rows][head_dim], scaled queries */
-    float *o;       /* [rows][head_dim], unnormalised outputs */
+    float *o;       /* [rows][head_dim], unnormalised outputs over the current part's keys */
     float *s;       /* [rows][KEY_TILE], scores, then probabilities */
-    float *m, *l;   /* [rows], running max and sum */
+    float *m, *l;   /* [rows], running max and sum over the current part's keys */
+    float *po;      /* [rows][head_dim], the unnormalised outputs of the parts before it, folded */
+    float *pm, *pl; /* [rows], their max and sum */
     int64_t *valid; /* [rows], keys of the current tile each row may see */
     float *kw, *vw; /* [KEY_TILE][head_dim], widened keys and values (caches not in float32) */
     const float *krow[KEY_TILE + KEY_BLOCK], *vrow[KEY_TILE + KEY_BLOCK];
@@ -153,24 +156,6 @@ static void scores_scalar(const float *q, int64_t rows, int64_t dim, const float
         }
 }
 
-/* probabilities of row r over its first n keys (n >= 1), folded into the running max / sum / output. */
-static void softmax_row_scalar(float *s, int64_t n, float *m, float *l, float *o, int64_t dim) {
-    float mx = s[0];
-    for (int64_t j = 1; j < n; j++) mx = s[j] > mx ? s[j] : mx;
-    const float m_new = mx > *m ? mx : *m;
-    const float alpha = *m == -INFINITY ? 0.0f : ts_exp(*m - m_new);
-    float sum = 0.0f;
-    for (int64_t j = 0; j < n; j++) {
-        s[j] = ts_exp(s[j] - m_new);
-        sum += s[j];
-    }
-    for (int64_t j = n; j < KEY_TILE; j++) s[j] = 0.0f;
-    if (alpha != 1.0f)
-        for (int64_t d = 0; d < dim; d++) o[d] *= alpha;
-    *l = *l * alpha + sum;
-    *m = m_new;
-}
-
 /* o[r] += sum_j s[r][j] * vrow[j] over each row's valid keys. */
 static void pv_scalar(const float *s, const int64_t *valid, int64_t rows, int64_t dim, const float *const *vrow,
                       float *o) {
@@ -224,34 +209,6 @@ static void scores_avx2(const float *q, int64_t rows, int64_t dim, const float *
             _mm_storeu_ps(s + r * KEY_TILE + j, tsv_avx2_hsums((const __m256[4]){a0, a1, a2, a3}));
         }
     }
-}
-
-/* As softmax_row_scalar in vectors of 8; keys n .. KEY_TILE get probability 0. */
-static void softmax_row_avx2(float *s, int64_t n, float *m, float *l, float *o, int64_t dim) {
-    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256 count = _mm256_set1_ps((float)n);
-    __m256 vmax = _mm256_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < KEY_TILE; j += 8) {
-        const __m256 keep = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)j)), count, _CMP_LT_OQ);
-        vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s + j), keep));
-    }
-    const float mx = ts_hmax256(vmax);
-    const float m_new = mx > *m ? mx : *m;
-    const float alpha = *m == -INFINITY ? 0.0f : ts_exp(*m - m_new);
-    const __m256 bm = _mm256_set1_ps(m_new);
-    __m256 vsum = _mm256_setzero_ps();
-    for (int64_t j = 0; j < KEY_TILE; j += 8) {
-        const __m256 keep = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)j)), count, _CMP_LT_OQ);
-        const __m256 e = _mm256_and_ps(ts_exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), bm)), keep);
-        _mm256_storeu_ps(s + j, e);
-        vsum = _mm256_add_ps(vsum, e);
-    }
-    if (alpha != 1.0f) {
-        const __m256 va = _mm256_set1_ps(alpha);
-        for (int64_t d = 0; d < dim; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), va));
-    }
-    *l = *l * alpha + ts_hsum256(vsum);
-    *m = m_new;
 }
 
 /* As pv_scalar, two rows by 32 (then 8) output columns at a time. Probabilities past a row's valid
@@ -708,7 +665,23 @@ static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t 
 }
 #endif /* TS_HAVE_AVX512 */
 
-/* Query tokens first .. first + count of span `span`, heads of KV head `g`: rows (token, grouped head). */
+/* An empty current part for the item's rows. */
+static void start_part(scratch *w, int64_t rows, int64_t dim) {
+    for (int64_t r = 0; r < rows; r++) {
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.0f;
+    }
+    memset(w->o, 0, (size_t)(rows * dim) * sizeof(float));
+}
+
+/* The current part folded into the parts before it, row by row (attn_rows.h). */
+static void fold_part(scratch *w, int64_t rows, int64_t dim) {
+    for (int64_t r = 0; r < rows; r++)
+        attn_fold_part(w->pm + r, w->pl + r, w->po + r * dim, w->m[r], w->l[r], w->o + r * dim, dim);
+}
+
+/* Query tokens first .. first + count of span `span`, heads of KV head `g`: rows (token, grouped head). The
+ * float32 form of attn_rows.h (scalar, AVX2) below; from AVX-512 up, run_rows_avx512. */
 static void run_item(const prefill_args *a, int isa, scratch *w, int64_t span, int64_t g, int64_t first,
                      int64_t count) {
     const int64_t dim = a->head_dim, group = a->num_heads / a->num_kv_heads, rows = count * group;
@@ -726,14 +699,16 @@ static void run_item(const prefill_args *a, int isa, scratch *w, int64_t span, i
             widen(isa, a->q, a->q_dtype, (row0 + t) * a->q_stride + (g * group + h) * dim, dst, dim);
             for (int64_t d = 0; d < dim; d++) dst[d] *= a->scale;
         }
-    for (int64_t r = 0; r < rows; r++) {
-        w->m[r] = -INFINITY;
-        w->l[r] = 0.0f;
-    }
-    memset(w->o, 0, (size_t)(rows * dim) * sizeof(float));
+    for (int64_t r = 0; r < rows; r++) w->pl[r] = 0.0f;
+    start_part(w, rows, dim);
     const int64_t *table = a->tables + span * a->table_width;
     const int64_t last = pos0 + count - 1; /* the last key the item's last token sees */
+    const int vec = attn_vec_rows(isa, dim);
     for (int64_t kb = 0; kb <= last; kb += KEY_TILE) {
+        if (kb > 0 && kb % ATTN_PART_KEYS == 0) {
+            fold_part(w, rows, dim);
+            start_part(w, rows, dim);
+        }
         const int64_t nk = last - kb + 1 < KEY_TILE ? last - kb + 1 : KEY_TILE;
         point_tile_rows(a, isa, w, table, g, kb, nk);
         const int64_t nk4 = (nk + 3) & ~(int64_t)3;
@@ -742,7 +717,6 @@ static void run_item(const prefill_args *a, int isa, scratch *w, int64_t span, i
             w->vrow[j] = w->vrow[0];
         }
 #ifdef TS_HAVE_AVX2
-        const int vec = isa >= TS_ISA_AVX2 && dim % 8 == 0;
         if (vec)
             scores_avx2(w->q, rows, dim, w->krow, nk4, w->s);
         else
@@ -757,12 +731,7 @@ static void run_item(const prefill_args *a, int isa, scratch *w, int64_t span, i
                 memset(sr, 0, KEY_TILE * sizeof(float));
                 continue;
             }
-#ifdef TS_HAVE_AVX2
-            if (vec)
-                softmax_row_avx2(sr, n, w->m + r, w->l + r, w->o + r * dim, dim);
-            else
-#endif
-                softmax_row_scalar(sr, n, w->m + r, w->l + r, w->o + r * dim, dim);
+            attn_softmax_tile(vec, sr, n, w->m + r, w->l + r, w->o + r * dim, dim);
         }
 #ifdef TS_HAVE_AVX2
         if (vec)
@@ -771,12 +740,13 @@ static void run_item(const prefill_args *a, int isa, scratch *w, int64_t span, i
 #endif
             pv_scalar(w->s, w->valid, rows, dim, w->vrow, w->o);
     }
+    fold_part(w, rows, dim);
     for (int64_t t = 0; t < count; t++)
         for (int64_t h = 0; h < group; h++) {
             const int64_t r = t * group + h;
-            const float inv = 1.0f / w->l[r];
+            const float inv = 1.0f / w->pl[r];
             const int64_t at = (row0 + t) * a->out_stride + (g * group + h) * dim;
-            const float *src = w->o + r * dim;
+            const float *src = w->po + r * dim;
             if (a->out_dtype == TS_DTYPE_F32) {
                 float *dst = (float *)a->out + at;
                 for (int64_t d = 0; d < dim; d++) dst[d] = src[d] * inv;
@@ -872,7 +842,7 @@ int ts_paged_prefill(const void *q, int64_t q_stride, int q_dtype, const void *k
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         scratch w;
-        float *buf = malloc((size_t)(2 * rows * head_dim + rows * KEY_TILE + 2 * rows + 2 * KEY_TILE * head_dim +
+        float *buf = malloc((size_t)(3 * rows * head_dim + rows * KEY_TILE + 4 * rows + 2 * KEY_TILE * head_dim +
                                      3 * head_dim * LANE_ROWS + (KEY_TILE + KEY_BLOCK) * LANE_ROWS) *
                             sizeof(float));
         int64_t *valid = malloc((size_t)rows * sizeof(int64_t));
@@ -911,7 +881,10 @@ int ts_paged_prefill(const void *q, int64_t q_stride, int q_dtype, const void *k
             w.s = w.o + rows * head_dim;
             w.m = w.s + rows * KEY_TILE;
             w.l = w.m + rows;
-            w.kw = w.l + rows;
+            w.po = w.l + rows;
+            w.pm = w.po + rows * head_dim;
+            w.pl = w.pm + rows;
+            w.kw = w.pl + rows;
             w.vw = w.kw + KEY_TILE * head_dim;
             w.qt = w.vw + KEY_TILE * head_dim;
             w.ot = w.qt + head_dim * LANE_ROWS;

@@ -25,13 +25,12 @@ from tideserve.platform import platform_for
 
 @dataclass
 class PrefillCall:
-    """Prefill chunks whose keys lie in one place, attended by one kernel call: the paged cache (chunks
-    after a cached prefix, or every chunk when the cache holds the model's own dtype), or this step's own
-    k/v rows (fresh prompts over a cache of another dtype, so their keys keep the model's precision, as
-    torch's SDPA path gives them). All int64 [chunks] but ``tables``, [chunks, width]."""
+    """Prefill chunks attended by one kernel call, their keys read from the paged cache, fresh prompts'
+    too: every later step reads them there, in the cache's dtype, so a token's attention has the same bits
+    whether its prompt was fresh, after a cached prefix, chunked or decoded (paged_prefill.c,
+    attn_rows.h). All int64 [chunks] but ``tables``, [chunks, width]."""
 
-    from_cache: bool
-    tables: torch.Tensor  # cache: the chunks' block tables; own rows: row ids, read with block size 1
+    tables: torch.Tensor  # the chunks' block tables
     query_start: torch.Tensor
     query_lens: torch.Tensor
     computed: torch.Tensor  # tokens cached before each chunk (its first query's position)
@@ -86,9 +85,7 @@ class CpuNativeBackend(AttentionBackend):
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self._paged_decode = native.bind_paged_decode(dtype, kv_dtype, num_heads, num_kv_heads)
         self.rope_store = native.bind_rope_store(dtype, kv_dtype, num_heads, num_kv_heads, head_dim)
-        # Prefill keys come from the cache (its dtype) or from the step's own rows (the model's dtype).
-        self._prefill_from_cache = native.bind_paged_prefill(dtype, kv_dtype, num_heads, num_kv_heads)
-        self._prefill_own_rows = native.bind_paged_prefill(dtype, dtype, num_heads, num_kv_heads)
+        self._prefill = native.bind_paged_prefill(dtype, kv_dtype, num_heads, num_kv_heads)
 
     @staticmethod
     def supported(device: torch.device | str, dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int,
@@ -110,21 +107,9 @@ class CpuNativeBackend(AttentionBackend):
             meta.decode_context_lens = to_dev(layout.context_lens[:n].copy())
         rows = np.arange(n, len(layout.query_lens))
         if len(rows):
-            own_rows = layout.num_computed[rows] == 0
-            # the cache holds exactly this step's k/v, or the bfloat16 forms (bfloat16 caches) round them so anyway:
-            # read everything there
-            if self.kv_dtype == self.dtype or native.prefill_uses_tiles(self.kv_dtype, self.head_dim):
-                own_rows[:] = False
-            for from_cache, chosen in ((True, rows[~own_rows]), (False, rows[own_rows])):
-                if not len(chosen):
-                    continue
-                starts, lens = layout.query_start_loc[chosen], layout.query_lens[chosen]
-                if from_cache:
-                    tables = layout.block_tables[chosen]
-                else:
-                    tables = starts[:, None] + np.arange(int(lens.max()), dtype=np.int64)[None, :]
-                meta.prefills.append(PrefillCall(from_cache, to_dev(np.ascontiguousarray(tables)), to_dev(starts),
-                                                 to_dev(lens), to_dev(layout.num_computed[chosen])))
+            meta.prefills.append(PrefillCall(to_dev(np.ascontiguousarray(layout.block_tables[rows])),
+                                             to_dev(layout.query_start_loc[rows]), to_dev(layout.query_lens[rows]),
+                                             to_dev(layout.num_computed[rows])))
         return meta
 
     def attend(self, q, k, v, k_cache, v_cache, meta: CpuNativeMetadata, scale, out):
@@ -132,13 +117,9 @@ class CpuNativeBackend(AttentionBackend):
         if n:
             self._paged_decode(q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
                                out[:n])
+        keys = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        values = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         for call in meta.prefills:
-            if call.from_cache:
-                keys = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-                values, block_size = v_cache.view(-1, self.num_kv_heads, self.head_dim), k_cache.shape[1]
-                prefill = self._prefill_from_cache
-            else:
-                keys, values, block_size, prefill = k, v, 1, self._prefill_own_rows
-            if not prefill(q, keys, values, call.tables, block_size, call.query_start, call.query_lens,
-                           call.computed, scale, out):
+            if not self._prefill(q, keys, values, call.tables, k_cache.shape[1], call.query_start, call.query_lens,
+                                 call.computed, scale, out):
                 raise RuntimeError("native prefill attention failed: its scratch memory could not be allocated")
