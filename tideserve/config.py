@@ -280,6 +280,13 @@ class ModelConfig:
         "auto", choices=ATTENTION_BACKENDS,
         help="auto: cpu-native on the CPU when the native kernels build and the dtypes fit, triton on CUDA when "
              "triton is installed, else torch (SDPA over gathered blocks, runs anywhere)")
+    # The same request gives the same answer whatever shares its steps (docs/architecture.md, "Batch
+    # invariance"): on by default. Off only lifts the CPU kernels' ceiling on AVX-512 and AMX CPUs, whose
+    # wider kernels do not share the AVX2 kernels' per-row arithmetic yet; on AVX2 CPUs it changes nothing.
+    batch_invariant: bool = setting(
+        True, help="a request's tokens do not depend on its batch-mates, prefix-cache hits or chunking (CPU: the "
+                   "native kernels stay on their AVX2 path, whose kernels share one per-row arithmetic; "
+                   "--no-batch-invariant lets AVX-512 and AMX CPUs take their faster, batch-dependent kernels)")
     # How /v1/embeddings (and LLM.embed) pool a prompt's hidden states (tideserve/pooling_params.py).
     pooler_config: PoolerConfig | dict | str | None = setting(
         None, metavar="JSON", aliases=("--override-pooler-config",),

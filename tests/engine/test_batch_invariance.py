@@ -1,12 +1,12 @@
 """The same request gives the same answer: a greedy request's tokens equal its run alone, whatever shares its
 steps, however much of its prompt the prefix cache held, however its prefill is chunked, whatever the block
-size, and across preemption (recompute and swap) and pool resizes. The real SmolLM2 file (Q4_1 and Q8_0
-blocks on the native kernels)."""
+size, and across preemption (recompute and swap) and pool resizes. The real SmolLM2 file as a user gets it
+by default: its own Q4_1 and Q8_0 blocks on the native kernels, a bfloat16 KV cache."""
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tideserve import SamplingParams
@@ -28,15 +28,15 @@ def chat(llm, text: str, system: bool = True) -> list[int]:
 @pytest.fixture(scope="module")
 def solo(make_llm):
     """Each question's greedy tokens, run alone with nothing cached."""
-    llm = make_llm(dtype="float32", max_model_len=512, enable_prefix_caching=False)
+    llm = make_llm(max_model_len=512, enable_prefix_caching=False)
     return {q: llm.generate({"prompt_token_ids": chat(llm, q)}, GREEDY)[0].outputs[0].token_ids for q in QUESTIONS}
 
 
 def test_the_same_chat_twice_gives_the_same_tokens(make_llm):
     """A new user's first check: the second request hits the prefix cache and prefills only its tail."""
-    llm = make_llm(dtype="float32", max_model_len=512)
+    llm = make_llm()
     params = SamplingParams(temperature=0.0, max_tokens=48)
-    for question in QUESTIONS[:3]:
+    for question in QUESTIONS:
         messages = [{"role": "user", "content": question}]
         first, second = (llm.chat(messages, params)[0] for _ in range(2))
         assert second.num_cached_tokens > 0
@@ -66,14 +66,16 @@ def workloads(draw):
 
 
 def build(make_llm, engine: dict):
-    kwargs = {"dtype": "float32", "max_model_len": 256, "block_size": engine["block_size"],
+    kwargs = {"max_model_len": 256, "block_size": engine["block_size"],
               "max_num_batched_tokens": engine["max_num_batched_tokens"]}
     if engine["pool"] != "roomy":  # room for one request of max_model_len, not for it and its mates: preemption
         kwargs.update(num_blocks=256 // engine["block_size"], preemption_mode=engine["pool"], swap_space=0.05)
     return make_llm(**kwargs)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+# No shrinking: each example runs an engine for seconds, and the failing example is reported as drawn.
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+          phases=[Phase.explicit, Phase.generate])
 @given(engine=ENGINES, work=workloads())
 def test_a_greedy_request_gives_its_solo_tokens_in_any_company(make_llm, solo, engine, work):
     llm = build(make_llm, engine)
@@ -96,7 +98,9 @@ def test_a_greedy_request_gives_its_solo_tokens_in_any_company(make_llm, solo, e
         for prompt, params in arrivals.get(step, []):
             rid = core.add_request(prompt, params, prompt_token_ids=prompt)
             target_id = target_id or (rid if prompt is target else None)
-        if step == work["resize_at"] and work["resize"] is not None:
+        assert step < 1000, f"no progress: {engine}, {work}"
+        # a resize of the elastic pool (a fixed one is what its size says: shrunk, it could not grow back)
+        if step == work["resize_at"] and work["resize"] is not None and engine["pool"] == "roomy":
             pool = core.pool
             if work["resize"] == "grow":
                 pool._resize(core.kv_manager.num_blocks + 16, "test")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,3 +41,12 @@ def on_scalar() -> Callable[..., Any]:
             native.set_isa(level or "auto")
 
     return run
+
+
+@pytest.fixture(autouse=True)
+def best_path() -> Iterator[None]:
+    """Each kernel test starts on the CPU's best path: an engine built earlier in the run keeps the kernels
+    at or below native.BATCH_INVARIANT_CEILING (native.apply_batch_invariance)."""
+    if "TIDESERVE_ISA" not in os.environ and native.load_library() is not None:
+        native.set_isa("auto")
+    yield

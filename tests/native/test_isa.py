@@ -84,3 +84,29 @@ def test_tideserve_isa_caps_the_path_and_is_logged_once():
         assert f"best here: {native.isa()}" in lines[0]
     bad = _fresh_process("avx1024")
     assert bad.returncode != 0 and "TIDESERVE_ISA='avx1024' is not one of auto, scalar" in bad.stderr
+
+
+def test_batch_invariance_keeps_the_kernels_at_its_ceiling_and_the_flag_lifts_it(make_llm, monkeypatch, caplog):
+    """An engine built with batch_invariant (the default) runs the kernels at most on the ceiling's path;
+    --no-batch-invariant gives them the CPU's best; TIDESERVE_ISA, when set, wins over both. The ceiling is
+    lowered to scalar here so that any CPU has a path above it."""
+    if native.load_library() is None:
+        pytest.skip("no C compiler to build the kernels")
+    best = native.supported_isas()[-1]
+    if best == "scalar":
+        pytest.skip("this CPU has no path above scalar")
+    monkeypatch.delenv("TIDESERVE_ISA", raising=False)
+    monkeypatch.setattr(native, "BATCH_INVARIANT_CEILING", "scalar")
+    monkeypatch.setattr(native, "_invariance_logged", None)
+    try:
+        with caplog.at_level("INFO", logger="tideserve.native"):
+            make_llm(dtype="float32")
+        assert native.isa() == "scalar"
+        assert any("batch invariance: native kernels on scalar" in r.message for r in caplog.records)
+        make_llm(dtype="float32", batch_invariant=False)
+        assert native.isa() == best
+        monkeypatch.setenv("TIDESERVE_ISA", "avx2" if "avx2" in native.supported_isas() else "scalar")
+        native.set_isa("auto")
+        assert native.apply_batch_invariance(True) == best  # the user's choice is left alone
+    finally:
+        native.set_isa("auto")

@@ -47,7 +47,8 @@ def assert_rows_independent_of_batch(mat: quant.QMat, width: int, swiglu: bool =
     full = quant.qmatmul(x, mat, swiglu=swiglu)
     for m in range(1, LARGEST):
         part = quant.qmatmul(x[:m], mat, swiglu=swiglu)
-        assert torch.equal(part, full[:m]), f"{m} rows: row(s) {sorted(set((part != full[:m]).nonzero()[:, 0].tolist()))} differ"
+        differ = sorted(set((part != full[:m]).nonzero()[:, 0].tolist()))
+        assert not differ, f"{m} rows: row(s) {differ} differ from the {LARGEST}-row batch"
     for i in (0, 5, 17, LARGEST - 1):  # a row alone, wherever it sat in the batch
         assert torch.equal(quant.qmatmul(x[i:i + 1].contiguous(), mat, swiglu=swiglu)[0], full[i]), f"row {i} alone"
 

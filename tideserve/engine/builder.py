@@ -227,7 +227,7 @@ def _start_workers(args: EngineArgs, model_config: ModelConfig, loaded: LoadedMo
     parallel = args.parallel_config()
     cls = worker_class(parallel.worker_extension_cls)
     driver = {"rank": 0, "block_size": block_size, "memory_probe": args.memory_probe,
-              "structured_output": structured_output}
+              "structured_output": structured_output, "batch_invariant": model_config.batch_invariant}
 
     # What a wake needs to load the weights again: names only, never the loaded model (held here, it would
     # keep the weights alive through every sleep).

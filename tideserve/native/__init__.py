@@ -218,6 +218,31 @@ def _select_isa(lib: ctypes.CDLL) -> None:
                 " ".join(name for bit, name in enumerate(CPU_FEATURES) if features >> bit & 1) or "none")
 
 
+# The highest path whose kernels compute a row with the same operations whatever its batch, chunk or cached
+# prefix (qgemm's row, matrix-vector and tile kernels; decode and prefill attention): above it, the AVX-512
+# attention forms and AMX's bfloat16 tiles round differently from the paths below their thresholds.
+BATCH_INVARIANT_CEILING = "avx2"
+_invariance_logged: bool | None = None
+
+
+def apply_batch_invariance(enabled: bool) -> str | None:
+    """Keep the kernels at or below BATCH_INVARIANT_CEILING (``enabled``) or let them take the CPU's best
+    path, unless TIDESERVE_ISA chose the path; returns the path in effect (None without the library).
+    Process-wide, as the path is: engines in one process should agree."""
+    global _invariance_logged
+    lib = load_library()
+    if lib is None or os.environ.get("TIDESERVE_ISA", "auto").strip().lower() not in ("", "auto"):
+        return isa()
+    best = ISA_LEVELS[lib.ts_isa_best()]
+    capped = enabled and ISA_LEVELS.index(best) > ISA_LEVELS.index(BATCH_INVARIANT_CEILING)
+    level = set_isa(BATCH_INVARIANT_CEILING if capped else "auto")
+    if capped and _invariance_logged is not True:
+        logger.info("batch invariance: native kernels on %s (best here: %s; --no-batch-invariant takes it, and a "
+                    "request's tokens may then depend on its batch)", level, best)
+    _invariance_logged = capped
+    return level
+
+
 def kernel_isa(level: str) -> str:
     """The path decode attention, RMSNorm and rotary take at ``level``: they have none for AMX (its tiles
     serve GEMMs; decode attention is bound by reading the cache), so there they run AVX-512 BF16."""

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from tideserve import native
 from tideserve.core.kv_cache.geometry import KVGeometry, KVStoreLimits
 from tideserve.core.kv_cache.memory import MemoryProbe
 from tideserve.core.scheduler import SchedulerOutput
@@ -101,12 +102,16 @@ class Worker:
     def __init__(self, model: torch.nn.Module, device: torch.device, kv_dtype: torch.dtype,
                  attention_backend: str = "auto", *, rank: int = 0, block_size: int = 16,
                  memory_probe: MemoryProbe | None = None, structured_output: Any = None,
-                 reload: Callable[[], torch.nn.Module] | None = None) -> None:
+                 reload: Callable[[], torch.nn.Module] | None = None, batch_invariant: bool = True) -> None:
         """``model``: this rank's model (its shard under tensor parallelism: its KV heads are the ones
         cached here). Rank 0 samples; the others compute the logits' collectives only and learn each
         sampled token with the next step. ``memory_probe`` replaces the device's answers (a test double);
         ``structured_output`` computes the grammar masks of the rows rank 0 samples; ``reload`` builds this
-        rank's model again from its file (sleep mode: weights released are brought back with it)."""
+        rank's model again from its file (sleep mode: weights released are brought back with it);
+        ``batch_invariant`` keeps the CPU kernels on the paths whose rows do not depend on their batch
+        (native.apply_batch_invariance), in this rank's process."""
+        if device.type == "cpu":
+            native.apply_batch_invariance(batch_invariant)
         self.rank = rank
         self.model: torch.nn.Module | None = model
         self.device = device
