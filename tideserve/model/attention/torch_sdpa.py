@@ -102,8 +102,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, prefills: list[PrefillSpan], scale: float, out: torch.Tensor) -> None:
-    """Each span's queries into ``out``: causal over its own keys, or over its context's cached slots."""
+    """Each span's queries into ``out``: causal over its own keys, or over its context's cached slots. Its own
+    keys and values are taken as the cache holds them (rounded to its dtype), as every later step and every
+    chunk after a cached prefix reads them: a token's attention does not depend on how its prompt was cut."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if k_cache.dtype != q.dtype:
+        k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     for span in prefills:
