@@ -41,6 +41,7 @@ SAMPLES = {
     "seed": (7, "7", 7),
     "quantization": ("none", "none", "none"),
     "enforce_eager": (True, None, True),
+    "batch_invariant": (False, None, False),
     "attention_backend": ("torch", "torch", "torch"),
     "max_logprobs": (5, "5", 5),
     "enable_sleep_mode": (True, None, True),
