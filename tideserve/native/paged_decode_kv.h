@@ -168,6 +168,36 @@ static inline void KV_NAME(prefetch_rows)(const KV_T *cache, const int64_t *tabl
     }
 }
 
+/* One pass over a tile's positions [t0, t1) of one cache, run by run within blocks and head after head:
+ * the keys' scores into ``scores`` (values 0) or the values weighted by them into ``acc`` (values 1).
+ * Before each (run, head) step a slice of the next tile's rows, [t1, ahead), is asked for: a whole tile
+ * asked for at once stalls the core on the line-fill buffers until it comes. */
+static inline __attribute__((always_inline)) void KV_NAME(tile_pass)(
+    const int values, int isa, const float *q, const uint16_t *qb, float scale, const KV_T *cache,
+    const int64_t *table, int64_t t0, int64_t t1, int64_t ahead, int64_t slice, int64_t group, int64_t head_dim,
+    int64_t block_size, int64_t num_kv_heads, float *scores, float *acc, int to_l2) {
+    const int64_t token_stride = num_kv_heads * head_dim;
+    int64_t fetched = t1;
+    for (int64_t p = t0, run; p < t1; p += run) {
+        const int64_t off = p % block_size;
+        run = block_size - off < t1 - p ? block_size - off : t1 - p;
+        const KV_T *at = cache + (table[p / block_size] * block_size + off) * token_stride;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t r0 = h * group;
+            const int64_t upto = fetched + slice < ahead ? fetched + slice : ahead;
+            KV_NAME(prefetch_rows)(cache, table, fetched, upto, block_size, token_stride, to_l2);
+            fetched = upto;
+            if (values)
+                KV_NAME(block_values)(isa, scores + r0 * ATTN_KEY_TILE + (p - t0), ATTN_KEY_TILE, at + h * head_dim,
+                                      token_stride, run, group, head_dim, acc + r0 * head_dim);
+            else
+                KV_NAME(block_scores)(isa, q + r0 * head_dim, qb != NULL ? qb + r0 * head_dim : NULL, scale,
+                                      at + h * head_dim, token_stride, run, group, head_dim,
+                                      scores + r0 * ATTN_KEY_TILE + (p - t0), ATTN_KEY_TILE);
+        }
+    }
+}
+
 /* Attention of one request's query heads over its keys [key_lo, key_hi), one part of attn_rows.h (key_lo
  * a multiple of ATTN_PART_KEYS, key_hi at most ATTN_PART_KEYS further), tile by tile with its online
  * softmax: for each query head r, m[r] and l[r] the running max and sum and acc[r] the unnormalised output.
@@ -178,7 +208,6 @@ static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, fl
                                  const KV_T *v_cache, const int64_t *table, int64_t key_lo, int64_t key_hi,
                                  int64_t ahead_hi, int64_t group, int64_t head_dim, int64_t block_size,
                                  int64_t num_kv_heads, float *scores, float *acc, float *m, float *l, int to_l2) {
-    const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t rows = num_kv_heads * group; /* every query head */
     const int vec = attn_vec_rows(isa, head_dim);
     memset(acc, 0, sizeof(float) * rows * head_dim);
@@ -189,41 +218,14 @@ static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, fl
     for (int64_t t0 = key_lo; t0 < key_hi; t0 += ATTN_KEY_TILE) {
         const int64_t t1 = t0 + ATTN_KEY_TILE < key_hi ? t0 + ATTN_KEY_TILE : key_hi;
         const int64_t ahead = t1 + ATTN_KEY_TILE < ahead_hi ? t1 + ATTN_KEY_TILE : ahead_hi;
-        /* the next tile's rows asked for a slice before each (run, head) step: a whole tile asked for at once
-         * stalls the core on the line-fill buffers until it comes */
-        const int64_t steps = ((t1 - 1) / block_size - t0 / block_size + 1) * num_kv_heads;
+        const int64_t steps = ((t1 - 1) / block_size - t0 / block_size + 1) * num_kv_heads; /* (run, head) steps */
         const int64_t slice = (ATTN_KEY_TILE + steps - 1) / steps;
-        int64_t fetched = t1;
-        for (int64_t p = t0, run; p < t1; p += run) { /* runs of keys within one block */
-            const int64_t off = p % block_size;
-            run = block_size - off < t1 - p ? block_size - off : t1 - p;
-            const KV_T *k = k_cache + (table[p / block_size] * block_size + off) * token_stride;
-            for (int64_t h = 0; h < num_kv_heads; h++) {
-                const int64_t r0 = h * group;
-                const int64_t upto = fetched + slice < ahead ? fetched + slice : ahead;
-                KV_NAME(prefetch_rows)(k_cache, table, fetched, upto, block_size, token_stride, to_l2);
-                fetched = upto;
-                KV_NAME(block_scores)(isa, q + r0 * head_dim, qb != NULL ? qb + r0 * head_dim : NULL, scale,
-                                      k + h * head_dim, token_stride, run, group, head_dim,
-                                      scores + r0 * ATTN_KEY_TILE + (p - t0), ATTN_KEY_TILE);
-            }
-        }
+        KV_NAME(tile_pass)(0, isa, q, qb, scale, k_cache, table, t0, t1, ahead, slice, group, head_dim, block_size,
+                           num_kv_heads, scores, acc, to_l2);
         for (int64_t r = 0; r < rows; r++)
             attn_softmax_tile(vec, scores + r * ATTN_KEY_TILE, t1 - t0, m + r, l + r, acc + r * head_dim, head_dim);
-        fetched = t1;
-        for (int64_t p = t0, run; p < t1; p += run) {
-            const int64_t off = p % block_size;
-            run = block_size - off < t1 - p ? block_size - off : t1 - p;
-            const KV_T *v = v_cache + (table[p / block_size] * block_size + off) * token_stride;
-            for (int64_t h = 0; h < num_kv_heads; h++) {
-                const int64_t r0 = h * group;
-                const int64_t upto = fetched + slice < ahead ? fetched + slice : ahead;
-                KV_NAME(prefetch_rows)(v_cache, table, fetched, upto, block_size, token_stride, to_l2);
-                fetched = upto;
-                KV_NAME(block_values)(isa, scores + r0 * ATTN_KEY_TILE + (p - t0), ATTN_KEY_TILE, v + h * head_dim,
-                                      token_stride, run, group, head_dim, acc + r0 * head_dim);
-            }
-        }
+        KV_NAME(tile_pass)(1, isa, q, qb, scale, v_cache, table, t0, t1, ahead, slice, group, head_dim, block_size,
+                           num_kv_heads, scores, acc, to_l2);
     }
 }
 
