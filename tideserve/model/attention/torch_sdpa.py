@@ -106,16 +106,14 @@ def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     keys and values are taken as the cache holds them (rounded to its dtype), as every later step and every
     chunk after a cached prefix reads them: a token's attention does not depend on how its prompt was cut."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    if k_cache.dtype != q.dtype:
-        k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     for span in prefills:
         end = span.start + span.query_len
         qs = q[span.start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
         if span.slots is None:
-            ks = k[span.start:end].transpose(0, 1).unsqueeze(0)
-            vs = v[span.start:end].transpose(0, 1).unsqueeze(0)
+            ks = k[span.start:end].to(k_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
+            vs = v[span.start:end].to(v_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
             o = _sdpa(qs, ks, vs, scale, causal=True)
         else:
             ks = k_flat.index_select(0, span.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
