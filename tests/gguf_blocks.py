@@ -109,6 +109,7 @@ GGUF_BLOCK_NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",  # qwen3
 }
 
 
@@ -156,6 +157,10 @@ def start_gguf(path: Path, arch: str, config: Any) -> gguf.GGUFWriter:
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim:  # as llama.cpp's converter: only when config.json has head_dim (Qwen3: not hidden / heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if config.rope_parameters.get("rope_type") == "linear":

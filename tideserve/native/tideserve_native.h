@@ -170,6 +170,7 @@ int ts_qgemm_relayout(int64_t type, const uint8_t *src, uint8_t *dst, int64_t n,
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
     ts_qmat qkv, o, gate_up, down;       /* gate_up: 2 * intermediate rows, gate first */
+    const float *q_norm, *k_norm;        /* [head_dim], each q / k head's RMSNorm before rotary; NULL: none */
 } ts_decoder_layer;
 
 /* The phases ts_decode_forward_f32 times when given a phase_seconds array (TS_NUM_PHASES doubles). */
