@@ -138,12 +138,15 @@ def write_tiny_gguf(hf_model: Any, config: Any, path: Path, arch: str, qtypes: d
             if qtype == "f32":
                 writer.add_tensor(gguf_name(name), w.astype(np.float32))
                 continue
-            param.copy_(torch.from_numpy(dequantize(quantize(w, qtype), qtype)))
-            w = param.numpy()
+            # The blocks written are the ones the HF weight now holds the values of: quantizing those values
+            # again need not give the same blocks. Blocks are per row, so permuting their rows is
+            # quantizing the permuted rows.
+            data = quantize(w, qtype)
+            param.copy_(torch.from_numpy(dequantize(data, qtype)))
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-                w = llama_cpp_permute(w, heads)
-            writer.add_tensor(gguf_name(name), quantize(w, qtype), raw_dtype=QTYPE_NAMES[qtype])
+                data = llama_cpp_permute(data, heads)
+            writer.add_tensor(gguf_name(name), data, raw_dtype=QTYPE_NAMES[qtype])
     finish_gguf(writer)
 
 
