@@ -109,6 +109,7 @@ GGUF_BLOCK_NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",  # qwen3
 }
 
 
@@ -137,12 +138,15 @@ def write_tiny_gguf(hf_model: Any, config: Any, path: Path, arch: str, qtypes: d
             if qtype == "f32":
                 writer.add_tensor(gguf_name(name), w.astype(np.float32))
                 continue
-            param.copy_(torch.from_numpy(dequantize(quantize(w, qtype), qtype)))
-            w = param.numpy()
+            # The blocks written are the ones the HF weight now holds the values of: quantizing those values
+            # again need not give the same blocks. Blocks are per row, so permuting their rows is
+            # quantizing the permuted rows.
+            data = quantize(w, qtype)
+            param.copy_(torch.from_numpy(dequantize(data, qtype)))
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-                w = llama_cpp_permute(w, heads)
-            writer.add_tensor(gguf_name(name), quantize(w, qtype), raw_dtype=QTYPE_NAMES[qtype])
+                data = llama_cpp_permute(data, heads)
+            writer.add_tensor(gguf_name(name), data, raw_dtype=QTYPE_NAMES[qtype])
     finish_gguf(writer)
 
 
@@ -156,6 +160,10 @@ def start_gguf(path: Path, arch: str, config: Any) -> gguf.GGUFWriter:
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim:  # as llama.cpp's converter: only when config.json has head_dim (Qwen3: not hidden / heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if config.rope_parameters.get("rope_type") == "linear":

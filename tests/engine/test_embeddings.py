@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from tideserve import LLM, PoolingParams, SamplingParams
 from tideserve.model.loader import load_model
@@ -189,14 +189,15 @@ def test_smollm2_embeddings_match_transformers(make_llm, hf_smollm2):
         assert_close(got, [reference(hf, p, pooling, normalize) for p in ids], atol=2e-4)
 
 
-HEADLESS = {"LlamaModel": lambda: LlamaConfig(**COMMON), "Qwen2Model": lambda: Qwen2Config(**COMMON)}
+HEADLESS = {"LlamaModel": lambda: LlamaConfig(**COMMON), "Qwen2Model": lambda: Qwen2Config(**COMMON),
+            "Qwen3Model": lambda: Qwen3Config(**COMMON, head_dim=32)}
 
 
 @pytest.mark.parametrize("architecture", list(HEADLESS))
 def test_a_headless_embedding_checkpoint_embeds_and_refuses_generation(architecture, tmp_path, shared_model):
-    """Embedding models (e5-mistral, gte-Qwen2, ...) are saved as ``LlamaModel``/``Qwen2Model``: no LM head,
-    tensors named without "model.". They load, embed as transformers' AutoModel computes, and a generation
-    request is refused with what to use instead."""
+    """Embedding models (e5-mistral, gte-Qwen2, ...) are saved as ``LlamaModel``/``Qwen2Model``/``Qwen3Model``:
+    no LM head, tensors named without "model.". They load, embed as transformers' AutoModel computes, and a
+    generation request is refused with what to use instead."""
     from transformers import AutoModel
 
     torch.manual_seed(0)

@@ -1,8 +1,9 @@
 """A minimal stand-in for the model runner: per-request block tables over a small paged KV cache, and, built
 by an attention backend's own builder (as the runner does), the metadata for a step that mixes decodes,
-fresh prefills and prefill chunks after a cached prefix.
+fresh prefills and prefill chunks after a cached prefix (the request's own, or another's: a prefix-cache
+hit); greedy decoding through it.
 
-Exposed through the ``paged_cache`` fixture (a factory) so test modules need not import each other.
+Exposed through fixtures (factories) so test modules need not import each other.
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ class MixedBatch:
         [("A", 8, 9), ("B", 5, 6), ("C", 10, 11)],
     ]
 
+    # step index -> (src, dst, blocks): ``dst`` starts with ``src``'s first blocks before that step
+    shares: ClassVar[dict[int, tuple[str, str, int]]] = {}
+
     def __init__(self, vocab_size: int, seed: int = 1) -> None:
         g = torch.Generator().manual_seed(seed)
         self.seqs = {rid: torch.randint(0, vocab_size, (n,), generator=g).tolist()
@@ -95,7 +99,9 @@ class MixedBatch:
         cache = PagedCache(model.arch, num_blocks=32, block_size=4, dtype=dtype, backend=backend,
                            model_dtype=model.dtype)
         out = []
-        for step in self.steps:
+        for i, step in enumerate(self.steps):
+            if i in self.shares:
+                cache.share_prefix(*self.shares[i])
             ids, positions, meta = cache.step([(rid, self.seqs[rid][a:b]) for rid, a, b in step])
             hidden = model(ids, positions, cache.kv_caches, meta)
             assert hidden.shape == (len(ids), model.arch.hidden_size)
@@ -114,6 +120,45 @@ class MixedBatch:
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+class PrefixHit(MixedBatch):
+    """A prefix-cache hit across requests, with block size 4: A prefills 12 tokens (3 blocks); then D, whose
+    first 8 tokens are A's, starts on A's first 2 blocks (the same block ids) and prefills its other 5
+    tokens beside A's decode; then D decodes."""
+
+    seq_lens: ClassVar[dict[str, int]] = {"A": 13, "D": 14}
+    steps: ClassVar[list[list[tuple[str, int, int]]]] = [
+        [("A", 0, 12)],
+        [("A", 12, 13), ("D", 8, 13)],
+        [("D", 13, 14)],
+    ]
+    shares: ClassVar[dict[int, tuple[str, str, int]]] = {1: ("A", "D", 2)}
+
+    def __init__(self, vocab_size: int, seed: int = 2) -> None:
+        super().__init__(vocab_size, seed)
+        self.seqs["D"][:8] = self.seqs["A"][:8]
+
+
+def greedy(model: torch.nn.Module, prompt: Sequence[int], steps: int, backend: str = "torch") -> list[int]:
+    """Greedy tokens through a paged cache: one prefill, then single-token decode steps."""
+    cache = PagedCache(model.arch, num_blocks=32, block_size=4, backend=backend, model_dtype=model.dtype)
+    tokens: list[int] = []
+    chunk = list(prompt)
+    for _ in range(steps):
+        ids, positions, meta = cache.step([("r", chunk)])
+        tokens.append(int(model.compute_logits(model(ids, positions, cache.kv_caches, meta))[-1].argmax()))
+        chunk = tokens[-1:]
+    return tokens
+
+
+def hf_greedy(hf_model: torch.nn.Module, prompt: Sequence[int], steps: int) -> list[int]:
+    """transformers' greedy tokens, each from a full-sequence forward (no cache; no stop at an EOS id)."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            seq.append(int(hf_model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
 @pytest.fixture
 def paged_cache() -> Callable[..., PagedCache]:
     """Factory: ``paged_cache(arch, num_blocks=64, block_size=4, dtype=torch.float32, backend="torch")``."""
@@ -124,3 +169,17 @@ def paged_cache() -> Callable[..., PagedCache]:
 def mixed_batch() -> Callable[[int], MixedBatch]:
     """Factory: ``mixed_batch(vocab_size)`` -> MixedBatch with fixed random token sequences."""
     return MixedBatch
+
+
+@pytest.fixture
+def prefix_hit() -> Callable[[int], PrefixHit]:
+    """Factory: ``prefix_hit(vocab_size)`` -> PrefixHit, used as a MixedBatch (``ours``, ``reference``,
+    ``assert_matches``)."""
+    return PrefixHit
+
+
+@pytest.fixture
+def greedy_tokens() -> tuple[Callable[..., list[int]], Callable[..., list[int]]]:
+    """(``ours(model, prompt, steps, backend="torch")``, ``reference(hf_model, prompt, steps)``): greedy
+    tokens through our paged cache and through transformers."""
+    return greedy, hf_greedy

@@ -105,10 +105,28 @@ def test_names_belong_to_one_family(toy: ModelFamily) -> None:
 
 
 def test_builtin_families() -> None:
-    assert {f.name for f in model_families()} >= {"llama", "qwen2"}
-    llama, qwen2 = family_for("llama"), family_for("Qwen2ForCausalLM")
+    assert {f.name for f in model_families()} >= {"llama", "qwen2", "qwen3"}
+    llama, qwen2, qwen3 = family_for("llama"), family_for("Qwen2ForCausalLM"), family_for("qwen3")
     assert family_for("mistral") is llama and family_for("MistralForCausalLM") is llama
-    assert llama.gguf_unpermute and not qwen2.gguf_unpermute  # llama.cpp permutes llama's q/k, not qwen2's
+    assert family_for("Qwen3ForCausalLM") is qwen3 and hf_architecture_for_gguf("qwen3") == "Qwen3ForCausalLM"
+    # llama.cpp permutes llama's q/k, not qwen2's or qwen3's
+    assert llama.gguf_unpermute and not qwen2.gguf_unpermute and not qwen3.gguf_unpermute
+    assert qwen3.gguf_tensors.hf_name("blk.5.attn_k_norm.weight") == "model.layers.5.self_attn.k_norm.weight"
+    assert qwen3.gguf_tensors.hf_name("blk.0.attn_q_norm.weight") == "model.layers.0.self_attn.q_norm.weight"
+    assert llama.gguf_tensors.hf_name("blk.0.attn_q_norm.weight") is None
+    config = {**CONFIG, "head_dim": 32, "architectures": ["Qwen3ForCausalLM"]}
+    a = ArchConfig.from_hf_config(config)
+    assert a.qk_norm and a.head_dim == 32 and not a.qkv_bias and not a.o_bias
+    a = ArchConfig.from_hf_config({**config, "model_type": "qwen3", "architectures": [], "attention_bias": True})
+    assert a.architecture == "Qwen3ForCausalLM" and a.qk_norm and a.qkv_bias and a.o_bias
+    assert not ArchConfig.from_hf_config({**CONFIG, "architectures": ["Qwen2ForCausalLM"]}).qk_norm
+
+
+def test_an_unknown_architecture_names_the_supported_ones() -> None:
+    with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'; supported HF "
+                                         r"architectures: .*Qwen3ForCausalLM.*; supported GGUF architectures: "
+                                         r".*qwen3"):
+        family_for("GPT2LMHeadModel")
 
 
 @pytest.mark.slow  # starts a process

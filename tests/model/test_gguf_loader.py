@@ -1,5 +1,6 @@
 """GGUF loading on files we write ourselves: every quantization the gguf package can produce, llama's Q/K
-row permutation (undone by the loader) and qwen2's absence of it, metadata -> ArchConfig."""
+row permutation (undone by the loader) and qwen2's and qwen3's absence of it, qwen3's q/k norm tensors,
+metadata -> ArchConfig."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf_blocks import finish_gguf, gguf_name, llama_cpp_permute, start_gguf
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from tideserve.model.loader import load_model
 from tideserve.model.loader.gguf import dequantize_tensor, hf_name, unpermute_qk
@@ -49,35 +50,52 @@ def write_gguf(hf_model: Any, config: Any, path: Path, arch: str) -> None:
     finish_gguf(writer)
 
 
+# name -> (config, GGUF general.architecture)
 VARIANTS = {
-    "llama": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False,
-                                 rope_scaling={"rope_type": "linear", "factor": 2.0}),
-    "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
+    "llama": (lambda: LlamaConfig(**COMMON, tie_word_embeddings=False,
+                                  rope_scaling={"rope_type": "linear", "factor": 2.0}), "llama"),
+    "qwen2": (lambda: Qwen2Config(**COMMON, tie_word_embeddings=True), "qwen2"),
+    # head_dim 32 (not hidden / heads), told by qwen3.attention.key_length
+    "qwen3-bias": (lambda: Qwen3Config(**COMMON, head_dim=32, attention_bias=True, tie_word_embeddings=False),
+                   "qwen3"),
+    "qwen3-tied": (lambda: Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True), "qwen3"),
 }
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
-@pytest.mark.parametrize("arch", list(VARIANTS))
-def test_gguf_matches_transformers(arch: str, tmp_path: Path, mixed_batch: Any) -> None:
-    config = VARIANTS[arch]()
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gguf_matches_transformers(variant: str, tmp_path: Path, mixed_batch: Any, prefix_hit: Any,
+                                   greedy_tokens: Any) -> None:
+    """The file's weights dequantized to float32: transformers' logits (rtol 1e-4, atol 1e-5) over the
+    mixed batch and a prefix-cache hit, and its greedy tokens."""
+    make_config, arch = VARIANTS[variant]
+    config = make_config()
     torch.manual_seed(0)
     hf_model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     hf_model.eval()
     with torch.no_grad():
         for name, p in hf_model.named_parameters():
             p.copy_(1.0 + 0.2 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.1)
-    path = tmp_path / f"tiny-{arch}.Q8_0.gguf"
+    path = tmp_path / f"tiny-{variant}.Q8_0.gguf"
     write_gguf(hf_model, config, path, arch)
 
     loaded = load_model(str(path), dtype="float32")
-    assert loaded.name == f"tiny-{arch}.Q8_0" and loaded.path == str(path)
+    assert loaded.name == f"tiny-{variant}.Q8_0" and loaded.path == str(path)
     a = loaded.arch
-    assert a.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]
+    attention_bias = getattr(config, "attention_bias", False)
+    assert a.architecture == HF_ARCHITECTURES[arch]
     assert (a.hidden_size, a.intermediate_size, a.num_hidden_layers, a.vocab_size) == (64, 96, 2, 256)
-    assert (a.num_attention_heads, a.num_key_value_heads, a.head_dim) == (4, 2, 16)
-    assert a.qkv_bias == (arch == "qwen2") and a.tie_word_embeddings == (arch == "qwen2")
+    assert (a.num_attention_heads, a.num_key_value_heads) == (4, 2)
+    assert a.head_dim == (32 if arch == "qwen3" else 16) and a.qk_norm == (arch == "qwen3")
+    assert a.qkv_bias == (arch == "qwen2" or attention_bias) and a.o_bias == (arch != "qwen2" and attention_bias)
+    assert a.tie_word_embeddings == config.tie_word_embeddings
     assert a.bos_token_id == 1 and a.eos_token_ids == [2] and a.max_position_embeddings == 128
     assert a.rope_scaling == ({"rope_type": "linear", "factor": 2.0} if arch == "llama" else None)
     mixed_batch(a.vocab_size).assert_matches(loaded.model, hf_model)
+    prefix_hit(a.vocab_size).assert_matches(loaded.model, hf_model)
+    ours, reference = greedy_tokens
+    prompt = [(5 * i + 1) % a.vocab_size for i in range(9)]
+    assert ours(loaded.model, prompt, 12) == reference(hf_model, prompt, 12)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.F16, Q.BF16])

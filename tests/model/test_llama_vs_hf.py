@@ -1,6 +1,7 @@
 """Tiny random-weight checkpoints saved by transformers, loaded through ``load_model``: our logits over a
 paged cache must match transformers' full-sequence logits for batches mixing decodes, fresh prefills and
-a prefill chunk that follows a prefix cached in an earlier step."""
+a prefill chunk that follows a prefix cached in an earlier step (the request's own, or another request's
+blocks: a prefix-cache hit), and our greedy tokens must be transformers'."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from tideserve import native
+from tideserve.model.arch_config import ArchConfig
+from tideserve.model.llama import LlamaForCausalLM
 from tideserve.model.loader import load_model
 
 COMMON: dict[str, Any] = {
@@ -32,6 +35,10 @@ VARIANTS: dict[str, Any] = {
     "qwen2-tied": lambda: Qwen2Config(**COMMON, num_hidden_layers=2, tie_word_embeddings=True),
     "mistral-head-dim": lambda: MistralConfig(**COMMON, num_hidden_layers=2, head_dim=32,
                                               sliding_window=None),
+    # Qwen3: per-head q/k norms; head_dim 32, not hidden / heads (16); attention_bias on q, k, v and o
+    "qwen3-bias": lambda: Qwen3Config(**COMMON, num_hidden_layers=2, head_dim=32, attention_bias=True,
+                                      tie_word_embeddings=False),
+    "qwen3-tied": lambda: Qwen3Config(**COMMON, num_hidden_layers=2, head_dim=32, tie_word_embeddings=True),
 }
 
 
@@ -73,7 +80,37 @@ def test_logits_match_transformers_mixed_batch(tiny: tuple[str, Any, Path], mixe
         assert (directory / "model.safetensors.index.json").is_file()
     assert loaded.arch.tie_word_embeddings == name.endswith("-tied")
     assert (loaded.model.model.norm._kernels is None) == (backend == "torch")
+    if name.startswith("qwen3"):
+        a = loaded.arch
+        assert a.qk_norm and a.head_dim == 32 and a.qkv_bias == a.o_bias == ("bias" in name)
     mixed_batch(loaded.arch.vocab_size).assert_matches(loaded.model, hf_model, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu-native"])
+def test_prefix_hit_and_greedy_tokens_match_transformers(tiny: tuple[str, Any, Path], prefix_hit: Any,
+                                                         greedy_tokens: Any, backend: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request starting on another's cached blocks gets transformers' logits (rtol 1e-4, atol 1e-5), and
+    12 greedy tokens (a prefill, then decodes through the paged cache) are transformers'."""
+    if backend == "cpu-native" and native.load_library() is None:
+        pytest.skip("no C compiler to build the native kernel")
+    if backend == "torch":
+        monkeypatch.setattr(native, "load_library", lambda: None)
+    _, hf_model, directory = tiny
+    model = load_model(str(directory), dtype="float32").model
+    prefix_hit(model.arch.vocab_size).assert_matches(model, hf_model, backend=backend)
+    ours, reference = greedy_tokens
+    prompt = [(7 * i + 3) % model.arch.vocab_size for i in range(9)]
+    assert ours(model, prompt, 12, backend) == reference(hf_model, prompt, 12)
+
+
+def test_a_qwen3_checkpoint_without_its_qk_norms_is_refused() -> None:
+    config = Qwen3Config(**COMMON, num_hidden_layers=1, head_dim=32)
+    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = LlamaForCausalLM(ArchConfig.from_hf_config(config.to_dict()))
+    weights = [(n, t) for n, t in hf_model.state_dict().items() if "k_norm" not in n]
+    with pytest.raises(ValueError, match=r"missing 1 tensors: model\.layers\.0\.self_attn\.k_norm\.weight"):
+        model.load_weights(weights)
 
 
 def test_bfloat16_close_to_float32(tiny: tuple[str, Any, Path], mixed_batch: Any) -> None:

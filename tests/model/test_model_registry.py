@@ -12,8 +12,8 @@ BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 
         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
-@pytest.mark.parametrize("name", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "llama",
-                                  "mistral", "qwen2"])
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                  "llama", "mistral", "qwen2", "qwen3"])
 def test_supported_names_resolve(name: str) -> None:
     assert resolve_model_class(name) is LlamaForCausalLM
     assert name in supported_architectures()

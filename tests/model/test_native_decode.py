@@ -1,6 +1,7 @@
 """The whole-step native decode (model/native_decode.py) against the Python layer loop over the same
-kernels: equal outputs, bit for bit, on tiny random Llama (GQA) and Qwen2 (qkv bias) models, with float32,
-bfloat16 and fp8 (e4m3) caches; and the cases it must leave to the Python path."""
+kernels: equal outputs, bit for bit, on tiny random Llama (GQA), Qwen2 (qkv bias) and Qwen3 (per-head q/k
+norms, head_dim not hidden / heads; with and without its q/k/v/o biases) models, with float32, bfloat16
+and fp8 (e4m3) caches; and the cases it must leave to the Python path."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from tiny_models import tiny_llama
+from tiny_models import tiny_llama, tiny_qwen3
 
 from tideserve import native
 from tideserve.model.layers.quant.transform import quantize_model
@@ -17,14 +18,19 @@ from tideserve.model.llama import LlamaForCausalLM
 pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the kernels")
 
 
-def tiny(bias: bool) -> LlamaForCausalLM:
-    return tiny_llama(qwen2=bias, num_layers=3, scale=0.1)
+KINDS = ["llama", "qwen2", "qwen3", "qwen3-bias"]
+
+
+def tiny(kind: str = "llama") -> LlamaForCausalLM:
+    if kind.startswith("qwen3"):
+        return tiny_qwen3(bias=kind == "qwen3-bias", num_layers=3, scale=0.1)
+    return tiny_llama(qwen2=kind == "qwen2", num_layers=3, scale=0.1)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("bias", [False, True])
-def test_native_decode_equals_the_python_layer_loop(bias, kv_dtype, mixed_batch):
-    qmodel, _ = quantize_model(tiny(bias), "int4", torch.device("cpu"))
+@pytest.mark.parametrize("kind", KINDS)
+def test_native_decode_equals_the_python_layer_loop(kind, kv_dtype, mixed_batch):
+    qmodel, _ = quantize_model(tiny(kind), "int4", torch.device("cpu"))
     fast = qmodel.native_decode
     assert fast is not None
     calls: list[bool] = []
@@ -40,13 +46,13 @@ def test_native_decode_equals_the_python_layer_loop(bias, kv_dtype, mixed_batch)
 
 
 def test_a_copied_model_does_not_share_the_native_forward():
-    qmodel, _ = quantize_model(tiny(False), "int4", torch.device("cpu"))
+    qmodel, _ = quantize_model(tiny(), "int4", torch.device("cpu"))
     assert qmodel.native_decode is not None
     assert copy.deepcopy(qmodel).native_decode is None  # it would point at the original's weights
 
 
 def test_native_decode_is_only_built_for_block_quantized_float32_models():
-    model = tiny(False)
+    model = tiny()
     assert not model.enable_native_decode()  # float weights
     int8, _ = quantize_model(model, "int8", torch.device("cpu"))
     assert int8.native_decode is None
@@ -58,7 +64,7 @@ def test_timing_the_phases_changes_no_number_and_accounts_every_phase(mixed_batc
     leave the outputs bit for bit, and every phase must have run (its clock moved) in the decode step."""
     from tideserve.model.native_decode import PHASES
 
-    qmodel, _ = quantize_model(tiny(False), "int4", torch.device("cpu"))
+    qmodel, _ = quantize_model(tiny(), "int4", torch.device("cpu"))
     plain = mixed_batch(qmodel.arch.vocab_size).ours(qmodel, dtype=torch.bfloat16, backend="cpu-native")
     assert qmodel.native_decode.phase_seconds() == {}  # off by default
     qmodel.native_decode.time_phases()

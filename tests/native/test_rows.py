@@ -54,6 +54,30 @@ def test_add_rms_norm_updates_the_residual_in_place(isa, on_scalar, shape, dtype
     assert torch.equal(scalar_residual, total)
 
 
+@DTYPES
+@pytest.mark.parametrize(("tokens", "heads", "head_dim"), [(1, 4, 32), (9, 2, 128), (300, 16, 128), (3, 3, 13)])
+def test_rms_norm_heads_normalises_each_head_in_place(isa, on_scalar, dtype, tokens, heads, head_dim):
+    """Qwen3's q/k norms: the heads of some columns of a wider row (a fused qkv output), normalised in place,
+    equal bit for bit to the row kernel over a contiguous copy; the columns around them are left alone."""
+    gen = torch.Generator().manual_seed(4)
+    qkv = (torch.randn(tokens, (heads + 3) * head_dim, generator=gen) * 3).to(dtype)
+    weight = torch.randn(head_dim, generator=gen).to(dtype)
+    norm_heads_ = native.bind_rms_norm_heads(dtype, "cpu")
+    cols = slice(head_dim, (heads + 1) * head_dim)  # past the first head, as k's columns are past q's
+    heads_in = qkv[:, cols].clone()
+    want = native.rms_norm(heads_in.reshape(-1, head_dim), weight, 1e-6).reshape(tokens, -1)
+    got, scalar = qkv.clone(), qkv.clone()
+    norm_heads_(got[:, cols], weight, 1e-6)
+    on_scalar(norm_heads_, scalar[:, cols], weight, 1e-6)
+    assert torch.equal(got[:, cols], want)
+    rest = torch.ones(qkv.shape[1], dtype=torch.bool)
+    rest[cols] = False
+    assert torch.equal(got[:, rest], qkv[:, rest]) and torch.equal(scalar[:, rest], qkv[:, rest])
+    torch.testing.assert_close(scalar[:, cols], want, **TOLERANCE[dtype])
+    reference = F.rms_norm(heads_in.unflatten(-1, (heads, head_dim)), (head_dim,), weight, 1e-6)
+    torch.testing.assert_close(got[:, cols], reference.flatten(1), **TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("smooth", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_int8_rows_scale_each_row_and_append_the_range_row(shape, smooth):

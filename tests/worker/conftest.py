@@ -1,4 +1,4 @@
-"""Tiny random-weight Llama and Qwen2 checkpoints for the tensor-parallel tests, saved by transformers (so a
+"""Tiny random-weight Llama, Qwen2 and Qwen3 checkpoints for the tensor-parallel tests, saved by transformers (so a
 rank process can load them from disk), and the embedded model's tokenizer to drive them by token ids."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ TINY: dict[str, Callable[[], Any]] = {}
 
 
 def _configs() -> dict[str, Callable[[], Any]]:
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     return {
         # 4 KV heads: 2 per rank; an odd vocabulary and MLP size: the last rank's slices are shorter
@@ -28,6 +28,9 @@ def _configs() -> dict[str, Callable[[], Any]]:
         # 3 KV heads on 2 ranks (as SmolLM2-135M): whole KV groups, 2 + 1; q/k/v biases
         "qwen2-kv3-bias": lambda: Qwen2Config(**COMMON, vocab_size=130, num_attention_heads=6,
                                               num_key_value_heads=3, tie_word_embeddings=False),
+        # per-head q/k norms, whole on every rank; head_dim 32, not hidden / heads (24); q/k/v/o biases
+        "qwen3-kv2-bias": lambda: Qwen3Config(**COMMON, vocab_size=129, num_attention_heads=4, num_key_value_heads=2,
+                                              head_dim=32, attention_bias=True, tie_word_embeddings=False),
     }
 
 

@@ -21,10 +21,10 @@ SUPPORTED_ROPE_TYPES = ("llama3", "linear")
 
 @dataclass
 class ArchConfig:
-    """Decoder-only transformer hyper-parameters (Llama family: Llama 2/3, Mistral, SmolLM, Qwen2).
+    """Decoder-only transformer hyper-parameters (Llama family: Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3).
 
     The keys every family shares are read here; what a family derives its own way (biases, tied
-    embeddings) comes from its ``ModelFamily`` declaration (``tideserve/model/families/``).
+    embeddings, q/k norms) comes from its ``ModelFamily`` declaration (``tideserve/model/families/``).
 
     ``rope_scaling`` is None for plain RoPE, else a dict with ``rope_type`` in ("llama3", "linear") and
     that type's HF parameters, or ``rope_type == "freq_factors"`` with a per-frequency divisor list
@@ -46,6 +46,8 @@ class ArchConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False  # Llama's attention_bias also puts a bias on o_proj; Qwen2 does not
+    # Qwen3: an RMSNorm over each q and k head (weights [head_dim], eps rms_norm_eps) before rotary
+    qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 

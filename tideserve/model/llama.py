@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, SmolLM/SmolLM2, Qwen2) over a flat, unpadded token batch.
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM/SmolLM2, Qwen2, Qwen3) over a flat, unpadded token batch.
 
 The model knows nothing of requests: it sees token ids, their positions, one (k_cache, v_cache) pair per
 layer and an ``AttentionMetadata``. Module names mirror HF checkpoints (``model.layers.N.self_attn...``),
@@ -36,7 +36,12 @@ _STACKED = {
 
 
 class LlamaAttention(nn.Module):
-    """Fused qkv projection, in-place rotary on the q|k rows, paged attention, output projection."""
+    """Fused qkv projection, in-place rotary on the q|k rows, paged attention, output projection.
+
+    With ``arch.qk_norm`` (Qwen3), ``q_norm`` and ``k_norm`` normalise each q and k head in place between
+    the projection and rotary; their weights are [head_dim], the same for every head, so a tensor-parallel
+    rank keeps them whole whichever heads it computes.
+    """
 
     def __init__(self, arch: ArchConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
@@ -49,11 +54,19 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(arch.hidden_size, {"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size},
                                bias=arch.qkv_bias, dtype=dtype, device=device)
         self.o_proj = Linear(arch.q_size, arch.hidden_size, bias=arch.o_bias, dtype=dtype, device=device)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, device)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = h.shape[0]
         qkv = self.qkv_proj(h)
+        if self.q_norm is not None:
+            self.q_norm.forward_heads_(qkv[:, : self.q_size])
+            self.k_norm.forward_heads_(qkv[:, self.q_size: self.q_size + self.kv_size])
         backend = meta.backend
         # A backend's kernel may rotate q|k and store k, v in the cache in one pass (bound at its
         # construction for the model's dtype); else torch rotates and the backend stores.

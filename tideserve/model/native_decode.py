@@ -20,8 +20,11 @@ from tideserve.native.quant import QMat
 
 
 class _Layer(ctypes.Structure):
+    """ts_decoder_layer (tideserve_native.h); q_norm and k_norm are NULL for a model without q/k norms."""
+
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", QMat),
-                ("o", QMat), ("gate_up", QMat), ("down", QMat)]
+                ("o", QMat), ("gate_up", QMat), ("down", QMat), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p)]
 
 
 def _qweight(linear: torch.nn.Module) -> QMat | None:
@@ -38,7 +41,8 @@ PHASES = ("norms", "qkv", "rope_store", "attention", "o", "gate_up", "down")
 
 
 class NativeDecodeForward:
-    """Runs the decoder layers of a block-quantized float32 Llama-family model for decode-only steps.
+    """Runs the decoder layers of a block-quantized float32 Llama-family model (Qwen3's q/k norms included)
+    for decode-only steps.
 
     Holds raw pointers to the model's weights: it must not outlive them, and the model must not be
     re-quantized or moved while it is in use (the model owns it, so both go together).
@@ -75,10 +79,13 @@ class NativeDecodeForward:
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             weights = [_qweight(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if attn.q_norm is not None:
+                norms += [attn.q_norm.weight, attn.k_norm.weight]
             if any(w is None for w in weights) or not all(_plain_f32(n) for n in norms):
                 return None
-            layers.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *weights))
+            qk_norms = [n.data_ptr() for n in norms[2:]] or [None, None]
+            layers.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *weights, *qk_norms))
         if not _plain_f32(model.model.norm.weight):
             return None
         return cls(lib, model, (_Layer * len(layers))(*layers))

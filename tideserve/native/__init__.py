@@ -133,6 +133,8 @@ def load_library() -> ctypes.CDLL | None:
     signatures = {
         "ts_rms_norm_f32": [ptr, ptr, ptr, i64, i64, f32, cint],
         "ts_add_rms_norm_f32": [ptr, ptr, ptr, ptr, i64, i64, f32, cint],
+        "ts_rms_norm_heads_f32": [ptr, i64, i64, i64, i64, ptr, f32, cint],
+        "ts_rms_norm_heads_bf16": [ptr, i64, i64, i64, i64, ptr, f32, cint],
         "ts_int8_rows_f32": [ptr, ptr, ptr, ptr, i64, i64, cint],
         "ts_scale_rows_f32": [ptr, ptr, ptr, ptr, i64, i64, cint],
     }
@@ -569,6 +571,23 @@ def bind_rms_norm(dtype: torch.dtype, device: torch.device | str) -> tuple[Calla
               intra_op_threads())
 
     return norm, add_norm
+
+
+def bind_rms_norm_heads(dtype: torch.dtype, device: torch.device | str) -> Callable[..., None] | None:
+    """``norm_heads_(x, weight, eps)`` for CPU tensors of ``dtype``, or None: in place, every
+    ``weight``-wide head of x [T, heads * head_dim] normalised on its own. x may be a view whose rows are
+    strided (the q or k columns of a fused qkv output) but whose columns are contiguous."""
+    lib = load_library()
+    if lib is None or torch.device(device).type != "cpu" or dtype not in _TS_DTYPES:
+        return None
+    kernel = getattr(lib, f"ts_rms_norm_heads_{KV_DTYPES[dtype]}")
+
+    def norm_heads_(x, weight, eps) -> None:
+        head_dim = weight.shape[0]
+        kernel(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1] // head_dim, head_dim, weight.data_ptr(), eps,
+               intra_op_threads())
+
+    return norm_heads_
 
 
 def bind_int8_rows() -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]], Callable[..., None]] | None:

@@ -4,7 +4,8 @@
  * Python-level calls (norms, projections, rotary, attention, residuals) cost tens of microseconds each
  * once the weights have pushed the interpreter's own data out of the CPU caches. Here the layer loop runs
  * in C over the same kernels the Python path calls (rows.c, qgemm.c, rope_store.c, paged_decode.c), in
- * the same order, so both paths give the same numbers.
+ * the same order, so both paths give the same numbers. Layers with q/k norms (Qwen3) normalise the q and
+ * k heads in place between the qkv projection and rotary, with the kernel the Python path calls there.
  *
  * Scope: float32 activations, block-quantized projections (GGUF formats, qgemm.c), a float32 or bfloat16
  * paged cache, and a batch of single-token queries (decodes) only; callers take the Python path otherwise.
@@ -65,6 +66,12 @@ int ts_decode_forward_f32(const ts_decoder_layer *layers, void *const *k_caches,
         lap(phase_seconds, TS_PHASE_NORMS, &mark);
         failed |= project(&layer->qkv, normed, tokens, 0, qkv, num_threads);
         lap(phase_seconds, TS_PHASE_QKV, &mark);
+        if (layer->q_norm != NULL) { /* Qwen3: each q and k head normalised before rotary */
+            ts_rms_norm_heads_f32(qkv, qkv_width, tokens, num_heads, head_dim, layer->q_norm, eps, num_threads);
+            ts_rms_norm_heads_f32(qkv + q_width, qkv_width, tokens, num_kv_heads, head_dim, layer->k_norm, eps,
+                                  num_threads);
+            lap(phase_seconds, TS_PHASE_NORMS, &mark);
+        }
         ts_rope_store_f32(qkv, qkv_width, tokens, num_heads, num_kv_heads, head_dim, cos, sin, slots, k_caches[l],
                           v_caches[l], kv_dtype, num_threads);
         lap(phase_seconds, TS_PHASE_ROPE_STORE, &mark);

@@ -1,8 +1,8 @@
 /* Row-wise kernels that torch runs as four to seven separate operators each: RMSNorm (with the residual
  * add before it), in float32 and bfloat16, and the per-token scaling around an int8 GEMM. Each one is a
  * single pass over the rows here, which matters most for small batches, where every torch operator costs
- * more in dispatch and thread wake-ups than in arithmetic. Rows are contiguous; threads split the rows of
- * large inputs.
+ * more in dispatch and thread wake-ups than in arithmetic. Rows are contiguous (but for the per-head norms,
+ * which walk heads inside wider rows); threads split the rows of large inputs.
  *
  * RMSNorm has a scalar reference and one body (rows_vec.h) compiled per vector level (ts_vec.h: AVX2,
  * AVX-512, chosen by ts_isa_level); in bfloat16 the AVX-512 BF16 level rounds with vcvtneps2bf16. Every
@@ -122,6 +122,34 @@ void ts_add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t 
 #pragma omp parallel for num_threads(num_threads) if (rows * cols >= TS_PARALLEL_MIN && rows > 1)
     for (int64_t r = 0; r < rows; r++)
         rms_row_bf16(isa, x + r * cols, residual + r * cols, weight, out + r * cols, cols, eps);
+}
+
+/* ---------------------------------------------------------------- per-head RMSNorm, in place */
+
+/* Qwen3's q and k norms: every head_dim-wide head of the q (or k) part of the fused qkv output is normalised
+ * on its own, before rotary. Those heads lie inside rows of the whole qkv width, so the row kernels above
+ * (contiguous rows) would need a copy in and out; these walk the strided heads in place with the same row
+ * functions, so they give what ts_rms_norm_* gives over such a copy. */
+void ts_rms_norm_heads_f32(float *x, int64_t stride, int64_t tokens, int64_t heads, int64_t head_dim,
+                           const float *weight, float eps, int num_threads) {
+    const int isa = ts_isa_level();
+    const int64_t rows = tokens * heads;
+#pragma omp parallel for num_threads(num_threads) if (rows * head_dim >= TS_PARALLEL_MIN && rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        float *head = x + (r / heads) * stride + (r % heads) * head_dim;
+        rms_row_f32(isa, head, weight, head, head_dim, eps); /* reads the whole head before writing it */
+    }
+}
+
+void ts_rms_norm_heads_bf16(uint16_t *x, int64_t stride, int64_t tokens, int64_t heads, int64_t head_dim,
+                            const uint16_t *weight, float eps, int num_threads) {
+    const int isa = ts_isa_level();
+    const int64_t rows = tokens * heads;
+#pragma omp parallel for num_threads(num_threads) if (rows * head_dim >= TS_PARALLEL_MIN && rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *head = x + (r / heads) * stride + (r % heads) * head_dim;
+        rms_row_bf16(isa, NULL, head, weight, head, head_dim, eps);
+    }
 }
 
 /* ---------------------------------------------------------------- int8 GEMM helpers (float32) */

@@ -111,6 +111,12 @@ void ts_rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, 
                       float eps, int num_threads);
 void ts_add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out,
                           int64_t rows, int64_t cols, float eps, int num_threads);
+/* In place over tokens rows stride elements apart, each heads vectors of head_dim (the q or k heads of a
+ * fused qkv row): each vector = vector / rms(vector) * weight [head_dim]. */
+void ts_rms_norm_heads_f32(float *x, int64_t stride, int64_t tokens, int64_t heads, int64_t head_dim,
+                           const float *weight, float eps, int num_threads);
+void ts_rms_norm_heads_bf16(uint16_t *x, int64_t stride, int64_t tokens, int64_t heads, int64_t head_dim,
+                            const uint16_t *weight, float eps, int num_threads);
 /* The int8 GEMM's input rows and the scaling of its output (see rows.c). */
 void ts_int8_rows_f32(const float *x, const float *inv_smooth, float *out, float *row_max, int64_t rows,
                       int64_t cols, int num_threads);
@@ -164,6 +170,7 @@ int ts_qgemm_relayout(int64_t type, const uint8_t *src, uint8_t *dst, int64_t n,
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
     ts_qmat qkv, o, gate_up, down;       /* gate_up: 2 * intermediate rows, gate first */
+    const float *q_norm, *k_norm;        /* [head_dim], each q / k head's RMSNorm before rotary; NULL: none */
 } ts_decoder_layer;
 
 /* The phases ts_decode_forward_f32 times when given a phase_seconds array (TS_NUM_PHASES doubles). */

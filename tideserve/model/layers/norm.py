@@ -27,6 +27,7 @@ class RMSNorm(nn.Module):
 
     def _bind(self) -> None:
         self._kernels = native.bind_rms_norm(self.weight.dtype, self.weight.device)
+        self._heads_kernel = native.bind_rms_norm_heads(self.weight.dtype, self.weight.device)
         self._dtype = self.weight.dtype
 
     def _apply(self, fn, *args, **kwargs):
@@ -57,3 +58,15 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         residual = residual.add_(x)  # the residual stream is ours to reuse in place
         return self._norm(residual), residual
+
+    def forward_heads_(self, x: torch.Tensor) -> None:
+        """Normalise, in place, each head of x [T, heads * head_dim] (head_dim: this norm's width): a per-head
+        norm (Qwen3's q and k norms) over its columns of the fused qkv output, a view whose rows are strided
+        and whose columns are contiguous. In place, so that the rotary kernel after it reads the fused rows as
+        they are; the native pass and the torch fallback differ only in the order of the sum of squares."""
+        kernel = self._heads_kernel
+        if kernel is not None and x.dtype == self._dtype and x.dim() == 2 and x.stride(1) == 1:
+            kernel(x, self.weight, self.eps)
+            return
+        heads = x.unflatten(-1, (-1, self.normalized_shape[0]))
+        heads.copy_(self._norm(heads))
