@@ -151,3 +151,25 @@ def test_tool_calls_are_parsed_from_the_content_only():
     deltas = [stream.delta(TEXT[:n], finished=n == len(TEXT)) for n in range(1, len(TEXT) + 1)]
     names = [c["function"]["name"] for d in deltas for c in d.get("tool_calls", []) if "name" in c["function"]]
     assert names == ["f"] and "".join(d.get("reasoning_content", "") for d in deltas) == reasoning
+
+
+# ---------------------------------------------------------------- the Responses API: a reasoning item
+def test_responses_api_returns_the_thinking_as_a_reasoning_item(shared_engine, server_thread):
+    from tideserve.serve.config import ServerConfig
+    from tideserve.serve.openai.server import build_app
+
+    config = ServerConfig(reasoning_parser="deepseek_r1", chat_template=R1_TEMPLATE)  # Responses has no template field
+    with server_thread(build_app(config, engine=shared_engine)) as s, \
+            openai.OpenAI(base_url=s.url + "/v1", api_key="EMPTY", max_retries=0, timeout=TIMEOUT) as client:
+        kwargs = {"model": s.state.model_name, "input": conversation(R1_SHOT), "max_output_tokens": 40,
+                  "temperature": 0}
+        reply = client.responses.create(**kwargs)
+        kinds = [item.type for item in reply.output]
+        assert kinds == ["reasoning", "message"]
+        assert reply.output[0].content[0].text == THOUGHT + "\n"
+        assert json.loads(reply.output_text) and THOUGHT not in reply.output_text
+        events = list(client.responses.create(stream=True, **kwargs))
+        deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert deltas == THOUGHT + "\n"
+        final = events[-1].response
+        assert [item.type for item in final.output] == kinds and final.output_text == reply.output_text

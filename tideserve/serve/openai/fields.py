@@ -226,8 +226,8 @@ RESPONSES_FIELDS = EndpointFields(
         "background": Refusal("responses are not stored, so there is nothing to poll later; stream instead"),
         "prompt": Refusal("stored prompt templates live on OpenAI's platform; send instructions and input",
                           _is_none),
-        "reasoning": Refusal("reasoning controls (effort, summaries) are not implemented; the Responses API "
-                             "returns no reasoning items, so the thinking stays in the output text",
+        "reasoning": Refusal("reasoning controls (effort, summaries) are not implemented; with "
+                             "--reasoning-parser the thinking comes back as a reasoning item",
                              lambda v: not v or all(x is None for x in v.values())),
         "truncation": Refusal("the input is never cut: an input longer than the context gets a 400",
                               lambda v: v in (None, "disabled")),

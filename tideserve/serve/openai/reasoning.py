@@ -2,10 +2,10 @@
 
 With ``--reasoning-parser NAME`` a choice's text is split by the parser (reasoning_parsers/): the thinking
 section is ``message.reasoning_content`` (streamed: ``delta.reasoning_content``) and the rest is
-``content``, which is all that tool-call parsing reads. Both names are sent: ``reasoning_content`` is
-the field vLLM clients read through vLLM 0.10, ``reasoning`` the one newer vLLM sends (it renamed the
-field), so either kind of client finds it. ``include_reasoning: false`` drops it from the response
-(the split still happens: the content never carries the thinking).
+``content``, which is all that tool-call parsing reads. Both names are sent: ``reasoning_content`` was
+vLLM's field until vLLM 0.11 renamed it ``reasoning``, so clients written for either find it.
+``include_reasoning: false`` drops it from the response (the split still happens: the content never
+carries the thinking).
 
 Structured output constrains only the answer: the request carries the markers' token ids
 (``SamplingParams.reasoning_markers``) and the engine's grammar starts after the end marker
