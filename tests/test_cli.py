@@ -190,3 +190,18 @@ def test_unknown_flags_fail_with_the_closest_ones(capsys):
         "(tideserve serve --help lists them all)"]
     assert main(["generate", "--prompt", "x", "--max-tokns", "3"]) == 2
     assert "did you mean --max-tokens?" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # starts a process (that stops at argument parsing, before loading a model)
+def test_an_unknown_reasoning_parser_is_refused_at_start_naming_the_known_ones():
+    out = run_cli("serve", "--reasoning-parser", "deepseek")
+    assert out.returncode == 2
+    assert "--reasoning-parser: invalid choice: 'deepseek' (choose from 'deepseek_r1', 'qwen3')" in out.stderr
+
+
+def test_server_config_refuses_an_unknown_reasoning_parser():
+    from tideserve.serve.config import ServerConfig
+
+    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3, got 'r1'"):
+        ServerConfig(reasoning_parser="r1")
+    assert ServerConfig(reasoning_parser="qwen3").reasoning_parser == "qwen3"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tideserve.pooling_params import PoolingParams
-from tideserve.structured_outputs_params import StructuredOutputsParams
+from tideserve.structured_outputs_params import ReasoningMarkers, StructuredOutputsParams
 
 __all__ = ["SamplingParams", "StructuredOutputsParams"]  # vLLM's import path for both
 
@@ -49,6 +49,9 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # Constrained decoding (JSON schema, JSON object, regex, choice, grammar); a dict is converted.
     structured_outputs: StructuredOutputsParams | None = None
+    # A reasoning model's thinking markers (set by a server with --reasoning-parser): the grammar of
+    # structured_outputs then applies only after the thinking section.
+    reasoning_markers: ReasoningMarkers | None = None
     extra_stop_token_ids: list[int] = field(default_factory=list, repr=False)
     # bad_words as token id sequences, resolved with the model's tokenizer when the engine accepts the
     # request (set by the engine, not by users).

@@ -85,3 +85,26 @@ class StructuredOutputsParams:
 
     def cache_key(self) -> tuple[Any, ...]:
         return (self.kind, self.spec, self.disable_any_whitespace, self.disable_additional_properties)
+
+
+@dataclass(frozen=True)
+class ReasoningMarkers:
+    """A reasoning model's thinking-section markers as token ids: the grammar of a request that carries
+    them constrains only the answer, which starts after ``end_token_ids`` (vLLM: the structured-output
+    manager asks the reasoning parser whether the reasoning has ended).
+
+    ``start_token_ids`` empty: the output is thinking until the end marker (the prompt may have opened the
+    section; deepseek_r1). Given: thinking is optional and, when there is any, opens the output (qwen3);
+    an output that starts with anything else is all answer. Each marker is matched as the tokenizer
+    spells it: one id where the tokenizer has the marker as a token (Qwen3, DeepSeek-R1).
+    """
+
+    end_token_ids: tuple[int, ...]
+    start_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "end_token_ids", tuple(self.end_token_ids))
+        object.__setattr__(self, "start_token_ids", tuple(self.start_token_ids))
+        if not self.end_token_ids:
+            raise ValueError("reasoning_markers.end_token_ids must not be empty.")
+

@@ -41,7 +41,7 @@ REFUSED_VALUES = {
     "logprob_token_ids": [1, 2], "kv_transfer_params": {"do_remote_decode": True},
     "thinking_token_budget": 8, "modalities": ["text", "audio"], "audio": {"voice": "alloy"},
     "verbosity": "high", "web_search_options": {}, "functions": [{"name": "f"}],
-    "function_call": "auto", "include_reasoning": False, "guided_whitespace_pattern": r"[\n ]*",
+    "function_call": "auto", "guided_whitespace_pattern": r"[\n ]*",
     "structural_tag": {"type": "structural_tag", "structures": []},
     "previous_response_id": "resp_1", "conversation": "conv_1", "background": True, "prompt": {"id": "pmpt_1"},
     "include": ["reasoning.encrypted_content"], "reasoning": {"effort": "high"}, "top_logprobs": 2,

@@ -119,7 +119,7 @@ def test_invalid_completion_parameters(http, model, extra, param, contains):
     ({"top_p": 1.5}, "top_p", "top_p must be in (0, 1]"),
     ({"modalities": ["text", "audio"]}, "modalities", "modalities is not supported: only text output"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "audio is not supported"),
-    ({"include_reasoning": False}, "include_reasoning", "include_reasoning is not supported"),
+    ({"include_reasoning": False}, "include_reasoning", "include_reasoning false needs a reasoning parser"),
     ({"functions": [{"name": "f"}]}, "functions", "functions is not supported: deprecated"),
     ({"web_search_options": {}}, "web_search_options", "web_search_options is not supported"),
     ({"verbosity": "low"}, "verbosity", "verbosity is not supported"),

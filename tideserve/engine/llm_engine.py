@@ -30,6 +30,7 @@ from tideserve.platform import platform_for, resolve_device
 from tideserve.pooling_params import PoolingParams
 from tideserve.request import Request, RequestStatus
 from tideserve.sampling_params import SamplingParams
+from tideserve.structured_output.reasoning_gate import gated
 from tideserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 from tideserve.worker.executor import Method
 from tideserve.worker.model_runner import ModelRunnerOutput
@@ -148,7 +149,8 @@ class LLMEngine:
             children.append(Request(child_id, list(request.prompt_token_ids), child_params, eos, max_tokens,
                                     prompt=request.prompt, priority=request.priority,
                                     cache_salt=request.cache_salt,
-                                    structured_output=grammar.matcher() if grammar is not None else None))
+                                    structured_output=(gated(grammar.matcher(), params.reasoning_markers)
+                                                       if grammar is not None else None)))
         self.output_processor.add(request_id, request.prompt, request.prompt_token_ids, children,
                                   num_returned=params.n, hide_logprobs=hide_logprobs)
         for child in children:

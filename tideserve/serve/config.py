@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from tideserve.config import parse_size
+from tideserve.serve.openai.reasoning_parsers import REASONING_PARSERS
 from tideserve.serve.openai.tool_parsers import TOOL_PARSERS
 from tideserve.settings import setting, settings_fields
 from tideserve.tokenizer.chat_template import load_chat_template
@@ -88,6 +89,12 @@ class ServerConfig:
     tool_call_parser: str | None = setting(
         None, group=SERVER_GROUP, choices=tuple(sorted(TOOL_PARSERS)),
         help="the model's tool-call format: hermes (Hermes, Qwen2.5), llama3_json (Llama 3.x), mistral")
+    # Reasoning models: the thinking section comes back as reasoning_content, apart from the answer, and
+    # structured output constrains only the answer (vLLM's flag and parser names).
+    reasoning_parser: str | None = setting(
+        None, group=SERVER_GROUP, choices=tuple(sorted(REASONING_PARSERS)),
+        help="split the model's thinking section into reasoning_content: deepseek_r1 (DeepSeek-R1, QwQ; the "
+             "prompt may open the section), qwen3 (Qwen3; thinking is optional and opens the output)")
     # Samples per prompt this server accepts (at most the engine's cap, input_processor.MAX_N). Not a flag.
     max_n: int = 128
 
@@ -109,6 +116,9 @@ class ServerConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}.")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(sorted(REASONING_PARSERS))}, "
+                             f"got {self.reasoning_parser!r}.")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice (--enable-auto-tool-choice) requires tool_call_parser "
                              f"(--tool-call-parser {{{','.join(TOOL_PARSERS)}}}) to be set.")

@@ -52,6 +52,11 @@ class GrammarMatcher:
     def handle(self) -> Any:
         return self._m
 
+    @property
+    def active(self) -> bool:
+        """Whether the next sample is masked (always; a ``ReasoningGate`` says otherwise while thinking)."""
+        return True
+
     def accept_token(self, token_id: int) -> bool:
         """Advance past a sampled token; False when the grammar refuses it (the matcher is then broken)."""
         if token_id in self._eos and self._m.is_accepting():

@@ -73,15 +73,19 @@ class StructuredOutputManager:
 
     def _fill(self, rows: list[tuple[int, GrammarMatcher]], device: torch.device) -> AllowedTokenMask:
         bitmask = self._buffer(len(rows))
-        if len(rows) == 1:
-            rows[0][1].fill_bitmask(bitmask, 0)
-        else:
+        # A matcher without a native handle (a reasoning gate that adds or forces tokens) fills its own row.
+        batched = [(m.handle, i) for i, (_, m) in enumerate(rows) if m.handle is not None]
+        if len(batched) == 1:
+            rows[batched[0][1]][1].fill_bitmask(bitmask, batched[0][1])
+        elif batched:
             if self._executor is None:
                 import llguidance
 
                 self._executor = llguidance.LLExecutor(num_threads=self._num_threads)
-            self._executor.unsafe_compute_mask_ptr([(m.handle, i) for i, (_, m) in enumerate(rows)],
-                                                   bitmask.data_ptr(), bitmask.shape[1] * 4, len(rows))
+            self._executor.unsafe_compute_mask_ptr(batched, bitmask.data_ptr(), bitmask.shape[1] * 4, len(rows))
+        for i, (_, m) in enumerate(rows):
+            if m.handle is None:
+                m.fill_bitmask(bitmask, i)
         if not platform_for(device).host_memory:
             bitmask = bitmask.to(device, non_blocking=False)
         return AllowedTokenMask([row for row, _ in rows], bitmask)

@@ -267,8 +267,8 @@ class ModelRunner:
         Their matchers were advanced after the previous step's sampling, so the masks can be computed
         before (or while) this step's forward pass runs.
         """
-        rows = [(row, self.requests[rid].structured_output) for row, rid in enumerate(sample_ids)
-                if self.requests[rid].structured_output is not None]
+        rows = [(row, matcher) for row, rid in enumerate(sample_ids)
+                if (matcher := self.requests[rid].structured_output) is not None and matcher.active]
         if not rows:
             return None
         return self.structured_output.compute(rows, self.device)

@@ -90,7 +90,7 @@ _SHARED_REFUSED = {
                                  "and bad_words cover the common cases"),
     "logprob_token_ids": Refusal("logprobs of chosen token ids are not implemented; use logprobs"),
     "kv_transfer_params": Refusal("there is no KV connector (disaggregated prefill) to transfer KV with"),
-    "thinking_token_budget": Refusal("there is no reasoning parser to find and cap the thinking section",
+    "thinking_token_budget": Refusal("capping the thinking section is not implemented; use max_tokens",
                                      _is_none),
     "guided_whitespace_pattern": Refusal("JSON whitespace is compact by default; send structured_outputs "
                                          "with disable_any_whitespace false to let the model place it", _is_none),
@@ -155,6 +155,9 @@ CHAT_FIELDS = EndpointFields(
                        "vLLM), required or a named function (both forced by a grammar); default auto with "
                        "tools, else none",
         "parallel_tool_calls": "false: at most one call per choice (required: the grammar allows one)",
+        # Reasoning output (--reasoning-parser)
+        "include_reasoning": "with --reasoning-parser, false leaves reasoning_content out of the response "
+                             "(without a parser false is a 400: the reasoning stays in the content)",
     },
     refused={
         **_SHARED_REFUSED,
@@ -164,8 +167,6 @@ CHAT_FIELDS = EndpointFields(
         "web_search_options": Refusal("there is no web search tool", _is_none),
         "functions": Refusal("deprecated by OpenAI in favour of tools"),
         "function_call": Refusal("deprecated by OpenAI in favour of tool_choice", _is_none),
-        "include_reasoning": Refusal("there is no reasoning parser: reasoning the model writes stays in the "
-                                     "content", lambda v: v is None or v is True),
     },
     ignored={
         **_SHARED_IGNORED,
@@ -225,8 +226,9 @@ RESPONSES_FIELDS = EndpointFields(
         "background": Refusal("responses are not stored, so there is nothing to poll later; stream instead"),
         "prompt": Refusal("stored prompt templates live on OpenAI's platform; send instructions and input",
                           _is_none),
-        "reasoning": Refusal("there is no reasoning parser: reasoning the model writes stays in the output "
-                             "text", lambda v: not v or all(x is None for x in v.values())),
+        "reasoning": Refusal("reasoning controls (effort, summaries) are not implemented; with "
+                             "--reasoning-parser the thinking comes back as a reasoning item",
+                             lambda v: not v or all(x is None for x in v.values())),
         "truncation": Refusal("the input is never cut: an input longer than the context gets a 400",
                               lambda v: v in (None, "disabled")),
     },

@@ -19,9 +19,12 @@ from tideserve.serve.openai.serving import ServerState
 
 def message_items(message: dict[str, Any], request_id: str,
                   logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """A chat reply's assistant message as output items: its text with the tokens' logprobs when asked (kept
-    even when empty, unless the reply is only calls), then one function_call item per tool call."""
+    """A chat reply's assistant message as output items: a reasoning item with its thinking (under
+    --reasoning-parser), its text with the tokens' logprobs when asked (kept even when empty, unless the
+    reply is only calls), then one function_call item per tool call."""
     items = []
+    if message.get("reasoning_content"):
+        items.append(reasoning_item(request_id, message["reasoning_content"], "completed"))
     text = message.get("content") or ""
     calls = message.get("tool_calls") or []
     if text or not calls:
@@ -37,6 +40,12 @@ def message_item(request_id: str, text: str | None, status: str,
     content = [] if text is None else [text_part(text, logprobs)]
     return {"type": "message", "id": f"msg_{request_id}", "status": status, "role": "assistant",
             "content": content}
+
+
+def reasoning_item(request_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """The thinking section, as the Responses API returns reasoning (vLLM's shape: a reasoning_text part)."""
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": f"rs_{request_id}", "status": status, "summary": [], "content": content}
 
 
 def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -96,6 +105,7 @@ class StreamTranslator:
         self.sequence = 0
         self.items: list[dict[str, Any]] = []
         self.text: str | None = None  # the open message item's text; None: no message item is open
+        self.reasoning: str | None = None  # the open reasoning item's text; None: none is open
         self.logprobs: list[dict[str, Any]] = []  # the open message's token logprobs (when asked for)
         self.calls: dict[int, int] = {}  # chat tool-call index -> output index of its open function_call item
         self.usage: dict[str, int] | None = None
@@ -113,10 +123,39 @@ class StreamTranslator:
         return [self.event("response.created", response=self.snapshot(None)),
                 self.event("response.in_progress", response=self.snapshot(None))]
 
+    def on_reasoning(self, piece: str) -> list[str]:
+        """A reasoning delta (the thinking comes first, so its item opens before any other)."""
+        frames = []
+        item_id = f"rs_{self.request_id}"
+        if self.reasoning is None:
+            self.items.append(reasoning_item(self.request_id, None, "in_progress"))
+            self.reasoning = ""
+            frames.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
+                                     item=self.items[-1]))
+            frames.append(self.event("response.content_part.added", item_id=item_id,
+                                     output_index=len(self.items) - 1, content_index=0,
+                                     part={"type": "reasoning_text", "text": ""}))
+        self.reasoning += piece
+        frames.append(self.event("response.reasoning_text.delta", item_id=item_id, output_index=len(self.items) - 1,
+                                 content_index=0, delta=piece))
+        return frames
+
+    def close_reasoning(self) -> list[str]:
+        if self.reasoning is None:
+            return []
+        index = len(self.items) - 1
+        item = self.items[index] = reasoning_item(self.request_id, self.reasoning, "completed")
+        ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        frames = [self.event("response.reasoning_text.done", **ids, text=self.reasoning),
+                  self.event("response.content_part.done", **ids, part=item["content"][0]),
+                  self.event("response.output_item.done", output_index=index, item=item)]
+        self.reasoning = None
+        return frames
+
     def on_text(self, piece: str, logprobs: list[dict[str, Any]]) -> list[str]:
         """A content delta, with its tokens' logprobs when asked for (a token may bring logprobs and no
         text yet: its delta is empty)."""
-        frames = []
+        frames = self.close_reasoning()
         item_id = f"msg_{self.request_id}"
         if self.text is None:
             frames += self.close_calls()
@@ -134,7 +173,7 @@ class StreamTranslator:
 
     def on_call(self, call: dict[str, Any]) -> list[str]:
         """A chat ``tool_calls`` delta: the first for an index names the function, the rest add arguments."""
-        frames = []
+        frames = self.close_reasoning()
         n = call.get("index", 0)
         function = call.get("function") or {}
         if n not in self.calls:
@@ -175,7 +214,7 @@ class StreamTranslator:
         return frames
 
     def finish(self, finish_reason: str | None) -> list[str]:
-        frames = self.close_message() + self.close_calls()
+        frames = self.close_reasoning() + self.close_message() + self.close_calls()
         if not self.items:  # an empty reply still has its message
             self.items.append(message_item(self.request_id, "", "completed"))
         final = self.snapshot(finish_reason or "abort")
@@ -215,6 +254,9 @@ async def response_events(state: ServerState, req: ResponsesRequest, chat_reply:
                 for choice in chunk.get("choices", []):
                     delta = choice.get("delta") or {}
                     logprobs = (choice.get("logprobs") or {}).get("content") or []
+                    if delta.get("reasoning_content"):
+                        for event in out.on_reasoning(delta["reasoning_content"]):
+                            yield event
                     if delta.get("content") or logprobs:
                         for event in out.on_text(delta.get("content") or "", logprobs):
                             yield event

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -22,6 +22,14 @@ from tideserve.serve.openai.errors import bad_request
 from tideserve.serve.openai.fields import CHAT_FIELDS
 from tideserve.serve.openai.logprobs import chat_logprobs, padded, prompt_logprobs_json
 from tideserve.serve.openai.protocol import ChatCompletionRequest, usage
+from tideserve.serve.openai.reasoning import (
+    ReasoningDeltaStream,
+    reasoning_markers,
+    reasoning_parser,
+    split_reasoning,
+    with_reasoning,
+)
+from tideserve.serve.openai.reasoning_parsers import ReasoningParser
 from tideserve.serve.openai.serving import (
     SSE_DONE,
     RequestInfo,
@@ -43,6 +51,7 @@ from tideserve.serve.openai.serving import (
 from tideserve.serve.openai.tool_calls import (
     ToolDeltaStream,
     ToolPlan,
+    markers_are_special,
     message_with_calls,
     plan_tools,
     strip_stop_token_text,
@@ -94,6 +103,12 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                       constraint is not None)
     if plan.structured_outputs is not None:
         constraint, constraint_field = plan.structured_outputs, "tools"
+    reasoner = reasoning_parser(state.config.reasoning_parser)
+    if reasoner is None and req.include_reasoning is False:
+        raise bad_request("include_reasoning false needs a reasoning parser (--reasoning-parser): without one "
+                          "the reasoning the model writes stays in the content.", "include_reasoning")
+    if reasoner is not None and markers_are_special(reasoner, tokenizer):
+        plan = replace(plan, keep_special_tokens=True)
     # Rendering and encoding long chats must not stall the event loop.
     token_ids = await asyncio.to_thread(encode_messages, state, req, req.add_special_tokens, plan.tools)
     token_ids = truncate_prompt(state, req, token_ids)
@@ -107,6 +122,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         raise
     if plan.keep_special_tokens:
         params.skip_special_tokens = False  # the parser reads markers that are special tokens
+    if reasoner is not None and params.structured_outputs is not None:
+        params.reasoning_markers = reasoning_markers(reasoner, tokenizer)  # the grammar skips the thinking
     if state.config.log_prompts:
         logger.info("request_id=%s messages=%r", request_id, req.messages)
     info.prompt_tokens = len(token_ids)
@@ -115,7 +132,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     response_id = f"chatcmpl-{request_id}"
     echo = _echo_text(req)
     if req.stream:
-        return StreamingResponse(_stream(state, req, streams, response_id, info, top_k, token_ids, echo, plan),
+        return StreamingResponse(_stream(state, req, streams, response_id, info, top_k, token_ids, echo, plan,
+                                         reasoner),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     final, = await final_outputs(state, raw, streams)
@@ -126,7 +144,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         if top_k is not None:
             logprobs = chat_logprobs(c.token_ids, padded(c.logprobs, len(c.token_ids)), top_k, token_str)
         text = strip_stop_token_text(plan, tokenizer, c.text, c.token_ids, c.finish_reason)
+        reasoning, text = split_reasoning(reasoner, text)
         message, finish_reason = message_with_calls(plan, text, c.finish_reason)
+        if reasoner is not None:
+            message = with_reasoning(message, reasoning, req.include_reasoning)
         if echo:
             message["content"] = echo + (message.get("content") or "")
         choice = {"index": c.index, "message": message,
@@ -168,20 +189,22 @@ def _prompt_extras(state: ServerState, req: ChatCompletionRequest, out, token_id
 
 @dataclass
 class _ChoiceState:
-    deltas: ToolDeltaStream
+    deltas: ReasoningDeltaStream
     text_len: int = 0
     num_tokens: int = 0
     done: bool = False
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, streams, response_id: str,
-                  info: RequestInfo, top_k: int | None, prompt_token_ids: list[int], echo: str, plan: ToolPlan):
+                  info: RequestInfo, top_k: int | None, prompt_token_ids: list[int], echo: str, plan: ToolPlan,
+                  reasoner: ReasoningParser | None):
     """Chunks: one role delta per choice (with prompt_token_ids under return_token_ids), the echoed text
     if any, content or tool-call deltas (the first output chunk carries prompt_logprobs when asked), a
     final usage chunk with stream_options.include_usage."""
     created = int(time.time())
     tokenizer = state.engine.tokenizer
-    choices = [_ChoiceState(ToolDeltaStream(plan)) for _ in range(req.n)]
+    choices = [_ChoiceState(ReasoningDeltaStream(reasoner, ToolDeltaStream(plan), req.include_reasoning))
+               for _ in range(req.n)]
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.continuous_usage_stats)
@@ -219,10 +242,10 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, streams, respo
                                                  padded(c.logprobs, num_tokens)[st.num_tokens:], top_k,
                                                  token_str)
                     finished = c.finish_reason is not None
-                    if (plan.parser is not None and not delta and logprobs is None and not finished
-                            and not req.return_token_ids and prompt_logprobs_sent):
+                    if ((plan.parser is not None or reasoner is not None) and not delta and logprobs is None
+                            and not finished and not req.return_token_ids and prompt_logprobs_sent):
                         st.text_len, st.num_tokens = len(c.text), num_tokens
-                        continue  # text held back by the tool parser (a call's name is not complete yet)
+                        continue  # text held back by a parser (a marker or a call's name is not complete yet)
                     choice = {"index": c.index, "delta": delta, "logprobs": logprobs,
                               "finish_reason": st.deltas.finish_reason(c.finish_reason),
                               "stop_reason": c.stop_reason}

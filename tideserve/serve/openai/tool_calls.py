@@ -74,7 +74,7 @@ def plan_tools(req: ChatCompletionRequest, enable_auto_tool_choice: bool, tool_c
         if not (enable_auto_tool_choice and tool_call_parser):
             raise bad_request(AUTO_NEEDS_FLAGS, "tool_choice")
         parser = TOOL_PARSERS[tool_call_parser]()
-        return ToolPlan(tools, "auto", parser, None, parallel, _markers_are_special(parser, tokenizer))
+        return ToolPlan(tools, "auto", parser, None, parallel, markers_are_special(parser, tokenizer))
     if choice == "required":
         schema = required_schema(tools, parallel)
         return ToolPlan(tools, "required", RequiredToolParser(), _forcing(schema), parallel, False)
@@ -87,7 +87,8 @@ def _forcing(schema: dict) -> StructuredOutputsParams:
     return StructuredOutputsParams(json=schema, disable_additional_properties=True)
 
 
-def _markers_are_special(parser: ToolParser, tokenizer) -> bool:
+def markers_are_special(parser, tokenizer) -> bool:
+    """Whether any of ``parser.markers`` is a special token (decoding would drop it unless told not to)."""
     special = set(tokenizer.all_special_ids)
     for marker in parser.markers:
         token_id = tokenizer.hf.convert_tokens_to_ids(marker)
