@@ -8,12 +8,12 @@ fourth mode, ``joint``, has both elastic servers burst at the same moment, so to
 the room the limit leaves: neither may be killed and no request may fail (the engines share the
 headroom through their memory ledger and preempt or wait instead).
 Memory, not compute, must bind, so the limit is measured: the working set of both servers started,
-warmed and idle, less their KV pools (taken again in each mode once its servers are warm; a calibration
-pair of elastic servers gives the rest) + their idle floors + R + both activation peaks + the safety margin
-(from the logs), where
-the KV room R holds one whole burst, N (P + O) tokens of KV plus slack, while R / 2 cannot hold all N
-prompts. Reported per mode: burst TTFT mean / p99, output tok/s, preemptions, swap-ins, OOM kills,
-failures, seconds until the bursting pool was back at its floor, peak pools and cgroup usage.
+warmed and idle, less their KV pools (taken again in each mode once its servers are warm; the elastic
+pair, calibrated first with no limit, gives the rest) + their idle floors + R + both activation peaks +
+the safety margin (from the logs), where the KV room R holds one whole burst, N (P + O) tokens of KV plus
+slack, while R / 2 cannot hold all N prompts. Reported per mode: burst TTFT mean / p99, output tok/s,
+preemptions, swap-ins, OOM kills, failures, seconds until the bursting pool was back at its floor, peak
+pools and cgroup usage.
 
 Needs root and a writable memory cgroup (v1 or v2); a child of this process's own one is created and
 removed at the end. Reproduce (10-20 minutes on 2 cores) with:
@@ -23,8 +23,8 @@ removed at the end. Reproduce (10-20 minutes on 2 cores) with:
 ``--device cuda``: the two servers share one GPU instead (``CUDA_VISIBLE_DEVICES`` picks it), and there is
 no cgroup. The limit is held by this process: a ballast tensor of the device's size less the limit, so the
 servers' free memory ends where the limit says (usage = everything on the device but the ballast, read
-with ``torch.cuda.mem_get_info``). One elastic pair is calibrated, then bursts in turn (``elastic``) and at
-once (``joint``); the static split is the one the articles recommend, two instances at
+with ``torch.cuda.mem_get_info``). As on the CPU, one elastic pair is calibrated, then bursts in turn
+(``elastic``) and at once (``joint``); the static split is the one the articles recommend, two instances at
 ``--gpu-memory-utilization 0.45``: each server's KV gets what 0.45 of the limit leaves after its own
 weights, runtime and activation peak (``--gpu-room whole``: no ballast, the whole GPU, the flag itself, and
 a workload the user makes large enough to bind). An OOM is a server that died or a CUDA out-of-memory
@@ -392,12 +392,17 @@ async def run_burst(url: str, model: str, requests: list[SampleRequest], timeout
 
 
 async def warm(urls: list[str], model: str, warmup: list[SampleRequest], args: argparse.Namespace) -> None:
-    """The same mini burst on each server, then wait until both run nothing and neither pool has changed
-    for shrink delay + 2.5 s: the idle pools are at their after-serving floor."""
+    """The same mini burst on each server, then ``settle``."""
     for url in urls:
         records = await run_burst(url, model, warmup, args.request_timeout)
         if not all(r.success for r in records):
             raise RuntimeError(f"warmup failed on {url}: {next(r.error for r in records if not r.success)}")
+    await settle(urls, args)
+
+
+async def settle(urls: list[str], args: argparse.Namespace) -> None:
+    """Wait until both servers run nothing and neither pool has changed for shrink delay + 2.5 s: the idle
+    pools are at their after-serving floor."""
     last: list[Any] = [None, time.perf_counter()]  # pools seen, since when
     async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
         deadline = time.perf_counter() + args.shrink_delay + 30
@@ -423,19 +428,20 @@ def recovery_s(samples: list[dict[str, Any]], burst: Burst, window_s: float) -> 
 
 async def drive(servers: list[ServerProcess], bursts: list[list[SampleRequest]], warmup: list[SampleRequest],
                 cg: Cgroup | GpuMemory, args: argparse.Namespace, elastic: bool,
-                limit_above_idle: int | None, joint: bool = False) -> dict[str, Any]:
-    """Warm both servers, then the staggered bursts A, B, A, B, ``gap`` seconds apart (elastic: and each once
-    the previous burster's pool is back near its floor, so a burst never starts inside the last one's
-    give-back, whose timing varies with the machine); with ``joint``, A and B burst together, round after
-    round, each round once both pools are back near their floors; counters, timeline.
+                limit_above_idle: int | None, joint: bool = False, warmed: bool = False) -> dict[str, Any]:
+    """Warm both servers (``warmed``: they served the warmup already, so only let them settle), then the
+    staggered bursts A, B, A, B, ``gap`` seconds apart (elastic: and each once the previous burster's pool
+    is back near its floor, so a burst never starts inside the last one's give-back, whose timing varies
+    with the machine); with ``joint``, A and B burst together, round after round, each round once both
+    pools are back near their floors; counters, timeline.
 
     With ``limit_above_idle`` the cgroup's limit is set once both servers are warm and idle: their working
-    set then less their KV pools, plus that many bytes. Taken from the calibration's servers instead, the
-    limit was off by what these two hold differently at idle (page cache turned active, allocator state),
-    tens of MB out of a room of about 100."""
+    set then less their KV pools, plus that many bytes: what the servers driven hold at idle (page cache
+    turned active, allocator state) differs from pair to pair by tens of MB out of a room of about 100, and
+    from mode to mode on one pair."""
     urls = [s.base_url for s in servers]
     model = discover_model(urls[0])
-    await warm(urls, model, warmup, args)
+    await (settle(urls, args) if warmed else warm(urls, model, warmup, args))
     async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
         idle_pools = sum((m or {}).get("pool_bytes", 0.0) for m in [await scrape(client, u) for u in urls])
     idle_working_set = cg.working_set()
@@ -586,15 +592,6 @@ def cpu_summary() -> str:
 
 
 # ----------------------------------------------------------------------------------------- main
-def calibrate(cg: Cgroup, args: argparse.Namespace,
-              make_warmup: Callable[[int], list[SampleRequest]]) -> tuple[Calibration, list[SampleRequest]]:
-    """Both servers elastic in the cgroup with no limit: log figures, working set fresh and warmed-idle.
-    ``make_warmup(kv_bytes_per_token)`` builds the warmup (it must leave a full idle floor of cache)."""
-    cg.set_limit(None)
-    with start_servers(cg, args, mode_flags("elastic", args, None), "calibrate") as servers:
-        return warmed_calibration(cg, servers, args, make_warmup)
-
-
 def compute_sizing(burst: list[SampleRequest], cal: Calibration, args: argparse.Namespace,
                    total_bytes: int | None = None) -> Sizing:
     """R, the limit and the static split. On a GPU (``total_bytes``: the device's size) the static split is
@@ -625,7 +622,8 @@ def compute_sizing(burst: list[SampleRequest], cal: Calibration, args: argparse.
 
 def warmed_calibration(cg: Cgroup | GpuMemory, servers: list[ServerProcess], args: argparse.Namespace,
                        make_warmup: Callable[[int], list[SampleRequest]]) -> tuple[Calibration, list[SampleRequest]]:
-    """``calibrate``'s figures from a pair already started (the GPU run keeps it for its elastic modes)."""
+    """Both servers' log figures and working set, fresh and after a warmup (which must leave a full idle floor
+    of cache), from a pair started with no limit; ``make_warmup(kv_bytes_per_token)`` builds the warmup."""
     info = parse_log(servers[0].log_path.read_text())  # type: ignore[union-attr]
     fresh = cg.working_set()
     warmup = make_warmup(int(info["kv_bytes_per_token"]))
@@ -636,27 +634,33 @@ def warmed_calibration(cg: Cgroup | GpuMemory, servers: list[ServerProcess], arg
                        int(info["margin_gib"] * GiB), fresh, idle, pools), warmup
 
 
-def run_gpu_modes(cg: GpuMemory, args: argparse.Namespace, bursts: list[list[SampleRequest]],
-                  make_warmup: Callable[[int], list[SampleRequest]], result: dict[str, Any]) -> None:
-    """One elastic pair, calibrated with no limit, then driven staggered and jointly under the limit; then a
-    pair at the static split for each static mode."""
+def run_modes(cg: Cgroup | GpuMemory, args: argparse.Namespace, bursts: list[list[SampleRequest]],
+              make_warmup: Callable[[int], list[SampleRequest]], result: dict[str, Any]) -> None:
+    """One elastic pair, calibrated with no limit, then driven staggered and jointly under the limit (each
+    drive sets the limit from the pair's own idle working set, so one pair serves every elastic mode); then
+    a pair at the static split for each static mode."""
     elastic_modes = [m for m in args.modes if m in ("elastic", "joint")]
     window = args.shrink_delay + 15
+    total_bytes = cg.total_bytes if isinstance(cg, GpuMemory) else None
     cg.set_limit(None)
     with start_servers(cg, args, mode_flags("elastic", args, None), "elastic") as servers:
         cal, warmup = warmed_calibration(cg, servers, args, make_warmup)
-        sizing = compute_sizing(bursts[0], cal, args, cg.total_bytes)
+        sizing = compute_sizing(bursts[0], cal, args, total_bytes)
         result["calibration"], result["sizing"] = asdict(cal), asdict(sizing)
         result["workload"]["warmup_requests"] = len(warmup)
         logger.info("sizing: %s", result["sizing"])
         if not sizing.memory_binds:
             logger.warning("R/2 holds every prompt of a burst: memory does not bind (raise N or P, lower O)")
         non_kv_idle = cal.idle_usage_bytes - int(sum(cal.idle_pool_bytes))
-        above_idle = None if args.gpu_room == "whole" else sizing.limit_bytes - non_kv_idle
+        # --limit (or the whole GPU) holds from the start; a computed one is set once the pair is warm and idle
+        fixed_limit = sizing.limit_overridden or (total_bytes is not None and args.gpu_room == "whole")
+        above_idle = None if fixed_limit else sizing.limit_bytes - non_kv_idle
         for mode in elastic_modes:
             try:
+                if sizing.limit_overridden:
+                    cg.set_limit(sizing.limit_bytes)
                 run = asyncio.run(drive(servers, bursts, warmup, cg, args, elastic=True, limit_above_idle=above_idle,
-                                        joint=mode == "joint"))
+                                        joint=mode == "joint", warmed=True))
                 result["modes"][mode] = summarize(mode, run, window)
             except RuntimeError as exc:
                 logger.error("mode %s failed: %s", mode, exc)
@@ -665,6 +669,7 @@ def run_gpu_modes(cg: GpuMemory, args: argparse.Namespace, bursts: list[list[Sam
                 cg.set_limit(None)
     for mode in [m for m in args.modes if m not in ("elastic", "joint")]:
         try:
+            cg.set_limit(sizing.limit_bytes if sizing.limit_overridden else None)
             with start_servers(cg, args, mode_flags(mode, args, sizing), mode) as servers:
                 run = asyncio.run(drive(servers, bursts, warmup, cg, args, elastic=False, limit_above_idle=above_idle))
             result["modes"][mode] = summarize(mode, run, window)
@@ -697,34 +702,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                      "shared_prefix_tokens": len(os.path.commonprefix([r.prompt_token_ids for r in bursts[0][::2]]))}}
     if isinstance(cg, GpuMemory):
         result["gpu"] = {"name": cg.name, "total_bytes": cg.total_bytes, "room": args.gpu_room}
-        try:
-            run_gpu_modes(cg, args, bursts, make_warmup, result)
-        finally:
-            cg.remove()
-        add_ratios(result)
-        return result
     try:
-        cal, warmup = calibrate(cg, args, make_warmup)
-        sizing = compute_sizing(bursts[0], cal, args)
-        result["calibration"] = asdict(cal)
-        result["sizing"] = asdict(sizing)
-        result["workload"]["warmup_requests"] = len(warmup)
-        logger.info("sizing: %s", result["sizing"])
-        if not sizing.memory_binds:
-            logger.warning("R/2 holds every prompt of a burst: memory does not bind (raise N or P, lower O)")
-        for mode in args.modes:
-            # --limit holds from the start; a computed one is set once this mode's servers are warm and idle
-            cg.set_limit(sizing.limit_bytes if sizing.limit_overridden else None)
-            non_kv_idle = cal.idle_usage_bytes - int(sum(cal.idle_pool_bytes))
-            above_idle = None if sizing.limit_overridden else sizing.limit_bytes - non_kv_idle
-            try:
-                with start_servers(cg, args, mode_flags(mode, args, sizing), mode) as servers:
-                    run = asyncio.run(drive(servers, bursts, warmup, cg, args, elastic=mode in ("elastic", "joint"),
-                                            limit_above_idle=above_idle, joint=mode == "joint"))
-                result["modes"][mode] = summarize(mode, run, args.shrink_delay + 15)
-            except RuntimeError as exc:  # a server that fails to start or dies: report it, go on
-                logger.error("mode %s failed: %s", mode, exc)
-                result["modes"][mode] = {"mode": mode, "error": str(exc).splitlines()[-1]}
+        run_modes(cg, args, bursts, make_warmup, result)
     finally:
         cg.remove()
     add_ratios(result)
