@@ -1,7 +1,9 @@
 """The same request gives the same answer: a greedy request's tokens equal its run alone, whatever shares its
 steps, however much of its prompt the prefix cache held, however its prefill is chunked, whatever the block
 size, and across preemption (recompute and swap) and pool resizes. The real SmolLM2 file as a user gets it
-by default: its own Q4_1 and Q8_0 blocks on the native kernels, a bfloat16 KV cache."""
+by default: its own Q4_1 and Q8_0 blocks on the native kernels, a bfloat16 KV cache. A seeded sampled request
+(one sample, or n of them, each child seeded from the request's seed) draws the same tokens in the same
+conditions: its logits are the same bits, and its generator is its own."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from hypothesis import strategies as st
 
 from tideserve import SamplingParams
 
+pytestmark = pytest.mark.slow  # the model end to end for seconds: `make test` runs it, `-m 'not slow'` does not
+
 SYSTEM = "You are a careful assistant. Answer in full sentences and explain each step of your reasoning. " * 3
 QUESTIONS = ["What is the most common color in the world?", "Why is the sky blue?",
              "Explain how a bicycle works.", "Give me three tips for learning Python."]
@@ -18,6 +22,11 @@ MATES = ["Write a haiku about the sea.", "List five fruits and their colors.", "
          "Tell me a short story about a robot who learns to paint."]
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+TARGETS = {
+    "greedy": GREEDY,
+    "seeded": SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=MAX_TOKENS, ignore_eos=True),
+    "seeded n=2": SamplingParams(n=2, temperature=1.0, seed=99, max_tokens=MAX_TOKENS, ignore_eos=True),
+}
 
 
 def chat(llm, text: str, system: bool = True) -> list[int]:
@@ -25,11 +34,17 @@ def chat(llm, text: str, system: bool = True) -> list[int]:
     return llm.tokenizer.encode_chat(messages)
 
 
+def samples(output) -> list[list[int]]:
+    """Each sample's tokens, in the order of its index."""
+    return [list(o.token_ids) for o in sorted(output.outputs, key=lambda o: o.index)]
+
+
 @pytest.fixture(scope="module")
 def solo(make_llm):
-    """Each question's greedy tokens, run alone with nothing cached."""
+    """Each (question, target kind)'s tokens, run alone with nothing cached."""
     llm = make_llm(max_model_len=512, enable_prefix_caching=False)
-    return {q: llm.generate({"prompt_token_ids": chat(llm, q)}, GREEDY)[0].outputs[0].token_ids for q in QUESTIONS}
+    return {(q, kind): samples(llm.generate({"prompt_token_ids": chat(llm, q)}, params)[0])
+            for q in QUESTIONS for kind, params in TARGETS.items()}
 
 
 def test_the_same_chat_twice_gives_the_same_tokens(make_llm):
@@ -54,6 +69,7 @@ ENGINES = st.fixed_dictionaries({
 def workloads(draw):
     return {
         "question": draw(st.sampled_from(QUESTIONS)),
+        "target": draw(st.sampled_from(list(TARGETS))),
         # the prefix the cache holds when the request arrives: that many of its prompt's tokens, from a warm-up
         # request that shared them (0: nothing cached)
         "cached_fraction": draw(st.sampled_from([0.0, 0.3, 0.6, 0.9, 1.0])),
@@ -77,7 +93,7 @@ def build(make_llm, engine: dict):
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
           phases=[Phase.explicit, Phase.generate])
 @given(engine=ENGINES, work=workloads())
-def test_a_greedy_request_gives_its_solo_tokens_in_any_company(make_llm, solo, engine, work):
+def test_a_request_gives_its_solo_tokens_in_any_company(make_llm, solo, engine, work):
     llm = build(make_llm, engine)
     core = llm.engine
     target = chat(llm, work["question"])
@@ -86,12 +102,12 @@ def test_a_greedy_request_gives_its_solo_tokens_in_any_company(make_llm, solo, e
         llm.generate({"prompt_token_ids": target[:cached] + chat(llm, "Say hello.", system=False)},
                      SamplingParams(temperature=0.0, max_tokens=2))
     arrivals: dict[int, list[tuple[list[int], SamplingParams]]] = {}
-    arrivals.setdefault(work["arrives"], []).append((target, GREEDY))
+    arrivals.setdefault(work["arrives"], []).append((target, TARGETS[work["target"]]))
     for text, max_tokens, step, seeded in work["mates"]:
         params = (SamplingParams(temperature=0.8, seed=7, max_tokens=max_tokens, ignore_eos=True) if seeded
                   else SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         arrivals.setdefault(step, []).append((chat(llm, text, system=step % 2 == 0), params))
-    ids: dict[str, list[int]] = {}
+    ids: dict[str, list[list[int]]] = {}
     target_id = None
     step = 0
     while step <= max(arrivals) or core.has_unfinished_requests():
@@ -108,6 +124,6 @@ def test_a_greedy_request_gives_its_solo_tokens_in_any_company(make_llm, solo, e
                 pool.shrink(max(pool.num_used_blocks() + 1, 1), "test")
         for out in core.step():
             if out.finished:
-                ids[out.request_id] = out.outputs[0].token_ids
+                ids[out.request_id] = samples(out)
         step += 1
-    assert ids[target_id] == solo[work["question"]], (engine, work)
+    assert ids[target_id] == solo[work["question"], work["target"]], (engine, work)
