@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tideserve.cli import main
+
+pytestmark = pytest.mark.slow  # the model end to end for seconds: `make test` runs it, `-m 'not slow'` does not
 
 ENGINE = ["--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "128", "--disable-tqdm"]
 

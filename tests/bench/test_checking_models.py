@@ -13,6 +13,8 @@ import pytest
 from tideserve import LLM, SamplingParams
 from tideserve.tokenizer.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.slow  # the model end to end for seconds: `make test` runs it, `-m 'not slow'` does not
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "checking_models.py"
 
 

@@ -13,6 +13,8 @@ from tideserve import AsyncEngine, SamplingParams
 from tideserve.engine.async_engine import EngineDeadError, QueueFullError
 from tideserve.engine.llm_engine import EngineArgs
 
+pytestmark = pytest.mark.slow  # the model end to end for seconds: `make test` runs it, `-m 'not slow'` does not
+
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 MEDIUM = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)

@@ -177,6 +177,7 @@ def test_bad_requests_are_refused_before_anything_runs(tiny):
     assert not llm.engine.has_unfinished_requests()
 
 
+@pytest.mark.slow
 def test_smollm2_embeddings_match_transformers(make_llm, hf_smollm2):
     """The embedded model in float32, a 300-token text chunked by a 64-token budget, beside a short one."""
     hf, hf_tokenizer = hf_smollm2

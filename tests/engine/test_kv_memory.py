@@ -9,6 +9,8 @@ import pytest
 from tideserve import SamplingParams
 from tideserve.core.kv_cache.elastic import ElasticConfig
 
+pytestmark = pytest.mark.slow  # the model end to end for seconds: `make test` runs it, `-m 'not slow'` does not
+
 GiB = 2**30
 SYSTEM = ("You are a meticulous assistant. Answer briefly, cite facts, and never invent sources. " * 6)
 QUESTIONS = ["What is the boiling point of water?", "Name a prime number above 50.",

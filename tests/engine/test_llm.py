@@ -31,15 +31,18 @@ def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.slow
 def test_batched_equals_alone(llm, reference):
     assert tokens(llm.generate(PROMPTS, GREEDY)) == reference
 
 
+@pytest.mark.slow
 def test_chunked_prefill_at_small_budget_equals_alone(make_llm, reference):
     small = make_llm(dtype="float32", max_num_batched_tokens=8, max_num_seqs=4)
     assert tokens(small.generate(PROMPTS, GREEDY)) == reference
 
 
+@pytest.mark.slow
 def test_forced_preemption_equals_alone(make_llm, reference, caplog):
     # 12 blocks of 8 tokens: far too small for six requests of ~30 tokens at once.
     tiny = make_llm(dtype="float32", block_size=8, num_blocks=12, max_model_len=96)
@@ -50,6 +53,7 @@ def test_forced_preemption_equals_alone(make_llm, reference, caplog):
     assert tiny.engine.kv_manager.num_free_blocks == 12
 
 
+@pytest.mark.slow
 def test_seeded_sampling_reproducible_across_batches(llm):
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
     alone = llm.generate(["Tell me a story about a dragon."], params)[0].outputs[0].token_ids
@@ -81,6 +85,7 @@ def test_n_samples_and_logprobs(llm):
             assert all(v.logprob <= 0 for v in lp.values())
 
 
+@pytest.mark.slow
 def test_chat_and_eos(llm):
     out = llm.chat([{"role": "user", "content": "你好，请介绍一下你自己"}],
                    SamplingParams(temperature=0.0, max_tokens=64))[0]

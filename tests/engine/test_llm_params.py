@@ -47,6 +47,7 @@ def test_token_ids_beyond_the_vocabulary_are_refused_before_anything_runs(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+@pytest.mark.slow
 def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(llm):
     sample = dict(temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
     every = llm.generate(PROMPT, SamplingParams(n=5, logprobs=0, **sample))[0]

@@ -24,6 +24,7 @@ def scored(llm: LLM, ids: list[int]) -> tuple[float, list[int]]:
     return math.exp(-sum(logprobs) / len(logprobs)), top1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["int8", "int4", "gguf"])
 def test_quantized_engine_stays_close_to_float_and_leaves_the_shared_model_alone(make_llm, method):
     if unavailable_reason(method, torch.device("cpu")):

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
+
 from tideserve import SamplingParams
+
+pytestmark = pytest.mark.slow  # the model end to end for seconds: `make test` runs it, `-m 'not slow'` does not
 
 GiB = 2**30
 MiB = 2**20

@@ -11,6 +11,8 @@ from tideserve import LLM, SamplingParams
 from tideserve.errors import EngineBusyError, EngineSleepingError
 from tideserve.platform.host_memory import process_rss_bytes
 
+pytestmark = pytest.mark.slow  # the model end to end for seconds: `make test` runs it, `-m 'not slow'` does not
+
 MiB = 2**20
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

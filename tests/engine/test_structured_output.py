@@ -12,6 +12,8 @@ import pytest
 
 from tideserve import SamplingParams, StructuredOutputsParams
 
+pytestmark = pytest.mark.slow  # the model end to end for seconds: `make test` runs it, `-m 'not slow'` does not
+
 jsonschema = pytest.importorskip("jsonschema")
 
 PERSON = {

@@ -15,6 +15,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 SMALL = {"dtype": "float32", "max_model_len": 256, "num_blocks": 32}
 
 
+@pytest.mark.slow
 def test_async_llm_engine_from_a_dict_as_in_the_seed():
     assert issubclass(AsyncLLMEngine, AsyncEngine) and "AsyncLLMEngine" in tideserve.__all__
     # seed 004: AsyncLLMEngine.from_engine_args({"model": ..., "tensor_parallel_size": 2, "max_num_seqs": 512,

@@ -44,6 +44,7 @@ def assert_same_as_reader(path: Path) -> None:
         np.testing.assert_array_equal(array, theirs.data)
 
 
+@pytest.mark.slow
 def test_embedded_model_index_matches_the_reference_reader(smollm2_gguf_path: Path) -> None:
     assert_same_as_reader(smollm2_gguf_path)
     index = read_gguf_index(str(smollm2_gguf_path))

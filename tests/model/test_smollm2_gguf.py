@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from tideserve.model.llama import LlamaForCausalLM
@@ -67,6 +68,7 @@ def test_prefill_logits_match_transformers(smollm2_f32: Any, hf_smollm2: tuple[A
     torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_greedy_generation_matches_transformers(smollm2_f32: Any, hf_smollm2: tuple[Any, Any],
                                                 paged_cache: Any) -> None:
     model = smollm2_f32.model

@@ -20,7 +20,8 @@ from tideserve import LLM, SamplingParams, native
 from tideserve.model.layers.norm import RMSNorm
 from tideserve.model.loader import resolve_dtype
 
-pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the kernels")
+pytestmark = [pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the kernels"),
+              pytest.mark.slow]  # the model end to end for seconds: `make test` runs it
 
 QUESTIONS = ["What is the boiling point of water?", "Who wrote Hamlet?", "Why is the sky blue?",
              "Write a haiku about the sea."]

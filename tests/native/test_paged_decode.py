@@ -197,6 +197,7 @@ def test_both_cpu_backends_read_the_same_step_from_their_own_builders(kv_dtype):
                                    rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_build_leaves_one_library_and_no_temporaries(tmp_path):
     compiler = native.find_compiler()
     if compiler is None:

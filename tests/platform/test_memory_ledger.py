@@ -51,6 +51,7 @@ def _claim_in_child(path: str, ready, release) -> None:
     release.wait(30)
 
 
+@pytest.mark.slow
 def test_a_claim_lives_as_long_as_its_process(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     ready, release = ctx.Event(), ctx.Event()

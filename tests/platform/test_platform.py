@@ -110,6 +110,7 @@ def test_cpu_peak_of_a_run_sees_its_allocation() -> None:
     assert len(calls) == 1 and peak >= 32 * MiB
 
 
+@pytest.mark.slow
 def test_a_fake_device_is_what_the_engine_budgets_from(make_llm, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="tideserve.engine.builder")
     device = FakeDevice(memory=3 * GiB)

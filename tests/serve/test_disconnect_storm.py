@@ -15,6 +15,8 @@ import pytest
 from tideserve.serve.config import ServerConfig
 from tideserve.serve.openai.server import build_app
 
+pytestmark = pytest.mark.slow  # the model end to end for seconds: `make test` runs it, `-m 'not slow'` does not
+
 STORM_REQUESTS = 200
 CONCURRENCY = 48
 SOAK_SECONDS = 12.0

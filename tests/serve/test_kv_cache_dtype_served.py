@@ -31,6 +31,7 @@ def used_blocks(url: str) -> float:
     raise AssertionError("vllm:kv_cache_used_blocks not in /metrics")
 
 
+@pytest.mark.slow
 def test_fp8_cache_serves_the_openai_sdk_and_idles_empty(fp8_server, wait_until):
     server, engine = fp8_server
     inner = engine.engine

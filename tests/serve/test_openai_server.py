@@ -14,6 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tideserve.serve.config import ServerConfig
 from tideserve.serve.openai.server import build_app
 
+pytestmark = pytest.mark.slow  # the model end to end for seconds: `make test` runs it, `-m 'not slow'` does not
+
 openai = pytest.importorskip("openai")
 
 MESSAGES = [{"role": "user", "content": "Name three colors."}]

@@ -15,6 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from tideserve.serve.config import ServerConfig
 from tideserve.serve.openai.server import build_app
 
+pytestmark = pytest.mark.slow  # the model end to end for seconds: `make test` runs it, `-m 'not slow'` does not
+
 schemathesis = pytest.importorskip("schemathesis")
 
 # Examples per operation and mode: about 340 requests in all (a parameterless GET needs one). Valid

@@ -17,6 +17,8 @@ from tideserve.serve.openai.reasoning_parsers import DeepSeekR1ReasoningParser, 
 from tideserve.serve.openai.tool_calls import ToolDeltaStream, ToolPlan, message_with_calls
 from tideserve.serve.openai.tool_parsers import HermesToolParser
 
+pytestmark = pytest.mark.slow  # the model end to end for seconds: `make test` runs it, `-m 'not slow'` does not
+
 jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
 

@@ -14,6 +14,8 @@ import pytest
 from tideserve.serve.config import ServerConfig
 from tideserve.serve.openai.server import build_app
 
+pytestmark = pytest.mark.slow  # the model end to end for seconds: `make test` runs it, `-m 'not slow'` does not
+
 openai = pytest.importorskip("openai")
 
 TIMEOUT = 60.0

@@ -9,6 +9,8 @@ import json
 import httpx
 import pytest
 
+pytestmark = pytest.mark.slow  # the model end to end for seconds: `make test` runs it, `-m 'not slow'` does not
+
 openai = pytest.importorskip("openai")
 
 QUESTION = "Name three colors."

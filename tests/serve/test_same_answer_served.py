@@ -10,6 +10,8 @@ import os
 import pytest
 from serve_process import log_tail, start_serve
 
+pytestmark = pytest.mark.slow  # the model end to end for seconds: `make test` runs it, `-m 'not slow'` does not
+
 openai = pytest.importorskip("openai")
 
 CHATS = ["What is the most common color in the world?", "Why is the sky blue?",

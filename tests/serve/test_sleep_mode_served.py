@@ -13,6 +13,8 @@ import pytest
 from tideserve.serve.config import ServerConfig
 from tideserve.serve.openai.server import build_app
 
+pytestmark = pytest.mark.slow  # the model end to end for seconds: `make test` runs it, `-m 'not slow'` does not
+
 BODY = {"prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 6, "temperature": 0}
 
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the model end to end for seconds: `make test` runs it, `-m 'not slow'` does not
+
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -25,6 +25,8 @@ from tideserve.serve.config import ServerConfig
 from tideserve.serve.openai.server import build_app
 from tideserve.serve.openai.tool_calls import AUTO_NEEDS_FLAGS
 
+pytestmark = pytest.mark.slow  # the model end to end for seconds: `make test` runs it, `-m 'not slow'` does not
+
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -39,6 +39,7 @@ def test_a_backend_without_static_metadata_is_refused():
         DecodeGraphs(torch.nn.Identity(), (), torch.device("cpu"), 8, 64, eager_capture)
 
 
+@pytest.mark.slow
 @needs_native
 def test_replayed_decodes_give_the_eager_tokens(make_llm):
     eager = make_llm(dtype="float32", max_model_len=256, enable_prefix_caching=False, attention_backend="cpu-native")
@@ -59,6 +60,7 @@ def test_replayed_decodes_give_the_eager_tokens(make_llm):
     assert tokens(llm.generate(PROMPTS[:1], GREEDY)) == want[:1]
 
 
+@pytest.mark.slow
 @needs_native
 def test_graphs_survive_resizes_of_a_store_with_fixed_caches_and_not_a_block_size_change(make_llm):
     """A store over one reserved range hands the graphs views of its whole reservation (``fixed_caches``):
@@ -81,6 +83,7 @@ def test_graphs_survive_resizes_of_a_store_with_fixed_caches_and_not_a_block_siz
     assert graphs.num_captures > before and graphs.num_invalidations == 1
 
 
+@pytest.mark.slow
 @needs_native
 def test_graphs_are_recaptured_when_a_copying_store_resizes(make_llm, monkeypatch):
     """A copying store's resize reallocates its tensors: the graphs read stale addresses and are dropped."""

@@ -306,6 +306,7 @@ def mapped_pool(monkeypatch):
     return use_mapped_pools(monkeypatch, 2 * GiB)
 
 
+@pytest.mark.slow
 def test_a_growth_the_device_cannot_back_backs_off_and_every_request_finishes(make_llm, monkeypatch, caplog):
     """The device has room for 26 blocks; the burst wants about 32: growth fails (out of device memory),
     the pool stays as it was and backs off, requests wait or are preempted, and every answer is the one an
@@ -328,6 +329,7 @@ def test_a_growth_the_device_cannot_back_backs_off_and_every_request_finishes(ma
     assert store.num_blocks == pool.geometry.num_blocks and drivers[-1].used_bytes == store.mapped_bytes
 
 
+@pytest.mark.slow
 def test_an_engine_on_the_mapped_store_grows_shrinks_and_keeps_its_graphs(make_llm, mapped_pool, caplog):
     from tideserve import SamplingParams, native
     from tideserve.worker.cuda_graphs import eager_capture

@@ -15,6 +15,8 @@ from tideserve import SamplingParams, native
 from tideserve.model.attention import group_by_blocks
 from tideserve.native import quant
 
+pytestmark = pytest.mark.slow  # the model end to end for seconds: `make test` runs it, `-m 'not slow'` does not
+
 
 def cost(blocks: list[int], groups: list[tuple[int, int]], overhead: int) -> int:
     return sum((hi - lo) * blocks[hi - 1] + overhead for lo, hi in groups)
