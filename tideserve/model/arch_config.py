@@ -22,7 +22,8 @@ SUPPORTED_ROPE_TYPES = ("llama3", "linear", "longrope")
 
 @dataclass
 class ArchConfig:
-    """Decoder-only transformer hyper-parameters (Llama family: Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3).
+    """Decoder-only transformer hyper-parameters (Llama family: Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3,
+    Phi-3/Phi-4).
 
     The keys every family shares are read here; what a family derives its own way (biases, tied
     embeddings, q/k norms) comes from its ``ModelFamily`` declaration (``tideserve/model/families/``).
