@@ -5,6 +5,7 @@ GGUF file of it loads and computes what transformers computes."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from collections.abc import Collection, Iterator, Mapping
@@ -105,7 +106,7 @@ def test_names_belong_to_one_family(toy: ModelFamily) -> None:
 
 
 def test_builtin_families() -> None:
-    assert {f.name for f in model_families()} >= {"llama", "qwen2", "qwen3"}
+    assert {f.name for f in model_families()} >= {"llama", "qwen2", "qwen3", "phi3"}
     llama, qwen2, qwen3 = family_for("llama"), family_for("Qwen2ForCausalLM"), family_for("qwen3")
     assert family_for("mistral") is llama and family_for("MistralForCausalLM") is llama
     assert family_for("Qwen3ForCausalLM") is qwen3 and hf_architecture_for_gguf("qwen3") == "Qwen3ForCausalLM"
@@ -120,6 +121,37 @@ def test_builtin_families() -> None:
     a = ArchConfig.from_hf_config({**config, "model_type": "qwen3", "architectures": [], "attention_bias": True})
     assert a.architecture == "Qwen3ForCausalLM" and a.qk_norm and a.qkv_bias and a.o_bias
     assert not ArchConfig.from_hf_config({**CONFIG, "architectures": ["Qwen2ForCausalLM"]}).qk_norm
+
+
+def test_phi3_family(caplog: pytest.LogCaptureFixture) -> None:
+    """Phi-3's fused GGUF tensors map onto the model's fused layers (loaded by shard), its longrope factor
+    tensors are config, not weights, and llama.cpp leaves its q/k rows as HF has them."""
+    phi3 = family_for("phi3")
+    assert family_for("Phi3ForCausalLM") is phi3 and hf_architecture_for_gguf("phi3") == "Phi3ForCausalLM"
+    assert not phi3.gguf_unpermute
+    assert phi3.gguf_tensors.hf_name("blk.2.attn_qkv.weight") == "model.layers.2.self_attn.qkv_proj.weight"
+    assert phi3.gguf_tensors.hf_name("blk.2.ffn_up.weight") == "model.layers.2.mlp.gate_up_proj.weight"
+    assert phi3.gguf_tensors.hf_name("blk.2.ffn_down.weight") == "model.layers.2.mlp.down_proj.weight"
+    assert {"rope_factors_long.weight", "rope_factors_short.weight"} <= phi3.gguf_tensors.skipped
+    # Phi-4-mini's shape: partial rotary, longrope with the pre-training context at the top level
+    config = {**CONFIG, "architectures": [], "model_type": "phi3", "partial_rotary_factor": 0.75,
+              "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+              "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6}}
+    a = ArchConfig.from_hf_config(config)
+    assert a.architecture == "Phi3ForCausalLM" and not a.qkv_bias and not a.o_bias
+    assert a.rotary_dim == a.head_dim * 3 // 4
+    assert a.rope_scaling["rope_type"] == "longrope"
+    assert a.rope_scaling["original_max_position_embeddings"] == 4096
+    assert a.rope_scaling["attention_factor"] == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
+    # the 4k models' window: not applied, and said so; a 128k model's window past its context: nothing to say
+    ArchConfig.from_hf_config({**config, "max_position_embeddings": 4096, "sliding_window": 262144})
+    assert "sliding_window" not in caplog.text
+    ArchConfig.from_hf_config({**config, "max_position_embeddings": 4096, "sliding_window": 2047})
+    assert "sliding_window=2047 is not applied" in caplog.text
+    su = ArchConfig.from_hf_config({**config, "rope_scaling": {**config["rope_scaling"], "type": "su"}})
+    assert su.rope_scaling == a.rope_scaling
+    with pytest.raises(ValueError, match="missing long_factor"):
+        ArchConfig.from_hf_config({**config, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 6}})
 
 
 def test_an_unknown_architecture_names_the_supported_ones() -> None:

@@ -13,7 +13,7 @@ BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 
 
 
 @pytest.mark.parametrize("name", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                  "llama", "mistral", "qwen2", "qwen3"])
+                                  "Phi3ForCausalLM", "llama", "mistral", "qwen2", "qwen3", "phi3"])
 def test_supported_names_resolve(name: str) -> None:
     assert resolve_model_class(name) is LlamaForCausalLM
     assert name in supported_architectures()
@@ -22,8 +22,8 @@ def test_supported_names_resolve(name: str) -> None:
 def test_unknown_architecture_lists_supported() -> None:
     with pytest.raises(ValueError, match=r"'GPT2LMHeadModel'.*LlamaForCausalLM.*Qwen2ForCausalLM.*qwen2"):
         resolve_model_class("GPT2LMHeadModel")
-    with pytest.raises(ValueError, match=r"'phi3'.*supported GGUF architectures: llama, mistral, qwen2"):
-        hf_architecture_for_gguf("phi3")
+    with pytest.raises(ValueError, match=r"'gpt2'.*supported GGUF architectures: .*llama, mistral.*qwen2"):
+        hf_architecture_for_gguf("gpt2")
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         ArchConfig.from_hf_config({**BASE, "architectures": ["GPT2LMHeadModel"]})
 

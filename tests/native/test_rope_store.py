@@ -18,16 +18,19 @@ pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C comp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn],
                          ids=["kv-f32", "kv-bf16", "kv-fp8"])
-@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim"),
-                         [(1, 9, 3, 64), (40, 4, 4, 16), (3, 8, 1, 8), (17, 2, 1, 128), (2, 3, 3, 40)])
-def test_rope_store_equals_rotary_then_index_copy(isa, tokens, heads, kv_heads, head_dim, kv_dtype, dtype):
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim", "rotary_dim"),
+                         [(1, 9, 3, 64, None), (40, 4, 4, 16, None), (3, 8, 1, 8, None), (17, 2, 1, 128, None),
+                          (2, 3, 3, 40, None), (5, 4, 2, 128, 96), (19, 3, 1, 40, 12)])
+def test_rope_store_equals_rotary_then_index_copy(isa, tokens, heads, kv_heads, head_dim, rotary_dim, kv_dtype,
+                                                  dtype):
     """Bit for bit on every path: the kernel rounds where torch's operators round (in bfloat16, after each
-    product and each sum), and multiplies and adds without fusing them."""
+    product and each sum), and multiplies and adds without fusing them. ``rotary_dim``: partial rotary
+    (Phi-4-mini's 96 of 128), where the values past it must come through untouched."""
     gen = torch.Generator().manual_seed(tokens)
     width = (heads + 2 * kv_heads) * head_dim
     base = torch.randn(tokens, width + 5, generator=gen).to(dtype)  # rows wider than qkv, as a strided view
     qkv = base[:, :width]
-    rotary = RotaryEmbedding(head_dim, 512, 10000.0, None, dtype, "cpu")
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0, None, dtype, "cpu", rotary_dim)
     positions = torch.randint(0, 512, (tokens,), generator=gen)
     cos, sin = rotary.cos_sin(positions)
     shape = (16, 4, kv_heads, head_dim)  # 64 slots
@@ -37,6 +40,10 @@ def test_rope_store_equals_rotary_then_index_copy(isa, tokens, heads, kv_heads, 
     want_qkv = qkv.clone()
     qk = want_qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
     apply_rotary_(qk, cos, sin)
+    if rotary_dim is not None:  # the reference itself: rotated values change, the others do not
+        unrotated = qkv[:, : (heads + kv_heads) * head_dim].reshape(tokens, heads + kv_heads, head_dim)
+        assert torch.equal(qk[..., rotary_dim:], unrotated[..., rotary_dim:])
+        assert not torch.equal(qk[..., :rotary_dim], unrotated[..., :rotary_dim])
     want_k = as_copyable(k_cache.clone()).view(64, kv_heads, head_dim)
     want_v = as_copyable(v_cache.clone()).view(64, kv_heads, head_dim)
     want_k.index_copy_(0, slots, as_copyable(qk[:, heads:].to(kv_dtype)))

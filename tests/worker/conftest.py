@@ -1,5 +1,6 @@
-"""Tiny random-weight Llama, Qwen2 and Qwen3 checkpoints for the tensor-parallel tests, saved by transformers (so a
-rank process can load them from disk), and the embedded model's tokenizer to drive them by token ids."""
+"""Tiny random-weight Llama, Qwen2, Qwen3 and Phi-3 checkpoints for the tensor-parallel tests, saved by
+transformers (so a rank process can load them from disk), and the embedded model's tokenizer to drive them
+by token ids."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ TINY: dict[str, Callable[[], Any]] = {}
 
 
 def _configs() -> dict[str, Callable[[], Any]]:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     return {
         # 4 KV heads: 2 per rank; an odd vocabulary and MLP size: the last rank's slices are shorter
@@ -31,6 +32,13 @@ def _configs() -> dict[str, Callable[[], Any]]:
         # per-head q/k norms, whole on every rank; head_dim 32, not hidden / heads (24); q/k/v/o biases
         "qwen3-kv2-bias": lambda: Qwen3Config(**COMMON, vocab_size=129, num_attention_heads=4, num_key_value_heads=2,
                                               head_dim=32, attention_bias=True, tie_word_embeddings=False),
+        # fused qkv / gate_up checkpoints split by shard, then by rank; partial rotary (12 of 24) with longrope
+        "phi3-kv2-longrope": lambda: Phi3Config(
+            **COMMON, vocab_size=127, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=None, partial_rotary_factor=0.5,
+            original_max_position_embeddings=32,
+            rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                          "long_factor": [2.0 + 1.5 * i for i in range(6)]}),
     }
 
 

@@ -6,6 +6,7 @@ One dataclass serves both formats so that the model and the runner never look at
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -16,19 +17,24 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ROPE_TYPES = ("llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("llama3", "linear", "longrope")
 
 
 @dataclass
 class ArchConfig:
-    """Decoder-only transformer hyper-parameters (Llama family: Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3).
+    """Decoder-only transformer hyper-parameters (Llama family: Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3,
+    Phi-3/Phi-4).
 
     The keys every family shares are read here; what a family derives its own way (biases, tied
     embeddings, q/k norms) comes from its ``ModelFamily`` declaration (``tideserve/model/families/``).
 
-    ``rope_scaling`` is None for plain RoPE, else a dict with ``rope_type`` in ("llama3", "linear") and
-    that type's HF parameters, or ``rope_type == "freq_factors"`` with a per-frequency divisor list
-    (how llama.cpp stores llama3 scaling in GGUF: the ``rope_freqs`` tensor).
+    ``rope_scaling`` is None for plain RoPE, else a dict with ``rope_type`` in ("llama3", "linear",
+    "longrope") and that type's HF parameters, or ``rope_type == "freq_factors"`` with a per-frequency
+    divisor list (how llama.cpp stores llama3 scaling in GGUF: the ``rope_freqs`` tensor). A longrope dict
+    always carries its ``attention_factor`` (HF's default computed here when the config has none).
+
+    ``rotary_dim``: how many values of each head rotate (HF ``partial_rotary_factor`` * head_dim, GGUF
+    ``rope.dimension_count``); None means the whole head.
     """
 
     architecture: str
@@ -48,6 +54,7 @@ class ArchConfig:
     o_bias: bool = False  # Llama's attention_bias also puts a bias on o_proj; Qwen2 does not
     # Qwen3: an RMSNorm over each q and k head (weights [head_dim], eps rms_norm_eps) before rotary
     qk_norm: bool = False
+    rotary_dim: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -60,7 +67,10 @@ class ArchConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
-        self.rope_scaling = _normalize_rope_scaling(self.rope_scaling)
+        self.rotary_dim = self.rotary_dim or self.head_dim
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ValueError(f"rotary_dim={self.rotary_dim} must be even and at most head_dim={self.head_dim}")
+        self.rope_scaling = _normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings)
 
     @property
     def generates(self) -> bool:
@@ -93,9 +103,15 @@ class ArchConfig:
 
         num_heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
+        head_dim = int(config.get("head_dim") or hidden // num_heads)
         rope_theta, rope_scaling = _hf_rope(config)
+        # transformers v5 keeps partial_rotary_factor beside rope_theta; v4 configs at the top level
+        partial = float((rope_scaling or {}).pop("partial_rotary_factor", None)
+                        or config.get("partial_rotary_factor") or 1.0)
         if rope_scaling and "original_max_position_embeddings" not in rope_scaling:
-            rope_scaling["original_max_position_embeddings"] = config.get("max_position_embeddings")
+            # Phi-3 keeps the pre-training context at the top level, beside max_position_embeddings
+            rope_scaling["original_max_position_embeddings"] = (config.get("original_max_position_embeddings")
+                                                                or config.get("max_position_embeddings"))
         eos = config.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         bos = config.get("bos_token_id")
@@ -107,7 +123,8 @@ class ArchConfig:
             num_hidden_layers=int(config["num_hidden_layers"]),
             num_attention_heads=num_heads,
             num_key_value_heads=int(config.get("num_key_value_heads") or num_heads),
-            head_dim=int(config.get("head_dim") or hidden // num_heads),
+            head_dim=head_dim,
+            rotary_dim=int(head_dim * partial),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -157,6 +174,16 @@ class ArchConfig:
         if "rope_freqs.weight" in tensors:
             factors = tensors["rope_freqs.weight"].read_array()
             rope_scaling = {"rope_type": "freq_factors", "freq_factors": [float(f) for f in factors.ravel()]}
+        elif "rope_factors_long.weight" in tensors:  # llama.cpp's Phi-3 longrope: the factors as tensors
+            rope_scaling = {
+                "rope_type": "longrope",
+                "long_factor": [float(f) for f in tensors["rope_factors_long.weight"].read_array().ravel()],
+                "short_factor": [float(f) for f in tensors["rope_factors_short.weight"].read_array().ravel()],
+                "original_max_position_embeddings": int(need("{arch}.rope.scaling.original_context_length")),
+            }
+            attn_factor = get("{arch}.rope.scaling.attn_factor")
+            if attn_factor is not None:
+                rope_scaling["attention_factor"] = float(attn_factor)
         elif scaling_type not in (None, "none"):
             factor = float(get("{arch}.rope.scaling.factor", 1.0))
             rope_scaling = {"rope_type": str(scaling_type), "factor": factor}
@@ -168,6 +195,7 @@ class ArchConfig:
                 eos_ids.append(int(value))
         bos = get("tokenizer.ggml.bos_token_id")
         head_count_kv = get("{arch}.attention.head_count_kv", num_heads)
+        head_dim = int(get("{arch}.attention.key_length", hidden // num_heads))
         fields: dict[str, Any] = dict(
             architecture=architecture,
             vocab_size=vocab_size,
@@ -176,7 +204,8 @@ class ArchConfig:
             num_hidden_layers=int(need("{arch}.block_count")),
             num_attention_heads=num_heads,
             num_key_value_heads=int(head_count_kv),
-            head_dim=int(get("{arch}.attention.key_length", hidden // num_heads)),
+            head_dim=head_dim,
+            rotary_dim=int(get("{arch}.rope.dimension_count", head_dim)),
             rms_norm_eps=float(get("{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(get("{arch}.rope.freq_base", 10000.0)),
             rope_scaling=rope_scaling,
@@ -200,13 +229,16 @@ def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(config.get("rope_theta", 10000.0)), dict(scaling) if scaling else None
 
 
-def _normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
-    """None for plain RoPE; else a dict whose ``rope_type`` we implement (unknown types raise)."""
+def _normalize_rope_scaling(scaling: dict[str, Any] | None, max_positions: int) -> dict[str, Any] | None:
+    """None for plain RoPE; else a dict whose ``rope_type`` we implement (unknown types raise).
+    ``max_positions``: the model's context, from which longrope's default attention factor follows."""
     if not scaling:
         return None
     scaling = dict(scaling)
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
+    if rope_type == "su":  # LongRoPE's first name, in early Phi-3 128k configs
+        rope_type = "longrope"
     if rope_type == "default":
         return None
     if rope_type == "freq_factors":
@@ -215,9 +247,22 @@ def _normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | 
         raise ValueError(
             f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    required = ("factor",) if rope_type == "linear" else (
-        "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [k for k in required if k not in scaling]
+    required = {
+        "linear": ("factor",),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+        "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+    }[rope_type]
+    missing = [k for k in required if scaling.get(k) is None]
     if missing:
         raise ValueError(f"rope_scaling of type {rope_type!r} is missing {', '.join(missing)}")
+    if rope_type == "longrope" and scaling.get("attention_factor") is None:
+        scaling["attention_factor"] = _longrope_attention_factor(scaling, max_positions)
     return {"rope_type": rope_type, **scaling}
+
+
+def _longrope_attention_factor(scaling: dict[str, Any], max_positions: int) -> float:
+    """transformers' default: sqrt(1 + ln(s) / ln(original)) for the context scale s = ``factor``, or, as
+    Phi-3 configs have none, max_position_embeddings / original_max_position_embeddings."""
+    original = float(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or max_positions / original)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))

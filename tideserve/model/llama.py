@@ -1,8 +1,10 @@
-"""Llama-family decoder (Llama 2/3, Mistral, SmolLM/SmolLM2, Qwen2, Qwen3) over a flat, unpadded token batch.
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM/SmolLM2, Qwen2, Qwen3, Phi-3/Phi-4) over a flat,
+unpadded token batch.
 
 The model knows nothing of requests: it sees token ids, their positions, one (k_cache, v_cache) pair per
 layer and an ``AttentionMetadata``. Module names mirror HF checkpoints (``model.layers.N.self_attn...``),
-except that q/k/v and gate/up are fused; ``load_weights`` maps checkpoint names onto the fused rows.
+except that q/k/v and gate/up are fused; ``load_weights`` maps checkpoint names onto the fused rows, and
+splits checkpoints that store them fused already (Phi-3's ``qkv_proj`` and ``gate_up_proj``) by shard.
 """
 
 from __future__ import annotations
@@ -164,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.model = LlamaModel(arch, dtype, device)
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions or arch.max_position_embeddings,
-                                      arch.rope_theta, arch.rope_scaling, dtype, device)
+                                      arch.rope_theta, arch.rope_scaling, dtype, device, arch.rotary_dim)
         self.lm_head = (self.model.embed_tokens if arch.tie_word_embeddings
                         else Embedding(arch.vocab_size, arch.hidden_size, dtype, device))
         self.lm_head_q = None  # a quantized copy of the LM head under --quantization int8/int4
@@ -215,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors, named as in HF Llama checkpoints, into the (fused) parameters.
+        """Copy checkpoint tensors, named as in HF Llama (or Phi-3: fused) checkpoints, into the fused parameters.
 
         Every parameter, and every shard of a fused one, must be loaded exactly as the model expects;
         anything missing, unknown or of the wrong shape raises ValueError naming it.
@@ -238,9 +240,13 @@ class LlamaForCausalLM(nn.Module):
                 module = self.get_submodule(module_path)
             except AttributeError:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model") from None
+            shards = [shard_id]
             if isinstance(module, Linear):
                 try:
-                    module.load(param_name, tensor, shard_id)
+                    if shard_id is None and None not in module.shard_offsets:  # stored fused (Phi-3)
+                        shards = module.load_fused(param_name, tensor)
+                    else:
+                        module.load(param_name, tensor, shard_id)
                 except ValueError as exc:
                     raise ValueError(f"{module_path}: {exc}") from None
             elif isinstance(module, Embedding) and (isinstance(tensor, QuantTensor) or self._quantize_table):
@@ -260,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not match the "
                                      f"model's {tuple(param.shape)}")
                 param.data.copy_(tensor)
-            loaded.add(f"{module_path}.{param_name}" + (f"[{shard_id}]" if shard_id else ""))
+            loaded.update(f"{module_path}.{param_name}" + (f"[{s}]" if s else "") for s in shards)
 
         missing = sorted(self._expected_weights() - loaded)
         if missing:

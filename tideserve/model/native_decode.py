@@ -41,8 +41,8 @@ PHASES = ("norms", "qkv", "rope_store", "attention", "o", "gate_up", "down")
 
 
 class NativeDecodeForward:
-    """Runs the decoder layers of a block-quantized float32 Llama-family model (Qwen3's q/k norms included)
-    for decode-only steps.
+    """Runs the decoder layers of a block-quantized float32 Llama-family model (Qwen3's q/k norms and Phi-3's
+    partial rotary included) for decode-only steps.
 
     Holds raw pointers to the model's weights: it must not outlive them, and the model must not be
     re-quantized or moved while it is in use (the model owns it, so both go together).
@@ -120,7 +120,8 @@ class NativeDecodeForward:
         k_ptrs, v_ptrs = self._caches(kv_caches)
         failed = self.lib.ts_decode_forward_f32(
             self.layers_ptr, k_ptrs, v_ptrs, len(kv_caches), hidden.data_ptr(), self.model.model.norm.weight.data_ptr(),
-            tokens, arch.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, arch.intermediate_size,
+            tokens, arch.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, self.model.rotary.rotary_dim,
+            arch.intermediate_size,
             arch.rms_norm_eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
             lens.data_ptr(),
             k0.shape[1], native.CACHE_DTYPE_CODES[k0.dtype], attn.scale, native.intra_op_threads(),

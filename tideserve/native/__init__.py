@@ -142,10 +142,10 @@ def load_library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = argtypes
     lib.ts_rope_store_f32.restype = None
-    lib.ts_rope_store_f32.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, cint, cint]
+    lib.ts_rope_store_f32.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, cint, cint]
     lib.ts_decode_forward_f32.restype = cint
-    lib.ts_decode_forward_f32.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, ptr, ptr,
-                                          ptr, ptr, i64, ptr, i64, cint, f32, cint, ptr]
+    lib.ts_decode_forward_f32.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, ptr,
+                                          ptr, ptr, ptr, i64, ptr, i64, cint, f32, cint, ptr]
     _declare_isa_exports(lib)
     _declare_qgemm_exports(lib)
     _select_isa(lib)
@@ -196,7 +196,7 @@ def _declare_isa_exports(lib: ctypes.CDLL) -> None:
         "ts_paged_prefill_packed_calls": (i64, []),
         "ts_rms_norm_bf16": (None, [ptr, ptr, ptr, i64, i64, f32, cint]),
         "ts_add_rms_norm_bf16": (None, [ptr, ptr, ptr, ptr, i64, i64, f32, cint]),
-        "ts_rope_store_bf16": (None, [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, cint, cint]),
+        "ts_rope_store_bf16": (None, [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, cint, cint]),
         "ts_argmax_rows_f32": (cint, [ptr, i64, i64, i64, ptr, cint]),
     }
     for name, (restype, argtypes) in signatures.items():
@@ -465,24 +465,27 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: t
                k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> bool:
     """Rotate the q and k heads of qkv [T, (H + 2 KVH) * D] in place and store k and v at ``slots`` in the
     caches ([num_blocks, block_size, KVH, D], float32, bfloat16 or float8_e4m3fn); see rope_store.c. qkv, cos
-    and sin are all float32 or all bfloat16. False, touching nothing, when the inputs do not fit the kernel."""
+    and sin are all float32 or all bfloat16; cos and sin hold rotary_dim / 2 values per token (rotary_dim < D:
+    partial rotary). False, touching nothing, when the inputs do not fit the kernel."""
     lib = load_library()
     if lib is None or qkv.dim() != 2 or qkv.shape[0] == 0:
         return False
     tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
+    rotary_dim = 2 * cos.shape[-1]
     ok = (qkv.dtype == cos.dtype == sin.dtype and qkv.dtype in _TS_DTYPES and qkv.device.type == "cpu"
           and qkv.stride(1) == 1
           and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0
-          and cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() == tokens * head_dim // 2
+          and 0 < rotary_dim <= head_dim
+          and cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() == tokens * rotary_dim // 2
           and slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == tokens
           and k_cache.dtype == v_cache.dtype and k_cache.dtype in CACHE_DTYPE_CODES and k_cache.device.type == "cpu"
           and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-2] == num_kv_heads)
     if not ok:
         return False
     kernel = lib.ts_rope_store_f32 if qkv.dtype == torch.float32 else lib.ts_rope_store_bf16
-    kernel(qkv.data_ptr(), qkv.stride(0), tokens, num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-           slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_DTYPE_CODES[k_cache.dtype],
+    kernel(qkv.data_ptr(), qkv.stride(0), tokens, num_heads, num_kv_heads, head_dim, rotary_dim, cos.data_ptr(),
+           sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_DTYPE_CODES[k_cache.dtype],
            intra_op_threads())
     return True
 
@@ -536,7 +539,8 @@ def bind_paged_prefill(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int
 def bind_rope_store(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                     head_dim: int) -> Callable[..., None] | None:
     """``fn(qkv, cos, sin, slots, k_cache, v_cache)`` as ``rope_store`` for qkv/cos/sin of ``dtype`` and
-    caches of ``kv_dtype``, or None."""
+    caches of ``kv_dtype``, or None. The rotated width is read from cos (2 * its last dimension), so the
+    same bound kernel serves full and partial rotary."""
     lib = load_library()
     if lib is None or dtype not in _TS_DTYPES or kv_dtype not in CACHE_DTYPE_CODES or head_dim % 2:
         return None
@@ -544,8 +548,8 @@ def bind_rope_store(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, n
     kv_code = CACHE_DTYPE_CODES[kv_dtype]
 
     def rope_store_bound(qkv, cos, sin, slots, k_cache, v_cache) -> None:
-        kernel(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads, num_kv_heads, head_dim, cos.data_ptr(),
-               sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_code,
+        kernel(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads, num_kv_heads, head_dim, 2 * cos.shape[-1],
+               cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_code,
                intra_op_threads())
 
     return rope_store_bound

@@ -6,6 +6,7 @@
  * in C over the same kernels the Python path calls (rows.c, qgemm.c, rope_store.c, paged_decode.c), in
  * the same order, so both paths give the same numbers. Layers with q/k norms (Qwen3) normalise the q and
  * k heads in place between the qkv projection and rotary, with the kernel the Python path calls there.
+ * Partial rotary (Phi-4-mini) rotates the first rotary_dim values of each head, as the Python path does.
  *
  * Scope: float32 activations, block-quantized projections (GGUF formats, qgemm.c), a float32 or bfloat16
  * paged cache, and a batch of single-token queries (decodes) only; callers take the Python path otherwise.
@@ -43,7 +44,7 @@ static void lap(double *phase_seconds, int phase, double *mark) {
 int ts_decode_forward_f32(const ts_decoder_layer *layers, void *const *k_caches, void *const *v_caches,
                           int64_t num_layers, float *hidden, const float *final_norm, int64_t tokens,
                           int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t intermediate, float eps, const float *cos, const float *sin, const int64_t *slots,
+                          int64_t rotary_dim, int64_t intermediate, float eps, const float *cos, const float *sin, const int64_t *slots,
                           const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
                           int64_t block_size, int kv_dtype, float scale, int num_threads, double *phase_seconds) {
     const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
@@ -72,8 +73,8 @@ int ts_decode_forward_f32(const ts_decoder_layer *layers, void *const *k_caches,
                                   num_threads);
             lap(phase_seconds, TS_PHASE_NORMS, &mark);
         }
-        ts_rope_store_f32(qkv, qkv_width, tokens, num_heads, num_kv_heads, head_dim, cos, sin, slots, k_caches[l],
-                          v_caches[l], kv_dtype, num_threads);
+        ts_rope_store_f32(qkv, qkv_width, tokens, num_heads, num_kv_heads, head_dim, rotary_dim, cos, sin, slots,
+                          k_caches[l], v_caches[l], kv_dtype, num_threads);
         lap(phase_seconds, TS_PHASE_ROPE_STORE, &mark);
         failed |= ts_paged_decode(qkv, qkv_width, TS_DTYPE_F32, k_caches[l], v_caches[l], kv_dtype, block_tables,
                                   table_width, context_lens, attn, q_width, TS_DTYPE_F32, tokens, num_heads,

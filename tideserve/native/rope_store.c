@@ -6,8 +6,9 @@
  * Layouts:
  *   qkv        [tokens, (num_heads + 2 * num_kv_heads) * head_dim] float32 or bfloat16, rows qkv_stride
  *              elements apart; q and k are rotated in place (HF "rotate_half": the first and second halves
- *              of a head pair up)
- *   cos, sin   [tokens, head_dim / 2], qkv's dtype
+ *              of a head's first rotary_dim values pair up; the values after them pass through, as in
+ *              partial rotary, e.g. Phi-4-mini's 96 of 128)
+ *   cos, sin   [tokens, rotary_dim / 2], qkv's dtype
  *   slots      [tokens] int64, cache slot (block * block_size + offset) of each token
  *   k/v cache  [num_slots, num_kv_heads, head_dim], float32, bfloat16 or float8 e4m3 (kv_dtype: TS_DTYPE_*)
  *
@@ -113,10 +114,10 @@ static void store_row_bf16(const uint16_t *src, void *cache, int64_t offset, int
 }
 
 void ts_rope_store_f32(float *qkv, int64_t qkv_stride, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t head_dim, const float *cos, const float *sin, const int64_t *slots, void *k_cache,
-                       void *v_cache, int kv_dtype, int num_threads) {
+                       int64_t head_dim, int64_t rotary_dim, const float *cos, const float *sin, const int64_t *slots,
+                       void *k_cache, void *v_cache, int kv_dtype, int num_threads) {
     const int isa = ts_isa_level();
-    const int64_t half = head_dim / 2;
+    const int64_t half = rotary_dim / 2;
     const int64_t kv_width = num_kv_heads * head_dim;
 #pragma omp parallel for num_threads(num_threads) if (tokens >= TS_ROPE_PARALLEL_MIN)
     for (int64_t t = 0; t < tokens; t++) {
@@ -130,10 +131,11 @@ void ts_rope_store_f32(float *qkv, int64_t qkv_stride, int64_t tokens, int64_t n
 }
 
 void ts_rope_store_bf16(uint16_t *qkv, int64_t qkv_stride, int64_t tokens, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim, const uint16_t *cos, const uint16_t *sin,
-                        const int64_t *slots, void *k_cache, void *v_cache, int kv_dtype, int num_threads) {
+                        int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim, const uint16_t *cos,
+                        const uint16_t *sin, const int64_t *slots, void *k_cache, void *v_cache, int kv_dtype,
+                        int num_threads) {
     const int isa = ts_isa_level();
-    const int64_t half = head_dim / 2;
+    const int64_t half = rotary_dim / 2;
     const int64_t kv_width = num_kv_heads * head_dim;
 #pragma omp parallel for num_threads(num_threads) if (tokens >= TS_ROPE_PARALLEL_MIN)
     for (int64_t t = 0; t < tokens; t++) {

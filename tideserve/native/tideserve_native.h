@@ -128,13 +128,15 @@ int ts_argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t strid
 /* ---------------------------------------------------------------- rope_store.c: rotary + KV store */
 
 /* Rotate q and k of qkv [tokens, (num_heads + 2 num_kv_heads) head_dim] in place and store k, v at slots
- * of the caches, whose element type kv_dtype gives (TS_DTYPE_F32, _BF16 or _FP8). cos, sin: [tokens, head_dim / 2]. */
+ * of the caches, whose element type kv_dtype gives (TS_DTYPE_F32, _BF16 or _FP8). Only the first rotary_dim
+ * (even, <= head_dim) values of each head rotate (partial rotary; the rest pass through). cos, sin:
+ * [tokens, rotary_dim / 2]. */
 void ts_rope_store_f32(float *qkv, int64_t qkv_stride, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t head_dim, const float *cos, const float *sin, const int64_t *slots, void *k_cache,
+                       int64_t head_dim, int64_t rotary_dim, const float *cos, const float *sin, const int64_t *slots, void *k_cache,
                        void *v_cache, int kv_dtype, int num_threads);
 /* The same with bfloat16 qkv, cos and sin, rounding as torch's bfloat16 operators do. */
 void ts_rope_store_bf16(uint16_t *qkv, int64_t qkv_stride, int64_t tokens, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim, const uint16_t *cos, const uint16_t *sin,
+                        int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim, const uint16_t *cos, const uint16_t *sin,
                         const int64_t *slots, void *k_cache, void *v_cache, int kv_dtype, int num_threads);
 
 /* ---------------------------------------------------------------- qgemm.c: block-quantized linear layers */
@@ -180,7 +182,7 @@ enum { TS_PHASE_NORMS, TS_PHASE_QKV, TS_PHASE_ROPE_STORE, TS_PHASE_ATTENTION, TS
 int ts_decode_forward_f32(const ts_decoder_layer *layers, void *const *k_caches, void *const *v_caches,
                           int64_t num_layers, float *hidden, const float *final_norm, int64_t tokens,
                           int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t intermediate, float eps, const float *cos, const float *sin, const int64_t *slots,
+                          int64_t rotary_dim, int64_t intermediate, float eps, const float *cos, const float *sin, const int64_t *slots,
                           const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
                           int64_t block_size, int kv_dtype, float scale, int num_threads, double *phase_seconds);
 

@@ -90,6 +90,22 @@ class Linear(nn.Module):
             raise ValueError(f"{param_name} shard {shard_id!r}: GGUF blocks need a quantized load")
         param.data.narrow(0, offset, size).copy_(tensor)
 
+    def load_fused(self, param_name: str, tensor: Any) -> list[str | None]:
+        """Load a checkpoint tensor that holds every shard's rows, in shard order (Phi-3 stores q|k|v and
+        gate|up fused), shard by shard as ``load`` would take them; returns the shard ids. GGUF blocks split
+        as they are: a block never spans rows."""
+        if tuple(tensor.shape[:1]) != (self.out_features,):
+            sizes = ", ".join(f"{k} {n}" for k, (_, n) in self.shard_offsets.items())
+            raise ValueError(f"fused {param_name}: checkpoint shape {tuple(tensor.shape)} does not match the "
+                             f"model's {self.out_features} rows ({sizes})")
+        for shard_id, (offset, size) in self.shard_offsets.items():
+            if isinstance(tensor, QuantTensor):
+                part: Any = QuantTensor(tensor.qtype, tensor.data[offset:offset + size], (size, tensor.shape[1]))
+            else:
+                part = tensor.narrow(0, offset, size)
+            self.load(param_name, part, shard_id)
+        return list(self.shard_offsets)
+
     def _finish_quantized_load(self) -> None:
         """Every shard is in: assemble the QuantWeight (blocks kept, floats quantized) and drop the floats."""
         segments = []
