@@ -40,12 +40,16 @@ def hf_config_fields(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def gguf_config_fields(tensors: Collection[str]) -> dict[str, Any]:
-    """Biases and tied embeddings are seen in a GGUF file's tensors, not its metadata."""
-    return {
+    """Biases and tied embeddings are seen in a GGUF file's tensors, not its metadata; so is Mixtral, which
+    llama.cpp writes as a ``llama`` file with stacked expert tensors (families/mixtral.py)."""
+    fields = {
         "tie_word_embeddings": "output.weight" not in tensors,
         "qkv_bias": "blk.0.attn_q.bias" in tensors,
         "o_bias": "blk.0.attn_output.bias" in tensors,
     }
+    if any(name.endswith(".ffn_gate_exps.weight") for name in tensors):
+        fields["architecture"] = "MixtralForCausalLM"
+    return fields
 
 
 FAMILY = ModelFamily(
