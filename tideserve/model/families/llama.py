@@ -40,13 +40,18 @@ def hf_config_fields(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def gguf_config_fields(tensors: Collection[str]) -> dict[str, Any]:
-    """Biases and tied embeddings are seen in a GGUF file's tensors, not its metadata; so is Mixtral, which
-    llama.cpp writes as a ``llama`` file with stacked expert tensors (families/mixtral.py)."""
-    fields = {
+    """Biases and tied embeddings are seen in a GGUF file's tensors, not its metadata."""
+    return {
         "tie_word_embeddings": "output.weight" not in tensors,
         "qkv_bias": "blk.0.attn_q.bias" in tensors,
         "o_bias": "blk.0.attn_output.bias" in tensors,
     }
+
+
+def llama_file_fields(tensors: Collection[str]) -> dict[str, Any]:
+    """A ``llama`` file's fields; one with stacked expert tensors is Mixtral, which llama.cpp writes as a
+    ``llama`` file (families/mixtral.py reads its tensors)."""
+    fields = gguf_config_fields(tensors)
     if any(name.endswith(".ffn_gate_exps.weight") for name in tensors):
         fields["architecture"] = "MixtralForCausalLM"
     return fields
@@ -63,5 +68,5 @@ FAMILY = ModelFamily(
     gguf_unpermute={"self_attn.q_proj.weight": "num_attention_heads",
                     "self_attn.k_proj.weight": "num_key_value_heads"},
     hf_config_fields=hf_config_fields,
-    gguf_config_fields=gguf_config_fields,
+    gguf_config_fields=llama_file_fields,
 )
