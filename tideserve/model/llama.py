@@ -112,8 +112,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
         self.self_attn = LlamaAttention(arch, dtype, device)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
-        self.mlp: nn.Module = (SparseMoeBlock(arch, dtype, device) if arch.is_moe_layer(index)
-                               else LlamaMLP(arch, dtype, device))
+        self.mlp: nn.Module
+        if arch.is_moe_layer(index):
+            experts = (LlamaMLP(arch, dtype, device, arch.moe_intermediate_size) for _ in range(arch.num_experts))
+            self.mlp = SparseMoeBlock(arch, experts, dtype, device)
+        else:
+            self.mlp = LlamaMLP(arch, dtype, device)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -62,15 +62,17 @@ class SparseMoeBlock(nn.Module):
     as the dense MLP does after its down projection. The router is replicated, so ranks route alike.
     """
 
-    def __init__(self, arch: ArchConfig, dtype: torch.dtype, device: torch.device | str) -> None:
-        from tideserve.model.llama import LlamaMLP
-
+    def __init__(self, arch: ArchConfig, experts: Iterable[nn.Module], dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        """``experts``: ``arch.num_experts`` SwiGLU MLPs (the model's ``LlamaMLP``s of
+        ``moe_intermediate_size``), built by the model so that this module needs none of its classes."""
         super().__init__()
         self.top_k = arch.num_experts_per_tok
         self.norm_topk_prob = arch.norm_topk_prob
         self.gate = Router(arch.num_experts, arch.hidden_size, dtype, device)
-        self.experts = nn.ModuleList(LlamaMLP(arch, dtype, device, arch.moe_intermediate_size)
-                                     for _ in range(arch.num_experts))
+        self.experts = nn.ModuleList(experts)
+        if len(self.experts) != arch.num_experts:
+            raise ValueError(f"{len(self.experts)} experts for num_experts={arch.num_experts}")
         self.group: CollectiveGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
