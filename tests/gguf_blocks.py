@@ -1,4 +1,5 @@
-"""Test helpers: GGUF block quantizers for every format tideserve's kernels take, and tiny GGUF files.
+"""Test helpers: GGUF block quantizers for every format tideserve's kernels take, and tiny GGUF files
+(mixtures of experts included: experts stacked into 3-D tensors as llama.cpp writes them).
 
 The gguf package quantizes the legacy formats (Q4_0 ... Q8_0) but not the K-quants, so Q4_K, Q5_K and
 Q6_K are written here in numpy from ggml's block layouts (a plain min/max fit, not llama.cpp's search:
@@ -133,6 +134,9 @@ def write_tiny_gguf(hf_model: Any, config: Any, path: Path, arch: str, qtypes: d
     writer = start_gguf(path, arch, config)
     with torch.no_grad():
         for name, param in hf_model.named_parameters():
+            if ".mlp.experts." in name or name.endswith(".mlp.gate.weight"):
+                _add_moe_tensor(writer, name, param, qtypes)
+                continue
             w = param.numpy()
             qtype = qtypes.get(name.split(".")[-2], "f32") if w.ndim == 2 else "f32"
             if qtype == "f32":
@@ -148,6 +152,32 @@ def write_tiny_gguf(hf_model: Any, config: Any, path: Path, arch: str, qtypes: d
                 data = llama_cpp_permute(data, heads)
             writer.add_tensor(gguf_name(name), data, raw_dtype=QTYPE_NAMES[qtype])
     finish_gguf(writer)
+
+
+def _add_moe_tensor(writer: gguf.GGUFWriter, name: str, param: torch.Tensor, qtypes: dict[str, str]) -> None:
+    """A transformers MoE parameter as llama.cpp writes it: the router as ``ffn_gate_inp`` (float32), the
+    fused experts (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]) as 3-D
+    ``ffn_{gate,up,down}_exps`` tensors, each expert's matrix in ``qtypes[<gguf name>]`` blocks (e.g.
+    {"ffn_gate_exps": "q4_0"}; default f32). The parameter takes the blocks' dequantized values."""
+    layer = name.split(".")[2]
+    if name.endswith(".mlp.gate.weight"):
+        writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", param.numpy().astype(np.float32))
+        return
+    w = param.numpy()
+    half = w.shape[1] // 2
+    parts = ([("ffn_gate_exps", w[:, :half]), ("ffn_up_exps", w[:, half:])] if name.endswith("gate_up_proj")
+             else [("ffn_down_exps", w)])
+    values = []
+    for key, stacked in parts:
+        qtype = qtypes.get(key, "f32")
+        if qtype == "f32":
+            writer.add_tensor(f"blk.{layer}.{key}.weight", np.ascontiguousarray(stacked, dtype=np.float32))
+            values.append(stacked)
+            continue
+        data = np.stack([quantize(m, qtype) for m in stacked])
+        values.append(np.stack([dequantize(d, qtype) for d in data]))
+        writer.add_tensor(f"blk.{layer}.{key}.weight", data, raw_dtype=QTYPE_NAMES[qtype])
+    param.copy_(torch.from_numpy(np.concatenate(values, axis=1)))
 
 
 def start_gguf(path: Path, arch: str, config: Any) -> gguf.GGUFWriter:
@@ -169,6 +199,12 @@ def start_gguf(path: Path, arch: str, config: Any) -> gguf.GGUFWriter:
     if config.rope_parameters.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(config.rope_parameters["factor"])
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:  # as llama.cpp: the expert MLP size only where it is not feed_forward_length (qwen3moe)
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if getattr(config, "moe_intermediate_size", None):
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])

@@ -152,6 +152,33 @@ def test_phi3_family(caplog: pytest.LogCaptureFixture) -> None:
     assert su.rope_scaling == a.rope_scaling
     with pytest.raises(ValueError, match="missing long_factor"):
         ArchConfig.from_hf_config({**config, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 6}})
+def test_builtin_moe_families() -> None:
+    """Mixtral (HF only: llama.cpp writes it as a llama file, named Mixtral by its expert tensors) and
+    Qwen3-MoE (its own GGUF architecture, not q/k-permuted), and which of their layers are sparse."""
+    assert {f.name for f in model_families()} >= {"mixtral", "qwen3_moe"}
+    mixtral, qwen3_moe = family_for("MixtralForCausalLM"), family_for("qwen3moe")
+    assert qwen3_moe is family_for("Qwen3MoeForCausalLM")
+    assert hf_architecture_for_gguf("qwen3moe") == "Qwen3MoeForCausalLM"
+    assert hf_architecture_for_gguf("llama") == "LlamaForCausalLM"
+    experts = {"blk.0.ffn_gate_exps.weight", "output.weight"}
+    assert family_for("llama").gguf_config_fields(experts)["architecture"] == "MixtralForCausalLM"
+    assert "architecture" not in family_for("llama").gguf_config_fields({"output.weight"})
+    assert "architecture" not in family_for("qwen3moe").gguf_config_fields(experts)
+    assert mixtral.gguf_unpermute and not qwen3_moe.gguf_unpermute
+    assert (mixtral.gguf_tensors.hf_name("blk.1.ffn_down_exps.weight")
+            == "model.layers.1.block_sparse_moe.experts.w2.weight")
+    assert qwen3_moe.gguf_tensors.hf_name("blk.1.ffn_gate_inp.weight") == "model.layers.1.mlp.gate.weight"
+    moe = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_hidden_layers": 4}
+    a = ArchConfig.from_hf_config({**CONFIG, **moe, "architectures": [], "model_type": "qwen3_moe",
+                                   "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert a.architecture == "Qwen3MoeForCausalLM" and a.qk_norm and not a.norm_topk_prob
+    assert [a.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
+    a = ArchConfig.from_hf_config({**CONFIG, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8,
+                                   "num_experts_per_tok": 2})
+    assert (a.num_experts, a.moe_intermediate_size, a.norm_topk_prob, a.dense_layers) == (8, 96, True, ())
+    with pytest.raises(ValueError, match="num_experts_per_tok=9 must be between 1 and num_experts=8"):
+        ArchConfig.from_hf_config({**CONFIG, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8,
+                                   "num_experts_per_tok": 9})
 
 
 def test_an_unknown_architecture_names_the_supported_ones() -> None:

@@ -10,7 +10,15 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from tideserve import native
 from tideserve.model.arch_config import ArchConfig
@@ -39,6 +47,17 @@ VARIANTS: dict[str, Any] = {
     "qwen3-bias": lambda: Qwen3Config(**COMMON, num_hidden_layers=2, head_dim=32, attention_bias=True,
                                       tie_word_embeddings=False),
     "qwen3-tied": lambda: Qwen3Config(**COMMON, num_hidden_layers=2, head_dim=32, tie_word_embeddings=True),
+    # mixtures of experts (model/moe.py): 4 experts, top 2. Mixtral renormalises the top-2 weights.
+    "mixtral": lambda: MixtralConfig(**COMMON, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+                                     sliding_window=None),
+    # Qwen3-MoE: layer 0 dense (mlp_only_layers, intermediate_size 96), layer 1 experts of 32; both ways of
+    # norm_topk_prob
+    "qwen3moe-dense0-norm": lambda: Qwen3MoeConfig(
+        **COMMON, num_hidden_layers=2, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        mlp_only_layers=[0], norm_topk_prob=True),
+    "qwen3moe-unnormalised-tied": lambda: Qwen3MoeConfig(
+        **COMMON, num_hidden_layers=2, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=False, tie_word_embeddings=True),
 }
 
 
@@ -83,6 +102,11 @@ def test_logits_match_transformers_mixed_batch(tiny: tuple[str, Any, Path], mixe
     if name.startswith("qwen3"):
         a = loaded.arch
         assert a.qk_norm and a.head_dim == 32 and a.qkv_bias == a.o_bias == ("bias" in name)
+    if name.startswith(("mixtral", "qwen3moe")):
+        a = loaded.arch
+        assert (a.num_experts, a.num_experts_per_tok) == (4, 2) and a.norm_topk_prob == ("unnormalised" not in name)
+        assert a.dense_layers == ((0,) if "dense0" in name else ())
+        assert a.moe_intermediate_size == (96 if name == "mixtral" else 32)
     mixed_batch(loaded.arch.vocab_size).assert_matches(loaded.model, hf_model, backend=backend)
 
 
@@ -114,11 +138,19 @@ def test_a_qwen3_checkpoint_without_its_qk_norms_is_refused() -> None:
 
 
 def test_bfloat16_close_to_float32(tiny: tuple[str, Any, Path], mixed_batch: Any) -> None:
-    """bf16 weights, activations and KV cache stay near the float32 result (a smoke test of the casts)."""
+    """bf16 weights, activations and KV cache stay near the float32 result (a smoke test of the casts).
+
+    With experts, a token whose 2nd and 3rd routing probabilities nearly tie (0.0002 apart in one of the
+    mixtral variant's tokens) can reach another expert in bf16, and the rows that attend to it follow; so
+    there only most rows are held to the bound (a wrong cast would move every row)."""
     _, hf_model, directory = tiny
     model = load_model(str(directory), dtype="bfloat16").model
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
     batch = mixed_batch(model.arch.vocab_size)
+    rows_close = []
     for got, want in zip(batch.ours(model, torch.bfloat16), batch.reference(hf_model), strict=True):
         assert got.dtype == torch.float32
-        assert (got - want).abs().max() < 0.1 * want.abs().max()
+        if not model.arch.num_experts:
+            assert (got - want).abs().max() < 0.1 * want.abs().max()
+        rows_close += ((got - want).abs().amax(-1) < 0.1 * want.abs().amax(-1)).tolist()
+    assert sum(rows_close) >= 0.7 * len(rows_close)

@@ -1,6 +1,6 @@
-"""Tiny random-weight Llama, Qwen2, Qwen3 and Phi-3 checkpoints for the tensor-parallel tests, saved by
-transformers (so a rank process can load them from disk), and the embedded model's tokenizer to drive them
-by token ids."""
+"""Tiny random-weight Llama, Qwen2, Qwen3, Phi-3, Mixtral and Qwen3-MoE checkpoints for the tensor-parallel
+tests, saved by transformers (so a rank process can load them from disk), and the embedded model's tokenizer
+to drive them by token ids."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ TINY: dict[str, Callable[[], Any]] = {}
 
 
 def _configs() -> dict[str, Callable[[], Any]]:
-    from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     return {
         # 4 KV heads: 2 per rank; an odd vocabulary and MLP size: the last rank's slices are shorter
@@ -39,6 +39,14 @@ def _configs() -> dict[str, Callable[[], Any]]:
             original_max_position_embeddings=32,
             rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
                           "long_factor": [2.0 + 1.5 * i for i in range(6)]}),
+        # experts: every expert's MLP split across the ranks (98 per expert: 49 + 49), the router whole
+        "mixtral-e4-top2": lambda: MixtralConfig(**COMMON, vocab_size=128, num_attention_heads=4,
+                                                 num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+        # a dense first layer beside a sparse one; an odd expert MLP size (33: 17 + 16); no renormalisation
+        "qwen3moe-dense0": lambda: Qwen3MoeConfig(**COMMON, vocab_size=129, num_attention_heads=4,
+                                                  num_key_value_heads=2, head_dim=32, num_experts=4,
+                                                  num_experts_per_tok=2, moe_intermediate_size=33,
+                                                  mlp_only_layers=[0], norm_topk_prob=False),
     }
 
 

@@ -148,6 +148,18 @@ def test_the_torch_backend_stays_eager(make_llm):
     assert llm.engine.executor.driver_worker.runner.graphs is None
 
 
+@needs_native
+def test_a_mixture_of_experts_stays_eager(tiny_checkpoint, smollm2_tokenizer):
+    from tideserve import LLM
+    from tideserve.model.loader import load_model
+
+    loaded = load_model(str(tiny_checkpoint("mixtral-e4-top2")), dtype="float32")
+    llm = LLM.from_loaded(loaded, smollm2_tokenizer, max_model_len=128, attention_backend="cpu-native")
+    runner = llm.engine.executor.driver_worker.runner
+    assert not runner.enable_graphs(max_num_seqs=8, max_model_len=128, capture=eager_capture)
+    assert runner.graphs is None
+
+
 @pytest.mark.cuda
 def test_cuda_graphs_give_the_eager_tokens(make_llm):
     # benchmarks/gpu_check.sh names a model of the default's shape where the embedded one is not installed

@@ -52,7 +52,7 @@ def _wait_gone(pids: set[int], timeout: float = 15.0) -> set[int]:
 
 
 @pytest.mark.parametrize("name", ["llama-kv4-untied", "llama-kv1-tied", "qwen2-kv3-bias", "qwen3-kv2-bias",
-                                  "phi3-kv2-longrope"])
+                                  "phi3-kv2-longrope", "mixtral-e4-top2", "qwen3moe-dense0"])
 def test_tp2_greedy_equals_tp1_and_pool_moves_stay_in_lockstep(name, tiny_checkpoint, smollm2_tokenizer, caplog):
     loaded = load_model(str(tiny_checkpoint(name)), dtype="float32")
     vocab = loaded.arch.vocab_size

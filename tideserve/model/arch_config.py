@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,7 @@ SUPPORTED_ROPE_TYPES = ("llama3", "linear", "longrope")
 @dataclass
 class ArchConfig:
     """Decoder-only transformer hyper-parameters (Llama family: Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3,
-    Phi-3/Phi-4).
+    Phi-3/Phi-4; mixtures of experts: Mixtral, Qwen3-MoE).
 
     The keys every family shares are read here; what a family derives its own way (biases, tied
     embeddings, q/k norms) comes from its ``ModelFamily`` declaration (``tideserve/model/families/``).
@@ -55,6 +56,14 @@ class ArchConfig:
     # Qwen3: an RMSNorm over each q and k head (weights [head_dim], eps rms_norm_eps) before rotary
     qk_norm: bool = False
     rotary_dim: int | None = None
+    # Mixture of experts (Mixtral, Qwen3-MoE): a layer's MLP is ``num_experts`` SwiGLU experts of
+    # ``moe_intermediate_size``, of which a router picks ``num_experts_per_tok`` per token; 0 experts is a
+    # dense model. ``dense_layers`` keep a dense MLP of ``intermediate_size`` (Qwen3-MoE's mlp_only_layers).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1 (Mixtral always does)
+    dense_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -71,6 +80,14 @@ class ArchConfig:
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ValueError(f"rotary_dim={self.rotary_dim} must be even and at most head_dim={self.head_dim}")
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings)
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
+                             f"num_experts={self.num_experts}")
+        self.dense_layers = tuple(sorted(self.dense_layers))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def generates(self) -> bool:
@@ -213,7 +230,26 @@ class ArchConfig:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
         )
+        fields.update(_gguf_moe_fields(get, tensors.keys(), fields))
         return cls(**{**fields, **family.gguf_config_fields(tensors.keys())})
+
+
+def _gguf_moe_fields(get: Any, tensors: Collection[str], fields: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a GGUF file (none for a dense one). llama.cpp writes the expert
+    count and top-k under every architecture's prefix; the expert MLP size only where it differs from
+    ``feed_forward_length`` (qwen3moe); a renormalisation flag for some architectures (qwen3moe always
+    renormalises: its released models all do). A layer without a router tensor is dense."""
+    experts = int(get("{arch}.expert_count", 0))
+    if not experts:
+        return {}
+    layers = fields["num_hidden_layers"]
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(get("{arch}.expert_used_count", 0)),
+        "moe_intermediate_size": int(get("{arch}.expert_feed_forward_length", fields["intermediate_size"])),
+        "norm_topk_prob": bool(get("{arch}.expert_weights_norm", True)),
+        "dense_layers": tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors),
+    }
 
 
 def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

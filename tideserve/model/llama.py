@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, SmolLM/SmolLM2, Qwen2, Qwen3, Phi-3/Phi-4) over a flat,
-unpadded token batch.
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM/SmolLM2, Qwen2, Qwen3, Phi-3/Phi-4; with a
+mixture-of-experts MLP, Mixtral and Qwen3-MoE: model/moe.py) over a flat, unpadded token batch.
 
 The model knows nothing of requests: it sees token ids, their positions, one (k_cache, v_cache) pair per
 layer and an ``AttentionMetadata``. Module names mirror HF checkpoints (``model.layers.N.self_attn...``),
@@ -22,6 +22,7 @@ from tideserve.model.attention import AttentionMetadata
 from tideserve.model.layers.linear import Linear
 from tideserve.model.layers.norm import RMSNorm
 from tideserve.model.layers.rotary import RotaryEmbedding, apply_rotary_
+from tideserve.model.moe import Router, SparseMoeBlock, checkpoint_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +88,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up as one matmul."""
+    """down(silu(gate(x)) * up(x)) with gate and up as one matmul; ``intermediate_size`` defaults to the
+    arch's (a mixture of experts builds its experts with theirs)."""
 
-    def __init__(self, arch: ArchConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype, device: torch.device | str,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate_size = arch.intermediate_size
-        size = arch.intermediate_size
+        size = intermediate_size or arch.intermediate_size
+        self.intermediate_size = size
         self.gate_up_proj = Linear(arch.hidden_size, {"gate": size, "up": size}, bias=False, dtype=dtype,
                                    device=device)
         self.down_proj = Linear(size, arch.hidden_size, bias=False, dtype=dtype, device=device)
@@ -102,14 +105,20 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block; the residual stream is carried separately so each norm also does the residual add."""
+    """Pre-norm block; the residual stream is carried separately so each norm also does the residual add.
+    Layer ``index``'s MLP is a mixture of experts where ``arch.is_moe_layer(index)``."""
 
-    def __init__(self, arch: ArchConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype, device: torch.device | str, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
         self.self_attn = LlamaAttention(arch, dtype, device)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
-        self.mlp = LlamaMLP(arch, dtype, device)
+        self.mlp: nn.Module
+        if arch.is_moe_layer(index):
+            experts = (LlamaMLP(arch, dtype, device, arch.moe_intermediate_size) for _ in range(arch.num_experts))
+            self.mlp = SparseMoeBlock(arch, experts, dtype, device)
+        else:
+            self.mlp = LlamaMLP(arch, dtype, device)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,7 +156,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, dtype, device) for _ in range(arch.num_hidden_layers))
+            LlamaDecoderLayer(arch, dtype, device, i) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
 
 
@@ -222,8 +231,11 @@ class LlamaForCausalLM(nn.Module):
         Every parameter, and every shard of a fused one, must be loaded exactly as the model expects;
         anything missing, unknown or of the wrong shape raises ValueError naming it.
         """
+        from tideserve.model.layers.quant.blocks import dequantize_blocks
         from tideserve.model.layers.quant.weights import QuantTensor, QuantWeight
 
+        if self.arch.num_experts:
+            weights = checkpoint_tensors(weights)
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
@@ -262,6 +274,8 @@ class LlamaForCausalLM(nn.Module):
                 param = getattr(module, param_name, None)
                 if not isinstance(param, nn.Parameter):
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")  # noqa: TRY004
+                if isinstance(tensor, QuantTensor):  # a MoE router stored in blocks: it stays float
+                    tensor = dequantize_blocks(tensor.data, tensor.qtype, tensor.shape[1])
                 if tuple(param.shape) != tuple(tensor.shape):
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not match the "
                                      f"model's {tuple(param.shape)}")
@@ -296,6 +310,6 @@ class LlamaForCausalLM(nn.Module):
                     expected.add(f"{path}.weight{suffix}")
                     if module.bias is not None:
                         expected.add(f"{path}.bias{suffix}")
-            elif isinstance(module, (RMSNorm, Embedding)):
+            elif isinstance(module, (RMSNorm, Embedding, Router)):
                 expected.add(f"{path}.weight")
         return expected

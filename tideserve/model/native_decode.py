@@ -71,9 +71,10 @@ class NativeDecodeForward:
     @classmethod
     def build(cls, model: torch.nn.Module) -> NativeDecodeForward | None:
         """The native forward for ``model``, or None when its layers are not all block-quantized, float32
-        and laid out as the kernel expects (or no native library could be built)."""
+        and laid out as the kernel expects (or no native library could be built). A mixture-of-experts
+        model is refused: the kernel runs one dense MLP per layer, so its layers take the Python path."""
         lib = native.load_library()
-        if lib is None or getattr(model, "dtype", None) != torch.float32:
+        if lib is None or getattr(model, "dtype", None) != torch.float32 or model.arch.num_experts:
             return None
         layers = []
         for layer in model.model.layers:

@@ -6,6 +6,10 @@ sums (row parallel); gate|up keep the rank's slice of the MLP, down_proj its col
 layer costs two all-reduces and attention runs over the rank's heads only, reading the rank's shard of
 every KV block. The vocabulary is split too (model/layers/vocab_parallel_embedding.py).
 
+A mixture-of-experts layer (model/moe.py) splits every expert as the dense MLP is split (each rank keeps
+every expert's slice of the expert MLP size) and keeps the router whole, so every rank routes each token
+to the same experts; the experts' partial sums are added up first and all-reduced once per layer.
+
 KV heads: each rank keeps whole KV groups (a KV head and the query heads that read it), as evenly as the
 count allows: 8 KV heads on 2 ranks are 4 + 4; 3 KV heads (SmolLM2-135M: 9 query heads) are 2 + 1, so
 rank 0 computes 6 of the 9 heads' attention and holds twice rank 1's KV bytes per block (vLLM refuses
@@ -26,8 +30,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from tideserve.model.arch_config import ArchConfig
-from tideserve.model.layers.linear import CollectiveGroup, ColumnParallelLinear, RowParallelLinear
+from tideserve.model.layers.linear import CollectiveGroup, ColumnParallelLinear, RowParallelLinear, input_slice
 from tideserve.model.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from tideserve.model.moe import SparseMoeBlock
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,8 @@ def check_tensor_parallel(arch: ArchConfig, world_size: int, quantization: str) 
             f"use a tensor_parallel_size of at most {nkv}.")
     if arch.intermediate_size < world_size or arch.vocab_size < world_size:
         raise ValueError(f"{tp} is larger than the model's MLP size ({arch.intermediate_size}) or vocabulary.")
+    if arch.num_experts and arch.moe_intermediate_size < world_size:
+        raise ValueError(f"{tp} is larger than the model's expert MLP size ({arch.moe_intermediate_size}).")
 
 
 def shard_model(model: torch.nn.Module, group: CollectiveGroup) -> torch.nn.Module:
@@ -98,12 +105,21 @@ def shard_model(model: torch.nn.Module, group: CollectiveGroup) -> torch.nn.Modu
     q_rows, kv_rows = heads.rows(heads.q_heads, hd), heads.rows(heads.kv_heads, hd)
     mlp = _split(arch.intermediate_size, rank, world)
     mlp_rows, mlp_size = torch.arange(mlp.start, mlp.stop), len(mlp)
+    expert = _split(arch.moe_intermediate_size, rank, world)
+    expert_rows, expert_size = torch.arange(expert.start, expert.stop), len(expert)
     for layer in part.model.layers:
         attn = layer.self_attn
         attn.qkv_proj = ColumnParallelLinear.shard(attn.qkv_proj, {"q": q_rows, "k": kv_rows, "v": kv_rows})
         attn.o_proj = RowParallelLinear.shard(attn.o_proj, q_rows, group)
         attn.num_heads, attn.num_kv_heads = len(heads.q_heads), len(heads.kv_heads)
         attn.q_size, attn.kv_size = len(q_rows), len(kv_rows)
+        if isinstance(layer.mlp, SparseMoeBlock):
+            for e in layer.mlp.experts:
+                e.gate_up_proj = ColumnParallelLinear.shard(e.gate_up_proj, {"gate": expert_rows, "up": expert_rows})
+                e.down_proj = input_slice(e.down_proj, expert_rows)
+                e.intermediate_size = expert_size
+            layer.mlp.group = group
+            continue
         mlp = layer.mlp
         mlp.gate_up_proj = ColumnParallelLinear.shard(mlp.gate_up_proj, {"gate": mlp_rows, "up": mlp_rows})
         mlp.down_proj = RowParallelLinear.shard(mlp.down_proj, mlp_rows, group)
@@ -116,5 +132,5 @@ def shard_model(model: torch.nn.Module, group: CollectiveGroup) -> torch.nn.Modu
     part.native_decode = None
     # The part's own shape: what the attention backend binds its kernels to, and the profiling estimate
     part.arch = replace(arch, num_attention_heads=len(heads.q_heads), num_key_value_heads=len(heads.kv_heads),
-                        intermediate_size=mlp_size)
+                        intermediate_size=mlp_size, moe_intermediate_size=expert_size)
     return part

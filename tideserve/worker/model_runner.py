@@ -103,8 +103,10 @@ class ModelRunner:
 
     def enable_graphs(self, max_num_seqs: int, max_model_len: int, capture: GraphCapture | None = None) -> bool:
         """Run decode-only steps as graphs captured per batch size (``capture``: real CUDA graphs by
-        default). False, changing nothing, when the attention backend has no static decode metadata."""
-        if not self.attn_backend.graph_fields:
+        default). False, changing nothing, when the attention backend has no static decode metadata, or for a
+        mixture of experts: which experts a step runs depends on its routing, read on the host, which a
+        captured graph cannot follow."""
+        if not self.attn_backend.graph_fields or getattr(self.model.arch, "num_experts", 0):
             return False
         self.graphs = DecodeGraphs(self.model, self.attn_backend.graph_fields, self.device, max_num_seqs,
                                    max_model_len, capture or cuda_graph_capture(self.device))

@@ -48,6 +48,15 @@ def gguf_config_fields(tensors: Collection[str]) -> dict[str, Any]:
     }
 
 
+def llama_file_fields(tensors: Collection[str]) -> dict[str, Any]:
+    """A ``llama`` file's fields; one with stacked expert tensors is Mixtral, which llama.cpp writes as a
+    ``llama`` file (families/mixtral.py reads its tensors)."""
+    fields = gguf_config_fields(tensors)
+    if any(name.endswith(".ffn_gate_exps.weight") for name in tensors):
+        fields["architecture"] = "MixtralForCausalLM"
+    return fields
+
+
 FAMILY = ModelFamily(
     name="llama",
     model_class="tideserve.model.llama:LlamaForCausalLM",
@@ -59,5 +68,5 @@ FAMILY = ModelFamily(
     gguf_unpermute={"self_attn.q_proj.weight": "num_attention_heads",
                     "self_attn.k_proj.weight": "num_key_value_heads"},
     hf_config_fields=hf_config_fields,
-    gguf_config_fields=gguf_config_fields,
+    gguf_config_fields=llama_file_fields,
 )

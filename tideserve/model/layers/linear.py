@@ -174,6 +174,16 @@ class ColumnParallelLinear(Linear):
         return _sharded(cls, linear, torch.cat(weights), bias, sizes)
 
 
+def input_slice(linear: Linear, cols: torch.Tensor) -> Linear:
+    """A plain layer over the input columns ``cols`` of ``linear`` (bias-free): a row-parallel partial
+    product whose all-reduce the caller does, as a mixture of experts does once for all its experts
+    (model/moe.py) rather than once per expert."""
+    if linear.bias is not None:
+        raise ValueError("a partial product cannot carry the bias; use RowParallelLinear")
+    weight = linear.weight.index_select(1, cols.to(linear.weight.device))
+    return _sharded(Linear, linear, weight, None, {k: size for k, (_, size) in linear.shard_offsets.items()})
+
+
 class RowParallelLinear(Linear):
     """Input columns split across ranks (o_proj over the rank's heads, down_proj over its slice of the
     MLP): each rank's product is a partial sum, all-reduced here (the one collective per attention block

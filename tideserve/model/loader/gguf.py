@@ -72,7 +72,7 @@ def iter_gguf_weights(index: GGUFIndex, arch: ArchConfig,
     """
     from tideserve.model.layers.quant.weights import QuantTensor
 
-    family = family_for(str(index.get("general.architecture")))
+    family = family_for(arch.architecture)  # a llama file with experts is read as Mixtral
     if family.gguf_tensors is None:
         raise ValueError(f"model family {family.name!r} declares no GGUF tensor names")
     skipped = family.gguf_tensors.skipped
@@ -83,6 +83,9 @@ def iter_gguf_weights(index: GGUFIndex, arch: ArchConfig,
         name = hf_name(t.name, family)
         qtype = gguf_qtype(t)
         shape = tuple(reversed(t.shape))
+        if len(shape) == 3:
+            yield from _split_experts(t, name, shape, keep)
+            continue
         heads = None
         if len(shape) == 2:
             heads = next((getattr(arch, count) for suffix, count in unpermute if name.endswith(suffix)), None)
@@ -98,12 +101,34 @@ def iter_gguf_weights(index: GGUFIndex, arch: ArchConfig,
         yield name, tensor
 
 
+def _split_experts(t: GGUFTensorInfo, name: str, shape: tuple[int, ...],
+                   keep: Callable[[str, str], bool] | None) -> Iterator[tuple[str, Any]]:
+    """A 3-D tensor stacks a layer's experts ([n_expert, out, in]): yield each expert's matrix under its
+    checkpoint name, the expert index inserted before the projection (``...experts.w1.weight`` ->
+    ``...experts.3.w1.weight``). Blocks run along rows, so each expert's rows are whole blocks, kept as
+    they are where ``keep`` says so."""
+    from tideserve.model.layers.quant.weights import QuantTensor
+
+    stem, leaf, param = name.rsplit(".", 2)
+    n_expert, out, cols = shape
+    qtype = gguf_qtype(t)
+    names = [f"{stem}.{e}.{leaf}.{param}" for e in range(n_expert)]
+    if keep is not None and keep(names[0], qtype):
+        data = read_blocks(t)
+        for e, expert in enumerate(names):
+            yield expert, QuantTensor(qtype, data[e * out:(e + 1) * out], (out, cols))
+        return
+    tensor = dequantize_tensor(t)
+    for e, expert in enumerate(names):
+        yield expert, tensor[e]
+
+
 def quantized_share(index: GGUFIndex, qtypes: Iterable[str]) -> float:
-    """The share of the file's 2-D tensor bytes stored in one of ``qtypes``."""
+    """The share of the file's matrix bytes (2-D tensors and 3-D stacked experts) stored in one of ``qtypes``."""
     wanted = set(qtypes)
     total = kept = 0
     for t in index.tensors:
-        if len(t.shape) == 2:
+        if len(t.shape) in (2, 3):
             total += t.n_bytes
             kept += t.n_bytes if gguf_qtype(t) in wanted else 0
     return kept / total if total else 0.0
