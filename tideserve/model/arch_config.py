@@ -48,6 +48,18 @@ class ArchConfig:
     o_bias: bool = False  # Llama's attention_bias also puts a bias on o_proj; Qwen2 does not
     # Qwen3: an RMSNorm over each q and k head (weights [head_dim], eps rms_norm_eps) before rotary
     qk_norm: bool = False
+    # Gemma 2/3 (families/gemma2.py, gemma3.py); the defaults are every other family's behaviour.
+    # A sliding layer's query at position p attends keys p - sliding_window + 1 .. p; ``sliding_layers[i]``
+    # says whether layer i is one (None: no layer is).
+    sliding_window: int | None = None
+    sliding_layers: list[bool] | None = None
+    rope_local_theta: float | None = None  # the sliding layers' rotary base, unscaled (None: rope_theta's)
+    query_pre_attn_scalar: float | None = None  # attention scale = its ** -0.5 (None: head_dim's)
+    attn_logit_softcapping: float | None = None  # scores -> c * tanh(scores / c) before the softmax
+    final_logit_softcapping: float | None = None  # the same on the logits
+    # Gemma's RMSNorm multiplies by (norm_weight_offset + w): HF checkpoints store w (offset 1), llama.cpp
+    # stores 1 + w (offset 0), so each keeps its own numbers exactly.
+    norm_weight_offset: float = 0.0
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -61,6 +73,15 @@ class ArchConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling)
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_hidden_layers:
+            raise ValueError(f"{len(self.sliding_layers)} sliding_layers entries for "
+                             f"{self.num_hidden_layers} layers")
+
+    def layer_window(self, layer: int) -> int:
+        """Keys a query of ``layer`` attends, itself included; 0 for the whole context."""
+        if self.sliding_window and self.sliding_layers and self.sliding_layers[layer]:
+            return self.sliding_window
+        return 0
 
     @property
     def generates(self) -> bool:
@@ -184,7 +205,7 @@ class ArchConfig:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
         )
-        return cls(**{**fields, **family.gguf_config_fields(tensors.keys())})
+        return cls(**{**fields, **family.gguf_config_fields(tensors.keys()), **family.gguf_metadata_fields(get)})
 
 
 def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
