@@ -15,12 +15,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_blocks import finish_gguf
+from gguf_blocks import QTYPE_NAMES, dequantize, finish_gguf, quantize
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
 
 from tideserve import native
 from tideserve.model.gemma import GemmaForCausalLM
+from tideserve.model.layers.quant.weights import QuantWeight
 from tideserve.model.loader import load_model
+from tideserve.native import quant
 
 COMMON: dict[str, Any] = {
     "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
@@ -61,9 +63,11 @@ def _tiny_hf(config: Any) -> torch.nn.Module:
     return model.eval()
 
 
-def write_gemma_gguf(hf_model: Any, config: Any, path: Path) -> None:
-    """A float32 GGUF file as llama.cpp's converter writes Gemma: norm weights + 1, q/k rows as they are,
-    no sliding pattern or query_pre_attn_scalar in the metadata (the loader assumes llama.cpp's)."""
+def write_gemma_gguf(hf_model: Any, config: Any, path: Path, qtypes: dict[str, str] | None = None) -> None:
+    """A GGUF file as llama.cpp's converter writes Gemma: norm weights + 1, q/k rows as they are, no sliding
+    pattern or query_pre_attn_scalar in the metadata (the loader assumes llama.cpp's). 2-D tensors are
+    float32, or in ``qtypes[module suffix]`` blocks: then the HF model's weights become the blocks' values,
+    so it stays the file's exact float reference."""
     arch = GGUF_ARCH[config.architectures[0]] if config.architectures else GGUF_ARCH[type(hf_model).__name__]
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -93,11 +97,19 @@ def write_gemma_gguf(hf_model: Any, config: Any, path: Path) -> None:
         if name.endswith("norm.weight"):
             w = w + 1.0
         if name in GGUF_NAMES:
-            writer.add_tensor(GGUF_NAMES[name], w)
+            gguf_name = GGUF_NAMES[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, param_name = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{GGUF_BLOCK_NAMES[module]}.{param_name}"
+        qtype = (qtypes or {}).get(name.split(".")[-2], "f32") if w.ndim == 2 else "f32"
+        if qtype == "f32":
+            writer.add_tensor(gguf_name, w)
             continue
-        _, _, layer, rest = name.split(".", 3)
-        module, param_name = rest.rsplit(".", 1)
-        writer.add_tensor(f"blk.{layer}.{GGUF_BLOCK_NAMES[module]}.{param_name}", w)
+        data = quantize(w, qtype)
+        with torch.no_grad():
+            param.copy_(torch.from_numpy(dequantize(data, qtype)))
+        writer.add_tensor(gguf_name, data, raw_dtype=QTYPE_NAMES[qtype])
     finish_gguf(writer)
 
 
@@ -165,3 +177,38 @@ def test_greedy_tokens_match_transformers(tiny: tuple[str, Any, str], backend: s
     ours, reference = greedy_tokens
     prompt = [(7 * i + 3) % model.arch.vocab_size for i in range(20)]
     assert ours(model, prompt, 12, backend) == reference(hf_model, prompt, 12)
+
+
+# As llama.cpp's Q4_K_M Gemma 3 files: q, k, gate and up in Q5_0, v in Q8_0, o in Q4_K, down in Q6_K, the
+# (tied) embedding table in Q8_0. K-quants need rows of 256: hidden 256, head_dim 128 (4 heads: q is 512 wide).
+QUANT_CONFIG: dict[str, Any] = {**GEMMA3, "hidden_size": 256, "intermediate_size": 512, "head_dim": 128,
+                                "query_pre_attn_scalar": 128}
+Q4_K_M = {"q_proj": "q5_0", "k_proj": "q5_0", "v_proj": "q8_0", "o_proj": "q4_k", "gate_proj": "q5_0",
+          "up_proj": "q5_0", "down_proj": "q6_k", "embed_tokens": "q8_0"}
+
+
+@pytest.mark.skipif(not quant.available(), reason="no C compiler to build the kernels")
+def test_gemma3_on_its_gguf_blocks(tmp_path: Path, mixed_batch: Any, prefix_hit: Any, greedy_tokens: Any) -> None:
+    """A block-quantized Gemma 3 file served on its blocks (the native kernels, float32 compute, the Python
+    layer loop: the native decode step refuses Gemma) follows the file's float reference: every step's
+    logits within 4% (the kernels round activations to 8 bits per block, as for the Llama families), the
+    float reference itself equal to transformers, and the first greedy tokens the same."""
+    hf_model = _tiny_hf(Gemma3TextConfig(**QUANT_CONFIG))
+    path = tmp_path / "tiny-gemma3-q4_k_m.gguf"
+    write_gemma_gguf(hf_model, hf_model.config, path, Q4_K_M)
+    ref = load_model(str(path), dtype="float32", quantization="none").model
+    mixed_batch(ref.arch.vocab_size).assert_matches(ref, hf_model, backend="cpu-native")
+    model = load_model(str(path), dtype="auto", quantization="gguf").model
+    assert isinstance(model, GemmaForCausalLM) and model.native_decode is None
+    assert model.model.layers[0].self_attn.qkv_proj.qweight.qtypes == ["q5_0", "q8_0"]
+    assert isinstance(model.model.layers[5].mlp.down_proj.qweight, QuantWeight)
+    assert model.model.embed_tokens.weight is None and model.lm_head_q is not None
+    for batch in (mixed_batch, prefix_hit):
+        b = batch(ref.arch.vocab_size)
+        for got, want in zip(b.ours(model, backend="cpu-native"), b.ours(ref, backend="cpu-native"), strict=True):
+            assert (got - want).norm() < 0.04 * want.norm()
+    ours, reference = greedy_tokens
+    prompt = [(7 * i + 3) % ref.arch.vocab_size for i in range(20)]
+    want = ours(ref, prompt, 8, "cpu-native")
+    assert want == reference(hf_model, prompt, 8)
+    assert ours(model, prompt, 4, "cpu-native") == want[:4]
