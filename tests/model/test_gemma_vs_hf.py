@@ -19,6 +19,8 @@ from gguf_blocks import QTYPE_NAMES, dequantize, finish_gguf, quantize
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
 
 from tideserve import native
+from tideserve.model.arch_config import ArchConfig
+from tideserve.model.attention import TorchSDPABackend, TritonBackend, backend_for_model, selector
 from tideserve.model.gemma import GemmaForCausalLM
 from tideserve.model.layers.quant.weights import QuantWeight
 from tideserve.model.loader import load_model
@@ -212,3 +214,42 @@ def test_gemma3_on_its_gguf_blocks(tmp_path: Path, mixed_batch: Any, prefix_hit:
     want = ours(ref, prompt, 8, "cpu-native")
     assert want == reference(hf_model, prompt, 8)
     assert ours(model, prompt, 4, "cpu-native") == want[:4]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu-native"])
+def test_engine_chunked_prefill_and_prefix_cache(backend: str, tmp_path: Path, shared_model: Any,
+                                                 greedy_tokens: Any) -> None:
+    """Through the engine (scheduler, runner, block manager): 40-token prompts cut into 16-token chunks,
+    then a prompt whose first 32 tokens are a cached prefix (blocks of 8, window 8): transformers' greedy
+    tokens."""
+    if backend == "cpu-native" and native.load_library() is None:
+        pytest.skip("no C compiler to build the native kernels")
+    from tideserve import LLM, SamplingParams
+
+    hf_model = _tiny_hf(Gemma3TextConfig(**GEMMA3))
+    hf_model.save_pretrained(tmp_path)
+    tokenizer = shared_model(dtype="float32", quantization="none")[1]  # prompts are token ids
+    llm = LLM.from_loaded(load_model(str(tmp_path), dtype="float32"), tokenizer, dtype="float32",
+                          attention_backend=backend, max_num_batched_tokens=16, block_size=8,
+                          enable_prefix_caching=True, max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    first = [(5 * i + 1) % 256 for i in range(40)]
+    second = first[:35] + [3, 1, 4, 1, 5]
+    _, reference = greedy_tokens
+    for prompt, cached in ((first, 0), (second, 32)):
+        out = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+        assert out.num_cached_tokens == cached
+        assert list(out.outputs[0].token_ids) == reference(hf_model, prompt, 10)
+
+
+def test_the_triton_backend_refuses_windowed_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton kernels have no window or soft-cap: asked for by name, a ValueError that says so; where
+    auto would pick them (CUDA), the torch backend instead."""
+    model = GemmaForCausalLM(ArchConfig.from_hf_config(Gemma2Config(**COMMON).to_dict()))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets the backend be built on the CPU
+    if not TritonBackend.available():
+        pytest.skip("triton is not installed")
+    with pytest.raises(ValueError, match="no sliding-window or soft-capped attention kernels"):
+        backend_for_model("triton", model, torch.float32, "cpu")
+    monkeypatch.setattr(selector, "select_attention_backend", lambda *_: TritonBackend("cpu"))
+    assert isinstance(backend_for_model("auto", model, torch.float32, "cpu"), TorchSDPABackend)
