@@ -143,7 +143,7 @@ def _load(path: str, backend: str, monkeypatch: pytest.MonkeyPatch) -> GemmaForC
 
 
 def test_config(tiny: tuple[str, Any, str]) -> None:
-    """Both formats give the same ArchConfig but for the norms' stored offset."""
+    """Both formats give the same ArchConfig but for the norms' stored offset and query_pre_attn_scalar."""
     variant, hf_model, path = tiny
     a = load_model(path, dtype="float32").arch
     config = hf_model.config
@@ -154,6 +154,7 @@ def test_config(tiny: tuple[str, Any, str]) -> None:
     assert a.sliding_layers == [t == "sliding_attention" for t in config.layer_types]
     assert a.qk_norm == gemma3 and a.tie_word_embeddings == config.tie_word_embeddings
     assert a.rope_local_theta == (10000.0 if gemma3 else None)
+    assert (a.rope_scaling or {}).get("factor") == (2.0 if variant == "gemma3" else None)  # global layers only
     assert a.norm_weight_offset == (0.0 if path.endswith(".gguf") else 1.0)
     assert a.final_logit_softcapping == config.final_logit_softcapping
     assert a.attn_logit_softcapping == (None if gemma3 else 1.0)

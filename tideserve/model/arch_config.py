@@ -21,7 +21,7 @@ SUPPORTED_ROPE_TYPES = ("llama3", "linear")
 
 @dataclass
 class ArchConfig:
-    """Decoder-only transformer hyper-parameters (Llama family: Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3).
+    """Decoder-only transformer hyper-parameters (Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3, Gemma 2/3).
 
     The keys every family shares are read here; what a family derives its own way (biases, tied
     embeddings, q/k norms) comes from its ``ModelFamily`` declaration (``tideserve/model/families/``).
