@@ -16,7 +16,7 @@ TINY: dict[str, Callable[[], Any]] = {}
 
 
 def _configs() -> dict[str, Callable[[], Any]]:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     return {
         # 4 KV heads: 2 per rank; an odd vocabulary and MLP size: the last rank's slices are shorter
@@ -31,6 +31,10 @@ def _configs() -> dict[str, Callable[[], Any]]:
         # per-head q/k norms, whole on every rank; head_dim 32, not hidden / heads (24); q/k/v/o biases
         "qwen3-kv2-bias": lambda: Qwen3Config(**COMMON, vocab_size=129, num_attention_heads=4, num_key_value_heads=2,
                                               head_dim=32, attention_bias=True, tie_word_embeddings=False),
+        # Gemma 3: its own layers, sliding windows (8) that the prompts outgrow, the soft-capped logits
+        "gemma3-kv2-window": lambda: Gemma3TextConfig(**COMMON, vocab_size=129, num_attention_heads=4,
+                                                      num_key_value_heads=2, head_dim=32, sliding_window=8,
+                                                      final_logit_softcapping=5.0),
     }
 
 

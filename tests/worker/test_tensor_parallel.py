@@ -1,5 +1,5 @@
 """Tensor parallelism through ``LLM(tensor_parallel_size=2)``: greedy outputs equal one rank's on tiny
-Llama, Qwen2 and Qwen3 models (KV heads split, replicated and split unevenly) and on the embedded model; the
+Llama, Qwen2, Qwen3 and Gemma 3 models (KV heads split, replicated and split unevenly) and on the embedded model; the
 elastic pool's moves (compaction, shrink, grow, block-size change) and swap preemption act on every
 rank; a killed rank fails the requests instead of hanging; shutdown leaves no process behind.
 
@@ -51,7 +51,8 @@ def _wait_gone(pids: set[int], timeout: float = 15.0) -> set[int]:
     return alive
 
 
-@pytest.mark.parametrize("name", ["llama-kv4-untied", "llama-kv1-tied", "qwen2-kv3-bias", "qwen3-kv2-bias"])
+@pytest.mark.parametrize("name", ["llama-kv4-untied", "llama-kv1-tied", "qwen2-kv3-bias", "qwen3-kv2-bias",
+                                  "gemma3-kv2-window"])
 def test_tp2_greedy_equals_tp1_and_pool_moves_stay_in_lockstep(name, tiny_checkpoint, smollm2_tokenizer, caplog):
     loaded = load_model(str(tiny_checkpoint(name)), dtype="float32")
     vocab = loaded.arch.vocab_size
