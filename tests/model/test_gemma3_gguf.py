@@ -12,7 +12,8 @@ import pytest
 import torch
 
 GGUF = os.environ.get("TIDESERVE_GEMMA3_GGUF", "")
-pytestmark = pytest.mark.skipif(not Path(GGUF).is_file(), reason="TIDESERVE_GEMMA3_GGUF names no Gemma 3 GGUF file")
+pytestmark = [pytest.mark.slow,  # minutes: transformers' GGUF load
+              pytest.mark.skipif(not Path(GGUF).is_file(), reason="TIDESERVE_GEMMA3_GGUF names no Gemma 3 GGUF file")]
 
 TEXTS = [
     "The history of the Roman Empire spans many centuries, beginning with the founding of the city of Rome and "
