@@ -152,6 +152,8 @@ def test_phi3_family(caplog: pytest.LogCaptureFixture) -> None:
     assert su.rope_scaling == a.rope_scaling
     with pytest.raises(ValueError, match="missing long_factor"):
         ArchConfig.from_hf_config({**config, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 6}})
+
+
 def test_builtin_moe_families() -> None:
     """Mixtral (HF only: llama.cpp writes it as a llama file, named Mixtral by its expert tensors) and
     Qwen3-MoE (its own GGUF architecture, not q/k-permuted), and which of their layers are sparse."""
@@ -179,6 +181,34 @@ def test_builtin_moe_families() -> None:
     with pytest.raises(ValueError, match="num_experts_per_tok=9 must be between 1 and num_experts=8"):
         ArchConfig.from_hf_config({**CONFIG, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8,
                                    "num_experts_per_tok": 9})
+
+
+def test_gemma_families() -> None:
+    """Gemma 2 and 3: their own model class, llama.cpp's Gemma tensor names (no q/k permutation), and the
+    sliding pattern, rotary bases and norm offset read from a transformers v4-style config.json."""
+    assert {f.name for f in model_families()} >= {"gemma2", "gemma3"}
+    gemma2, gemma3 = family_for("gemma2"), family_for("Gemma3ForCausalLM")
+    assert hf_architecture_for_gguf("gemma3") == "Gemma3ForCausalLM" and family_for("Gemma2ForCausalLM") is gemma2
+    assert gemma3.model_class == gemma2.model_class == "tideserve.model.gemma:GemmaForCausalLM"
+    assert not gemma2.gguf_unpermute and not gemma3.gguf_unpermute
+    names = gemma3.gguf_tensors
+    assert names.hf_name("blk.3.ffn_norm.weight") == "model.layers.3.pre_feedforward_layernorm.weight"
+    assert names.hf_name("blk.3.post_ffw_norm.weight") == "model.layers.3.post_feedforward_layernorm.weight"
+    assert names.hf_name("blk.0.post_attention_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    config = {**CONFIG, "num_hidden_layers": 12, "head_dim": 32, "architectures": [], "model_type": "gemma3_text",
+              "sliding_window": 512, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+              "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 256}
+    a = ArchConfig.from_hf_config(config)
+    assert a.architecture == "Gemma3ForCausalLM" and a.qk_norm and a.tie_word_embeddings
+    assert a.sliding_layers == [i % 6 != 5 for i in range(12)] and a.sliding_window == 512
+    assert [a.layer_window(i) for i in (0, 5, 11)] == [512, 0, 0]
+    assert (a.rope_theta, a.rope_local_theta, a.rope_scaling["factor"]) == (1000000.0, 10000.0, 8.0)
+    assert a.query_pre_attn_scalar == 256 and a.norm_weight_offset == 1.0 and a.attn_logit_softcapping is None
+    a = ArchConfig.from_hf_config({**config, "model_type": "gemma2", "attn_logit_softcapping": 50.0})
+    assert a.architecture == "Gemma2ForCausalLM" and not a.qk_norm and a.rope_local_theta is None
+    assert a.sliding_layers == [i % 2 == 0 for i in range(12)] and a.attn_logit_softcapping == 50.0
+    with pytest.raises(ValueError, match="hidden_activation 'relu'"):
+        ArchConfig.from_hf_config({**config, "hidden_activation": "relu"})
 
 
 def test_an_unknown_architecture_names_the_supported_ones() -> None:

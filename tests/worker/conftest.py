@@ -17,7 +17,15 @@ TINY: dict[str, Callable[[], Any]] = {}
 
 
 def _configs() -> dict[str, Callable[[], Any]]:
-    from transformers import LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MixtralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     return {
         # 4 KV heads: 2 per rank; an odd vocabulary and MLP size: the last rank's slices are shorter
@@ -47,6 +55,10 @@ def _configs() -> dict[str, Callable[[], Any]]:
                                                   num_key_value_heads=2, head_dim=32, num_experts=4,
                                                   num_experts_per_tok=2, moe_intermediate_size=33,
                                                   mlp_only_layers=[0], norm_topk_prob=False),
+        # Gemma 3: its own layers, sliding windows (8) that the prompts outgrow, the soft-capped logits
+        "gemma3-kv2-window": lambda: Gemma3TextConfig(**COMMON, vocab_size=129, num_attention_heads=4,
+                                                      num_key_value_heads=2, head_dim=32, sliding_window=8,
+                                                      final_logit_softcapping=5.0),
     }
 
 

@@ -1,7 +1,8 @@
-"""Tensor parallelism through ``LLM(tensor_parallel_size=2)``: greedy outputs equal one rank's on tiny
-Llama, Qwen2, Qwen3 and Phi-3 models (KV heads split, replicated and split unevenly) and on the embedded model; the
-elastic pool's moves (compaction, shrink, grow, block-size change) and swap preemption act on every
-rank; a killed rank fails the requests instead of hanging; shutdown leaves no process behind.
+"""Tensor parallelism through ``LLM(tensor_parallel_size=2)``: greedy outputs equal one rank's on tiny Llama,
+Qwen2, Qwen3, Phi-3, Gemma 3, Mixtral and Qwen3-MoE models (KV heads split, replicated and split unevenly) and
+on the embedded model; the elastic pool's moves (compaction, shrink, grow, block-size change) and swap
+preemption act on every rank; a killed rank fails the requests instead of hanging; shutdown leaves no process
+behind.
 
 Each TP engine starts one extra process (a torch import, ~3 s): the tests keep to few engines and tokens.
 """
@@ -52,7 +53,7 @@ def _wait_gone(pids: set[int], timeout: float = 15.0) -> set[int]:
 
 
 @pytest.mark.parametrize("name", ["llama-kv4-untied", "llama-kv1-tied", "qwen2-kv3-bias", "qwen3-kv2-bias",
-                                  "phi3-kv2-longrope", "mixtral-e4-top2", "qwen3moe-dense0"])
+                                  "phi3-kv2-longrope", "mixtral-e4-top2", "qwen3moe-dense0", "gemma3-kv2-window"])
 def test_tp2_greedy_equals_tp1_and_pool_moves_stay_in_lockstep(name, tiny_checkpoint, smollm2_tokenizer, caplog):
     loaded = load_model(str(tiny_checkpoint(name)), dtype="float32")
     vocab = loaded.arch.vocab_size

@@ -23,8 +23,9 @@ SUPPORTED_ROPE_TYPES = ("llama3", "linear", "longrope")
 
 @dataclass
 class ArchConfig:
-    """Decoder-only transformer hyper-parameters (Llama family: Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3,
-    Phi-3/Phi-4; mixtures of experts: Mixtral, Qwen3-MoE).
+    """Decoder-only transformer hyper-parameters (Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3, Phi-3/Phi-4,
+    Gemma 2/3; mixtures of experts: Mixtral, Qwen3-MoE).
+
 
     The keys every family shares are read here; what a family derives its own way (biases, tied
     embeddings, q/k norms) comes from its ``ModelFamily`` declaration (``tideserve/model/families/``).
@@ -64,6 +65,18 @@ class ArchConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1 (Mixtral always does)
     dense_layers: tuple[int, ...] = ()
+    # Gemma 2/3 (families/gemma2.py, gemma3.py); the defaults are every other family's behaviour.
+    # A sliding layer's query at position p attends keys p - sliding_window + 1 .. p; ``sliding_layers[i]``
+    # says whether layer i is one (None: no layer is).
+    sliding_window: int | None = None
+    sliding_layers: list[bool] | None = None
+    rope_local_theta: float | None = None  # the sliding layers' rotary base, unscaled (None: rope_theta's)
+    query_pre_attn_scalar: float | None = None  # attention scale = its ** -0.5 (None: head_dim's)
+    attn_logit_softcapping: float | None = None  # scores -> c * tanh(scores / c) before the softmax
+    final_logit_softcapping: float | None = None  # the same on the logits
+    # Gemma's RMSNorm multiplies by (norm_weight_offset + w): HF checkpoints store w (offset 1), llama.cpp
+    # stores 1 + w (offset 0), so each keeps its own numbers exactly.
+    norm_weight_offset: float = 0.0
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -84,10 +97,19 @@ class ArchConfig:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
                              f"num_experts={self.num_experts}")
         self.dense_layers = tuple(sorted(self.dense_layers))
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_hidden_layers:
+            raise ValueError(f"{len(self.sliding_layers)} sliding_layers entries for "
+                             f"{self.num_hidden_layers} layers")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer``'s MLP is a mixture of experts."""
         return self.num_experts > 0 and layer not in self.dense_layers
+
+    def layer_window(self, layer: int) -> int:
+        """Keys a query of ``layer`` attends, itself included; 0 for the whole context."""
+        if self.sliding_window and self.sliding_layers and self.sliding_layers[layer]:
+            return self.sliding_window
+        return 0
 
     @property
     def generates(self) -> bool:
@@ -231,7 +253,7 @@ class ArchConfig:
             eos_token_ids=eos_ids,
         )
         fields.update(_gguf_moe_fields(get, tensors.keys(), fields))
-        return cls(**{**fields, **family.gguf_config_fields(tensors.keys())})
+        return cls(**{**fields, **family.gguf_config_fields(tensors.keys()), **family.gguf_metadata_fields(get)})
 
 
 def _gguf_moe_fields(get: Any, tensors: Collection[str], fields: dict[str, Any]) -> dict[str, Any]:

@@ -69,6 +69,8 @@ class ModelFamily:
     - ``hf_config_fields(config.json dict)`` and ``gguf_config_fields(GGUF tensor names)``: the
       ``ArchConfig`` fields this family derives its own way (biases, tied embeddings); the keys every
       family shares are read by ``ArchConfig`` itself.
+    - ``gguf_metadata_fields(get)``: fields from the family's own GGUF metadata keys, ``get(key, default)``
+      with ``{arch}`` in ``key`` standing for the file's architecture (sliding windows, soft-capping).
     """
 
     name: str
@@ -80,6 +82,7 @@ class ModelFamily:
     gguf_unpermute: Mapping[str, str] = field(default_factory=dict)
     hf_config_fields: Callable[[Mapping[str, Any]], dict[str, Any]] = _no_fields
     gguf_config_fields: Callable[[Collection[str]], dict[str, Any]] = _no_fields
+    gguf_metadata_fields: Callable[[Callable[[str, Any], Any]], dict[str, Any]] = _no_fields
 
     def __post_init__(self) -> None:
         module, sep, cls = self.model_class.partition(":")

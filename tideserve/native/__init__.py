@@ -191,6 +191,10 @@ def _declare_isa_exports(lib: ctypes.CDLL) -> None:
                                    i64, f32, cint]),
         "ts_paged_prefill": (cint, [ptr, i64, cint, ptr, ptr, cint, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64,
                                     cint, i64, i64, i64, f32, cint]),
+        "ts_paged_decode_window": (cint, [ptr, i64, cint, ptr, ptr, cint, ptr, i64, ptr, ptr, i64, cint, i64, i64, i64,
+                                          i64, i64, f32, i64, f32, cint]),
+        "ts_paged_prefill_window": (cint, [ptr, i64, cint, ptr, ptr, cint, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr,
+                                           i64, cint, i64, i64, i64, f32, i64, f32, cint]),
         "ts_paged_prefill_tiles": (cint, [cint, i64]),
         "ts_paged_prefill_set_pack_limit": (i64, [i64]),
         "ts_paged_prefill_packed_calls": (i64, []),
@@ -276,8 +280,10 @@ def set_isa(name: str) -> str:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor, num_threads: int | None = None) -> bool:
-    """out[i] = attention of q[i] ([H, D]) over request i's first context_lens[i] cached keys.
+                           out: torch.Tensor, num_threads: int | None = None, *, window: int = 0,
+                           softcap: float = 0.0) -> bool:
+    """out[i] = attention of q[i] ([H, D]) over request i's first context_lens[i] cached keys (the last
+    ``window`` of them when window > 0; scores capped to softcap * tanh(s / softcap) when softcap > 0).
 
     q, out: [N, H, D], both float32 or both bfloat16, with unit stride in D and D in H (rows may be
     strided); k_cache, v_cache: contiguous [num_blocks, block_size, KVH, D], float32, bfloat16 or float8_e4m3fn;
@@ -297,20 +303,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
           and block_tables.shape[0] == context_lens.shape[0] == n)
     if not ok:
         return False
-    failed = lib.ts_paged_decode(
+    failed = lib.ts_paged_decode_window(
         q.data_ptr(), q.stride(0), _TS_DTYPES[q.dtype], k_cache.data_ptr(), v_cache.data_ptr(),
         CACHE_DTYPE_CODES[k_cache.dtype], block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
         out.data_ptr(), out.stride(0), _TS_DTYPES[out.dtype], n, num_heads, num_kv_heads, head_dim,
-        k_cache.shape[1], scale, num_threads or intra_op_threads())
+        k_cache.shape[1], scale, window, softcap, num_threads or intra_op_threads())
     return failed == 0
 
 
 def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,
                             block_size: int, query_start: torch.Tensor, query_lens: torch.Tensor,
                             computed: torch.Tensor, scale: float, out: torch.Tensor,
-                            num_threads: int | None = None) -> bool:
+                            num_threads: int | None = None, *, window: int = 0, softcap: float = 0.0) -> bool:
     """Causal attention of prefill spans: rows ``query_start[s] .. + query_lens[s]`` of q and out ([T, H, D])
-    are span s's queries, query i attending its keys 0 .. ``computed[s] + i``; the key at position p is
+    are span s's queries, query i attending its keys 0 .. ``computed[s] + i`` (only the last ``window`` of
+    them when window > 0; scores capped to softcap * tanh(s / softcap) when softcap > 0); the key at position p is
     row ``tables[s, p // block_size] * block_size + p % block_size`` of k and v ([slots, KVH, D]: a cache
     viewed as ``cache.view(-1, KVH, D)``, or the step's own k/v rows with block_size 1).
 
@@ -332,11 +339,11 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t
           and tables.shape[0] == query_start.shape[0])
     if not ok:
         return False
-    failed = lib.ts_paged_prefill(
+    failed = lib.ts_paged_prefill_window(
         q.data_ptr(), q.stride(0), _TS_DTYPES[q.dtype], k.data_ptr(), v.data_ptr(), CACHE_DTYPE_CODES[k.dtype],
         k.stride(0), tables.data_ptr(), tables.shape[1], block_size, query_start.data_ptr(), query_lens.data_ptr(),
         computed.data_ptr(), query_start.shape[0], out.data_ptr(), out.stride(0), _TS_DTYPES[out.dtype], num_heads,
-        num_kv_heads, head_dim, scale, num_threads or intra_op_threads())
+        num_kv_heads, head_dim, scale, window, softcap, num_threads or intra_op_threads())
     return failed == 0
 
 
@@ -500,37 +507,39 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: t
 
 def bind_paged_decode(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int,
                       num_kv_heads: int) -> Callable[..., None] | None:
-    """``fn(q, k_cache, v_cache, block_tables, context_lens, scale, out)`` as ``paged_decode_attention``
-    for q/out of ``dtype`` and caches of ``kv_dtype``, or None."""
+    """``fn(q, k_cache, v_cache, block_tables, context_lens, scale, out, window=0, softcap=0.0)`` as
+    ``paged_decode_attention`` for q/out of ``dtype`` and caches of ``kv_dtype``, or None."""
     lib = load_library()
     if lib is None or dtype not in _TS_DTYPES or kv_dtype not in CACHE_DTYPE_CODES or num_heads % num_kv_heads:
         return None
-    kernel, q_code, kv_code = lib.ts_paged_decode, _TS_DTYPES[dtype], CACHE_DTYPE_CODES[kv_dtype]
+    kernel, q_code, kv_code = lib.ts_paged_decode_window, _TS_DTYPES[dtype], CACHE_DTYPE_CODES[kv_dtype]
 
-    def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out) -> None:
+    def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, window=0, softcap=0.0) -> None:
         kernel(q.data_ptr(), q.stride(0), q_code, k_cache.data_ptr(), v_cache.data_ptr(), kv_code,
                block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
                out.stride(0), q_code, q.shape[0], num_heads, num_kv_heads, q.shape[2], k_cache.shape[1], scale,
-               intra_op_threads())
+               window, softcap, intra_op_threads())
 
     return paged_decode
 
 
 def bind_paged_prefill(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int,
                        num_kv_heads: int) -> Callable[..., bool] | None:
-    """``fn(q, k, v, tables, block_size, query_start, query_lens, computed, scale, out) -> ok`` as
+    """``fn(q, k, v, tables, block_size, query_start, query_lens, computed, scale, out, window=0, softcap=0.0)
+    -> ok`` as
     ``paged_prefill_attention`` for q/out of ``dtype`` and k/v of ``kv_dtype`` (the cache's, or the model's
     own for a step's fresh rows), or None. False means the kernel found no scratch memory."""
     lib = load_library()
     if lib is None or dtype not in _TS_DTYPES or kv_dtype not in CACHE_DTYPE_CODES or num_heads % num_kv_heads:
         return None
-    kernel, q_code, kv_code = lib.ts_paged_prefill, _TS_DTYPES[dtype], CACHE_DTYPE_CODES[kv_dtype]
+    kernel, q_code, kv_code = lib.ts_paged_prefill_window, _TS_DTYPES[dtype], CACHE_DTYPE_CODES[kv_dtype]
 
-    def paged_prefill(q, k, v, tables, block_size, query_start, query_lens, computed, scale, out) -> bool:
+    def paged_prefill(q, k, v, tables, block_size, query_start, query_lens, computed, scale, out, window=0,
+                      softcap=0.0) -> bool:
         return kernel(q.data_ptr(), q.stride(0), q_code, k.data_ptr(), v.data_ptr(), kv_code, k.stride(0),
                       tables.data_ptr(), tables.shape[1], block_size, query_start.data_ptr(),
                       query_lens.data_ptr(), computed.data_ptr(), query_start.shape[0], out.data_ptr(),
-                      out.stride(0), q_code, num_heads, num_kv_heads, q.shape[2], scale,
+                      out.stride(0), q_code, num_heads, num_kv_heads, q.shape[2], scale, window, softcap,
                       intra_op_threads()) == 0
 
     return paged_prefill

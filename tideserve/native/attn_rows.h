@@ -13,6 +13,11 @@
  *     scalar), so how the values are tiled over columns, heads or blocks does not change it;
  *   - the parts fold into one another in key order (attn_fold_part);
  *   - the output is o * (1 / l).
+ * A sliding window (a query at p attends keys p - window + 1 .. p) keeps all of this: tiles and parts stay
+ * at their absolute positions, the first tile holding a window key is the first one attended, and the keys
+ * before the window in it are masked (probability 0) by attn_softmax_tile's ``lo``; parts before the window
+ * are skipped (a part that sees no key folds as nothing). Soft-capped scores (attn_softcap) are capped
+ * before the softmax by the same libm call in both kernels.
  * The AVX2 forms apply wherever the level is at least AVX2 and head_dim is a multiple of 8 (attn_vec_rows);
  * otherwise both kernels run the scalar ones.
  */
@@ -40,15 +45,29 @@ static inline int attn_vec_rows(int isa, int64_t head_dim) {
 #endif
 }
 
-/* One row's scores s[0..n) of a tile (n >= 1) as probabilities folded into its running max *m, sum *l and
- * output o (rescaled when the max grows); s[n .. ATTN_KEY_TILE) become 0. */
-static void attn_softmax_tile_scalar(float *s, int64_t n, float *m, float *l, float *o, int64_t dim) {
-    float mx = s[0];
-    for (int64_t j = 1; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+/* The first key a query at position pos attends: pos - window + 1 for a sliding window (window > 0), else 0. */
+static inline int64_t attn_window_first(int64_t pos, int64_t window) {
+    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+}
+
+/* s[j] = cap * tanh(s[j] / cap) for j < n when cap > 0 (soft-capped scores, as transformers' Gemma 2 computes
+ * them). A scalar libm call, never vectorized, so both kernels get the same bits. */
+static inline void attn_softcap(float *s, int64_t n, float cap) {
+    if (cap > 0.0f)
+        for (int64_t j = 0; j < n; j++) s[j] = cap * tanhf(s[j] / cap);
+}
+
+/* One row's scores s[lo..n) of a tile (0 <= lo < n) as probabilities folded into its running max *m, sum *l
+ * and output o (rescaled when the max grows); s[0 .. lo) (keys before a sliding window) and s[n ..
+ * ATTN_KEY_TILE) become 0. */
+static void attn_softmax_tile_scalar(float *s, int64_t lo, int64_t n, float *m, float *l, float *o, int64_t dim) {
+    float mx = s[lo];
+    for (int64_t j = lo + 1; j < n; j++) mx = s[j] > mx ? s[j] : mx;
     const float m_new = mx > *m ? mx : *m;
     const float alpha = *m == -INFINITY ? 0.0f : ts_exp(*m - m_new);
     float sum = 0.0f;
-    for (int64_t j = 0; j < n; j++) {
+    for (int64_t j = 0; j < lo; j++) s[j] = 0.0f;
+    for (int64_t j = lo; j < n; j++) {
         s[j] = ts_exp(s[j] - m_new);
         sum += s[j];
     }
@@ -61,12 +80,15 @@ static void attn_softmax_tile_scalar(float *s, int64_t n, float *m, float *l, fl
 
 #ifdef TS_HAVE_AVX2
 /* As attn_softmax_tile_scalar in vectors of 8 (head_dim a multiple of 8). */
-static void attn_softmax_tile_avx2(float *s, int64_t n, float *m, float *l, float *o, int64_t dim) {
+static void attn_softmax_tile_avx2(float *s, int64_t lo, int64_t n, float *m, float *l, float *o, int64_t dim) {
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256 count = _mm256_set1_ps((float)n);
+    const __m256 count = _mm256_set1_ps((float)n), start = _mm256_set1_ps((float)lo);
     __m256 vmax = _mm256_set1_ps(-INFINITY);
+#define ATTN_KEEP(j)                                                                                   \
+    _mm256_and_ps(_mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)(j))), count, _CMP_LT_OQ), \
+                  _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)(j))), start, _CMP_GE_OQ))
     for (int64_t j = 0; j < ATTN_KEY_TILE; j += 8) {
-        const __m256 keep = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)j)), count, _CMP_LT_OQ);
+        const __m256 keep = ATTN_KEEP(j);
         vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s + j), keep));
     }
     const float mx = ts_hmax256(vmax);
@@ -75,7 +97,7 @@ static void attn_softmax_tile_avx2(float *s, int64_t n, float *m, float *l, floa
     const __m256 bm = _mm256_set1_ps(m_new);
     __m256 vsum = _mm256_setzero_ps();
     for (int64_t j = 0; j < ATTN_KEY_TILE; j += 8) {
-        const __m256 keep = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)j)), count, _CMP_LT_OQ);
+        const __m256 keep = ATTN_KEEP(j);
         const __m256 e = _mm256_and_ps(ts_exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), bm)), keep);
         _mm256_storeu_ps(s + j, e);
         vsum = _mm256_add_ps(vsum, e);
@@ -86,18 +108,20 @@ static void attn_softmax_tile_avx2(float *s, int64_t n, float *m, float *l, floa
     }
     *l = *l * alpha + ts_hsum256(vsum);
     *m = m_new;
+#undef ATTN_KEEP
 }
 #endif
 
-static inline void attn_softmax_tile(int vec, float *s, int64_t n, float *m, float *l, float *o, int64_t dim) {
+static inline void attn_softmax_tile(int vec, float *s, int64_t lo, int64_t n, float *m, float *l, float *o,
+                                     int64_t dim) {
 #ifdef TS_HAVE_AVX2
     if (vec) {
-        attn_softmax_tile_avx2(s, n, m, l, o, dim);
+        attn_softmax_tile_avx2(s, lo, n, m, l, o, dim);
         return;
     }
 #endif
     (void)vec;
-    attn_softmax_tile_scalar(s, n, m, l, o, dim);
+    attn_softmax_tile_scalar(s, lo, n, m, l, o, dim);
 }
 
 /* Folds one part's state (m, l, o) into the state of the parts before it (*M, *L, O), in key order. A part

@@ -62,20 +62,31 @@ int ts_paged_decode(const void *q, int64_t q_stride, int q_dtype, const void *k_
                     int kv_dtype, const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
                     void *out, int64_t out_stride, int out_dtype, int64_t num_seqs, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads) {
-    if ((q_dtype != TS_DTYPE_F32 && q_dtype != TS_DTYPE_BF16) || (out_dtype != TS_DTYPE_F32 && out_dtype != TS_DTYPE_BF16))
+    return ts_paged_decode_window(q, q_stride, q_dtype, k_cache, v_cache, kv_dtype, block_tables, table_width,
+                                  context_lens, out, out_stride, out_dtype, num_seqs, num_heads, num_kv_heads, head_dim,
+                                  block_size, scale, 0, 0.0f, num_threads);
+}
+
+int ts_paged_decode_window(const void *q, int64_t q_stride, int q_dtype, const void *k_cache, const void *v_cache,
+                           int kv_dtype, const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
+                           void *out, int64_t out_stride, int out_dtype, int64_t num_seqs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                           float softcap, int num_threads) {
+    if ((q_dtype != TS_DTYPE_F32 && q_dtype != TS_DTYPE_BF16) || (out_dtype != TS_DTYPE_F32 && out_dtype != TS_DTYPE_BF16)
+        || window < 0 || !(softcap >= 0.0f))
         return 1;
     if (kv_dtype == TS_DTYPE_F32)
         return paged_decode_f32(q, q_stride, q_dtype, k_cache, v_cache, block_tables, table_width, context_lens, out,
                                 out_stride, out_dtype, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                num_threads);
+                                window, softcap, num_threads);
     if (kv_dtype == TS_DTYPE_BF16)
         return paged_decode_bf16(q, q_stride, q_dtype, k_cache, v_cache, block_tables, table_width, context_lens, out,
                                  out_stride, out_dtype, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                 num_threads);
+                                 window, softcap, num_threads);
     if (kv_dtype == TS_DTYPE_FP8)
         return paged_decode_fp8(q, q_stride, q_dtype, k_cache, v_cache, block_tables, table_width, context_lens, out,
                                 out_stride, out_dtype, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                num_threads);
+                                window, softcap, num_threads);
     return 1;
 }
 
@@ -85,7 +96,7 @@ int ts_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, 
                         int64_t head_dim, int64_t block_size, float scale, int num_threads) {
     return paged_decode_f32(q, q_stride, TS_DTYPE_F32, k_cache, v_cache, block_tables, table_width, context_lens, out,
                             out_stride, TS_DTYPE_F32, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
-                            num_threads);
+                            0, 0.0f, num_threads);
 }
 
 int ts_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -94,5 +105,5 @@ int ts_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *k_cac
                          int64_t head_dim, int64_t block_size, float scale, int num_threads) {
     return paged_decode_bf16(q, q_stride, TS_DTYPE_F32, k_cache, v_cache, block_tables, table_width, context_lens, out,
                              out_stride, TS_DTYPE_F32, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
-                             num_threads);
+                             0, 0.0f, num_threads);
 }

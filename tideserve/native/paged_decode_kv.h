@@ -199,15 +199,17 @@ static inline __attribute__((always_inline)) void KV_NAME(tile_pass)(
 }
 
 /* Attention of one request's query heads over its keys [key_lo, key_hi), one part of attn_rows.h (key_lo
- * a multiple of ATTN_PART_KEYS, key_hi at most ATTN_PART_KEYS further), tile by tile with its online
- * softmax: for each query head r, m[r] and l[r] the running max and sum and acc[r] the unnormalised output.
+ * a multiple of ATTN_PART_KEYS, key_hi at most ATTN_PART_KEYS further, key_hi > first), tile by tile with
+ * its online softmax, from the tile holding ``first`` (the first key of a sliding window; keys before it are
+ * masked), scores soft-capped by ``softcap`` when it is > 0: for each query head r, m[r] and l[r] the running max and sum and acc[r] the unnormalised output.
  * q: the scaled float32 query rows (qb, scale: see block_scores). A tile's keys are read block by block,
  * head after head, each serving every query head that shares it; the next tile's keys (up to ahead_hi)
  * are asked for before this tile's scores, its values before this tile's values. */
 static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, float scale, const KV_T *k_cache,
                                  const KV_T *v_cache, const int64_t *table, int64_t key_lo, int64_t key_hi,
-                                 int64_t ahead_hi, int64_t group, int64_t head_dim, int64_t block_size,
-                                 int64_t num_kv_heads, float *scores, float *acc, float *m, float *l, int to_l2) {
+                                 int64_t ahead_hi, int64_t first, float softcap, int64_t group, int64_t head_dim,
+                                 int64_t block_size, int64_t num_kv_heads, float *scores, float *acc, float *m,
+                                 float *l, int to_l2) {
     const int64_t rows = num_kv_heads * group; /* every query head */
     const int vec = attn_vec_rows(isa, head_dim);
     memset(acc, 0, sizeof(float) * rows * head_dim);
@@ -215,15 +217,19 @@ static void KV_NAME(attend_part)(int isa, const float *q, const uint16_t *qb, fl
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
-    for (int64_t t0 = key_lo; t0 < key_hi; t0 += ATTN_KEY_TILE) {
+    const int64_t first_tile = first / ATTN_KEY_TILE * ATTN_KEY_TILE;
+    for (int64_t t0 = key_lo > first_tile ? key_lo : first_tile; t0 < key_hi; t0 += ATTN_KEY_TILE) {
         const int64_t t1 = t0 + ATTN_KEY_TILE < key_hi ? t0 + ATTN_KEY_TILE : key_hi;
         const int64_t ahead = t1 + ATTN_KEY_TILE < ahead_hi ? t1 + ATTN_KEY_TILE : ahead_hi;
         const int64_t steps = ((t1 - 1) / block_size - t0 / block_size + 1) * num_kv_heads; /* (run, head) steps */
         const int64_t slice = (ATTN_KEY_TILE + steps - 1) / steps;
         KV_NAME(tile_pass)(0, isa, q, qb, scale, k_cache, table, t0, t1, ahead, slice, group, head_dim, block_size,
                            num_kv_heads, scores, acc, to_l2);
-        for (int64_t r = 0; r < rows; r++)
-            attn_softmax_tile(vec, scores + r * ATTN_KEY_TILE, t1 - t0, m + r, l + r, acc + r * head_dim, head_dim);
+        for (int64_t r = 0; r < rows; r++) {
+            attn_softcap(scores + r * ATTN_KEY_TILE, t1 - t0, softcap);
+            attn_softmax_tile(vec, scores + r * ATTN_KEY_TILE, first > t0 ? first - t0 : 0, t1 - t0, m + r, l + r,
+                              acc + r * head_dim, head_dim);
+        }
         KV_NAME(tile_pass)(1, isa, q, qb, scale, v_cache, table, t0, t1, ahead, slice, group, head_dim, block_size,
                            num_kv_heads, scores, acc, to_l2);
     }
@@ -234,7 +240,7 @@ static int KV_NAME(paged_decode)(const void *q, int64_t q_stride, int q_dtype, c
                                  const KV_T *v_cache, const int64_t *block_tables, int64_t table_width,
                                  const int64_t *context_lens, void *out, int64_t out_stride, int out_dtype,
                                  int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                 int64_t block_size, float scale, int num_threads) {
+                                 int64_t block_size, float scale, int64_t window, float softcap, int num_threads) {
     const int isa = ts_isa_level();
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row_width = num_heads * head_dim;
@@ -279,6 +285,7 @@ static int KV_NAME(paged_decode)(const void *q, int64_t q_stride, int q_dtype, c
         for (int64_t task = 0; task < tasks; task++) {
             if (scratch == NULL) continue;
             const int64_t seq = task / parts, part = task % parts, context = context_lens[seq];
+            const int64_t first = attn_window_first(context - 1, window); /* its sliding window's first key */
             const uint16_t *qb = NULL;
             if (q_dtype == TS_DTYPE_BF16) {
                 qb = (const uint16_t *)q + seq * q_stride;
@@ -293,16 +300,21 @@ static int KV_NAME(paged_decode)(const void *q, int64_t q_stride, int q_dtype, c
             if (split) { /* this part's own state */
                 const int64_t lo = part * ATTN_PART_KEYS;
                 const int64_t hi = lo + ATTN_PART_KEYS < context ? lo + ATTN_PART_KEYS : context;
-                KV_NAME(attend_part)(isa, q32, qb, scale, k_cache, v_cache, table, lo, hi, hi, group, head_dim,
-                                     block_size, num_kv_heads, scores, t_acc, t_max, t_sum, to_l2);
+                if (hi <= first) { /* before the window: folds as nothing */
+                    for (int64_t r = 0; r < num_heads; r++) t_sum[r] = 0.0f;
+                    continue;
+                }
+                KV_NAME(attend_part)(isa, q32, qb, scale, k_cache, v_cache, table, lo, hi, hi, first, softcap, group,
+                                     head_dim, block_size, num_kv_heads, scores, t_acc, t_max, t_sum, to_l2);
                 continue;
             }
             for (int64_t r = 0; r < num_heads; r++) t_sum[r] = 0.0f;
             memset(t_acc, 0, sizeof(float) * row_width); /* an empty context's output: zeros */
-            for (int64_t lo = 0; lo < context; lo += ATTN_PART_KEYS) { /* every part, folded in order */
+            /* every part from the window's, folded in order */
+            for (int64_t lo = first / ATTN_PART_KEYS * ATTN_PART_KEYS; lo < context; lo += ATTN_PART_KEYS) {
                 const int64_t hi = lo + ATTN_PART_KEYS < context ? lo + ATTN_PART_KEYS : context;
-                KV_NAME(attend_part)(isa, q32, qb, scale, k_cache, v_cache, table, lo, hi, context, group, head_dim,
-                                     block_size, num_kv_heads, scores, acc, m, l, to_l2);
+                KV_NAME(attend_part)(isa, q32, qb, scale, k_cache, v_cache, table, lo, hi, context, first, softcap,
+                                     group, head_dim, block_size, num_kv_heads, scores, acc, m, l, to_l2);
                 for (int64_t r = 0; r < num_heads; r++)
                     attn_fold_part(t_max + r, t_sum + r, t_acc + r * head_dim, m[r], l[r], acc + r * head_dim,
                                    head_dim);

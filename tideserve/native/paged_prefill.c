@@ -18,7 +18,8 @@
  *   query_start, query_lens [num_spans] int64: span s's query tokens are rows query_start[s] ..
  *              query_start[s] + query_lens[s] - 1
  *   computed   [num_spans] int64: the position of span s's first query token (keys before it are the
- *              cached prefix); query i of span s attends keys 0 .. computed[s] + i
+ *              cached prefix); query i of span s attends keys 0 .. computed[s] + i, or, with a sliding
+ *              window W > 0, keys computed[s] + i - W + 1 .. computed[s] + i (attn_rows.h)
  *   out        [tokens, num_heads, head_dim], float32 or bfloat16, rows out_stride elements apart
  *
  * Arithmetic is float32 (inputs widen exactly, convert_vec.h; a bfloat16 output is rounded once). Paths: scalar
@@ -68,6 +69,8 @@ typedef struct {
     int out_dtype;
     int64_t num_heads, num_kv_heads, head_dim;
     float scale;
+    int64_t window; /* keys a query attends, itself included; 0: all before it */
+    float softcap;  /* scores capped to softcap * tanh(s / softcap) when > 0 */
 } prefill_args;
 
 /* One thread's working set for one work item. */
@@ -557,15 +560,18 @@ static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t 
     const int64_t groups = (n + 15) / 16; /* 16-row query tiles in use */
 #endif
     int32_t sees[LANE_ROWS]; /* the last key position each lane's row attends; -1 for an empty lane */
+    int32_t from[LANE_ROWS]; /* the first one (its sliding window's) */
     memset(w->ot, 0, (size_t)(dim * LANE_ROWS) * sizeof(float));
     for (int64_t i = 0; i < LANE_ROWS; i++) {
         float *qi = w->rows + i * dim;
         if (i >= n) {
             sees[i] = -1;
+            from[i] = 0;
             memset(qi, 0, (size_t)dim * sizeof(float));
         } else {
             const int64_t r = r0 + i, t = r / group, h = r % group;
             sees[i] = (int32_t)(pos0 + t);
+            from[i] = (int32_t)attn_window_first(pos0 + t, a->window);
             widen(isa, a->q, a->q_dtype, (row0 + t) * a->q_stride + (g * group + h) * dim, qi, dim);
             for (int64_t d = 0; d < dim; d++) qi[d] *= a->scale;
         }
@@ -582,11 +588,13 @@ static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t 
             for (int64_t c = 0; c < dim; c += 16)
                 ts_transpose16x16(w->rows + rb * dim + c, dim, w->qt + c * LANE_ROWS + rb, LANE_ROWS);
     const __m512i sees0 = _mm512_loadu_si512(sees), sees1 = _mm512_loadu_si512(sees + 16);
+    const __m512i from0 = _mm512_loadu_si512(from), from1 = _mm512_loadu_si512(from + 16);
     /* a finite floor, so an empty lane's alpha is exp(0) rather than exp(-inf - -inf) */
     __m512 m0 = _mm512_set1_ps(-FLT_MAX), m1 = m0, l0 = _mm512_setzero_ps(), l1 = l0;
     const int64_t *table = a->tables + span * a->table_width;
     const int64_t last = pos0 + (r0 + n - 1) / group; /* the last key the last row sees */
-    for (int64_t kb = 0; kb <= last; kb += KEY_TILE) {
+    const int64_t from_key = attn_window_first(pos0 + r0 / group, a->window); /* the first key the first row sees */
+    for (int64_t kb = from_key / KEY_TILE * KEY_TILE; kb <= last; kb += KEY_TILE) {
         const int64_t nk = last - kb + 1 < KEY_TILE ? last - kb + 1 : KEY_TILE;
 #ifdef TS_PREFILL_PAIRS
         if (paired) {
@@ -604,12 +612,14 @@ static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t 
             for (int64_t j = nk; j < nk + KEY_BLOCK; j++) w->krow[j] = w->krow[0];
             scores_avx512(w->qt, dim, w->krow, nk, w->st);
         }
+        if (a->softcap > 0.0f)
+            for (int64_t j = 0; j < nk; j++) attn_softcap(w->st + j * LANE_ROWS, LANE_ROWS, a->softcap);
         __mmask16 see0[KEY_TILE], see1[KEY_TILE];
         __m512 mx0 = m0, mx1 = m1;
         for (int64_t j = 0; j < nk; j++) {
             const __m512i p = _mm512_set1_epi32((int32_t)(kb + j));
-            see0[j] = _mm512_cmpge_epi32_mask(sees0, p);
-            see1[j] = _mm512_cmpge_epi32_mask(sees1, p);
+            see0[j] = _mm512_cmpge_epi32_mask(sees0, p) & _mm512_cmple_epi32_mask(from0, p);
+            see1[j] = _mm512_cmpge_epi32_mask(sees1, p) & _mm512_cmple_epi32_mask(from1, p);
             mx0 = _mm512_mask_max_ps(mx0, see0[j], mx0, _mm512_loadu_ps(w->st + j * LANE_ROWS));
             mx1 = _mm512_mask_max_ps(mx1, see1[j], mx1, _mm512_loadu_ps(w->st + j * LANE_ROWS + 16));
         }
@@ -703,8 +713,9 @@ static void run_item(const prefill_args *a, int isa, scratch *w, int64_t span, i
     start_part(w, rows, dim);
     const int64_t *table = a->tables + span * a->table_width;
     const int64_t last = pos0 + count - 1; /* the last key the item's last token sees */
+    const int64_t from_key = attn_window_first(pos0, a->window); /* the first key its first token sees */
     const int vec = attn_vec_rows(isa, dim);
-    for (int64_t kb = 0; kb <= last; kb += KEY_TILE) {
+    for (int64_t kb = from_key / KEY_TILE * KEY_TILE; kb <= last; kb += KEY_TILE) {
         if (kb > 0 && kb % ATTN_PART_KEYS == 0) {
             fold_part(w, rows, dim);
             start_part(w, rows, dim);
@@ -725,13 +736,16 @@ static void run_item(const prefill_args *a, int isa, scratch *w, int64_t span, i
         for (int64_t r = 0; r < rows; r++) {
             const int64_t seen = pos0 + r / group - kb + 1; /* keys of this tile at or before the row's token */
             const int64_t n = seen < 0 ? 0 : (seen < nk ? seen : nk);
-            w->valid[r] = n;
+            const int64_t lo = attn_window_first(pos0 + r / group, a->window) - kb; /* keys of it before the window */
             float *sr = w->s + r * KEY_TILE;
-            if (n == 0) {
+            if (n == 0 || lo >= n) {
+                w->valid[r] = 0;
                 memset(sr, 0, KEY_TILE * sizeof(float));
                 continue;
             }
-            attn_softmax_tile(vec, sr, n, w->m + r, w->l + r, w->o + r * dim, dim);
+            w->valid[r] = n;
+            attn_softcap(sr, n, a->softcap);
+            attn_softmax_tile(vec, sr, lo > 0 ? lo : 0, n, w->m + r, w->l + r, w->o + r * dim, dim);
         }
 #ifdef TS_HAVE_AVX2
         if (vec)
@@ -798,13 +812,24 @@ int ts_paged_prefill(const void *q, int64_t q_stride, int q_dtype, const void *k
                      const int64_t *query_start, const int64_t *query_lens, const int64_t *computed, int64_t num_spans,
                      void *out, int64_t out_stride, int out_dtype, int64_t num_heads, int64_t num_kv_heads,
                      int64_t head_dim, float scale, int num_threads) {
+    return ts_paged_prefill_window(q, q_stride, q_dtype, k, v, kv_dtype, kv_stride, tables, table_width, block_size,
+                                   query_start, query_lens, computed, num_spans, out, out_stride, out_dtype, num_heads,
+                                   num_kv_heads, head_dim, scale, 0, 0.0f, num_threads);
+}
+
+int ts_paged_prefill_window(const void *q, int64_t q_stride, int q_dtype, const void *k, const void *v, int kv_dtype,
+                            int64_t kv_stride, const int64_t *tables, int64_t table_width, int64_t block_size,
+                            const int64_t *query_start, const int64_t *query_lens, const int64_t *computed,
+                            int64_t num_spans, void *out, int64_t out_stride, int out_dtype, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window, float softcap,
+                            int num_threads) {
     if (!known_dtype(q_dtype, 0) || !known_dtype(out_dtype, 0) || !known_dtype(kv_dtype, 1) || num_kv_heads <= 0 ||
-        num_heads % num_kv_heads || head_dim <= 0 || block_size <= 0)
+        num_heads % num_kv_heads || head_dim <= 0 || block_size <= 0 || window < 0 || !(softcap >= 0.0f))
         return 1;
     if (num_spans <= 0) return 0;
     const prefill_args a = {q, q_stride, q_dtype, k, v, kv_dtype, kv_stride, tables, table_width, block_size,
                             query_start, query_lens, computed, out, out_stride, out_dtype, num_heads,
-                            num_kv_heads, head_dim, scale};
+                            num_kv_heads, head_dim, scale, window, softcap};
     const int64_t group = num_heads / num_kv_heads;
     const int64_t tokens_per_item = group >= ROWS_PER_ITEM ? 1 : ROWS_PER_ITEM / group;
     /* Work items: (span, KV head, token tile), counted per span so a flat index finds its span. */

@@ -65,6 +65,13 @@ int ts_paged_decode(const void *q, int64_t q_stride, int q_dtype, const void *k_
                     int kv_dtype, const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
                     void *out, int64_t out_stride, int out_dtype, int64_t num_seqs, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int num_threads);
+/* As ts_paged_decode, request i's query attending only its last ``window`` keys when window > 0 (a sliding-window
+ * layer), its scores capped to softcap * tanh(s / softcap) when softcap > 0. */
+int ts_paged_decode_window(const void *q, int64_t q_stride, int q_dtype, const void *k_cache, const void *v_cache,
+                           int kv_dtype, const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
+                           void *out, int64_t out_stride, int out_dtype, int64_t num_seqs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                           float softcap, int num_threads);
 /* float32 q and out over a float32 / bfloat16 cache, for callers that know the types at build time. */
 int ts_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                         const int64_t *block_tables, int64_t table_width, const int64_t *context_lens, float *out,
@@ -87,6 +94,14 @@ int ts_paged_prefill(const void *q, int64_t q_stride, int q_dtype, const void *k
                      const int64_t *query_start, const int64_t *query_lens, const int64_t *computed, int64_t num_spans,
                      void *out, int64_t out_stride, int out_dtype, int64_t num_heads, int64_t num_kv_heads,
                      int64_t head_dim, float scale, int num_threads);
+/* As ts_paged_prefill, query i of span s attending keys computed[s] + i - window + 1 .. computed[s] + i when
+ * window > 0 (a sliding-window layer), its scores capped to softcap * tanh(s / softcap) when softcap > 0. */
+int ts_paged_prefill_window(const void *q, int64_t q_stride, int q_dtype, const void *k, const void *v, int kv_dtype,
+                            int64_t kv_stride, const int64_t *tables, int64_t table_width, int64_t block_size,
+                            const int64_t *query_start, const int64_t *query_lens, const int64_t *computed,
+                            int64_t num_spans, void *out, int64_t out_stride, int out_dtype, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window, float softcap,
+                            int num_threads);
 
 /* 1 when ts_paged_prefill, at the ISA level in use, computes over keys and values of ``kv_dtype`` with
  * AMX tiles (queries and probabilities rounded to bfloat16), 0 when in float32. */

@@ -42,8 +42,12 @@ class AttentionBackend(ABC):
         """This backend's metadata for one step, on its device."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, kv_stored: bool = False, *,
+                window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """Store this step's K/V in the cache (unless ``kv_stored``: ``rope_store`` did), then attend.
+
+        ``window`` > 0: a query at position p attends keys p - window + 1 .. p only (a sliding-window
+        layer); ``softcap`` > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax.
 
         q: [T, H, D] with unit stride in D and D in H (rows may be strided: q is a view of the fused
         qkv); k, v: [T, KVH, D]; caches: contiguous [num_blocks, block_size, KVH, D] (the KV store's
@@ -52,13 +56,18 @@ class AttentionBackend(ABC):
         if not kv_stored:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self.attend(q, k, v, k_cache, v_cache, meta, scale, out)
+        if window or softcap:
+            self.attend(q, k, v, k_cache, v_cache, meta, scale, out, window=window, softcap=softcap)
+        else:
+            self.attend(q, k, v, k_cache, v_cache, meta, scale, out)
         return out
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-        """Write every query's attention over its cached context into ``out`` (the K/V are stored)."""
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor, *,
+               window: int = 0, softcap: float = 0.0) -> None:
+        """Write every query's attention over its cached context (or its ``window``, soft-capped by
+        ``softcap``: see ``forward``) into ``out`` (the K/V are stored)."""
 
     def describe(self) -> str:
         """What the start-up line ``decode attention: ...`` says."""

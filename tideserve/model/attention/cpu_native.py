@@ -112,14 +112,14 @@ class CpuNativeBackend(AttentionBackend):
                                              to_dev(layout.num_computed[rows])))
         return meta
 
-    def attend(self, q, k, v, k_cache, v_cache, meta: CpuNativeMetadata, scale, out):
+    def attend(self, q, k, v, k_cache, v_cache, meta: CpuNativeMetadata, scale, out, *, window=0, softcap=0.0):
         n = meta.num_decode_tokens
         if n:
             self._paged_decode(q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
-                               out[:n])
+                               out[:n], window, softcap)
         keys = k_cache.view(-1, self.num_kv_heads, self.head_dim)
         values = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         for call in meta.prefills:
             if not self._prefill(q, keys, values, call.tables, k_cache.shape[1], call.query_start, call.query_lens,
-                                 call.computed, scale, out):
+                                 call.computed, scale, out, window, softcap):
                 raise RuntimeError("native prefill attention failed: its scratch memory could not be allocated")

@@ -100,30 +100,67 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
 
 
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+               causal: bool, softcap: float) -> torch.Tensor:
+    """``_sdpa``, or, with ``softcap``, transformers' eager arithmetic: scores s = q k^T * scale capped to
+    softcap * tanh(s / softcap) (SDPA has no hook between the product and the softmax), masked, softmax in
+    float32. q: [B, H, Lq, D]; k, v: [B, KVH, Lk, D]; mask: bool, True = may attend."""
+    if not softcap:
+        return _sdpa(q, k, v, scale, mask=mask, causal=causal)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if causal:
+        lq, lk = s.shape[-2], s.shape[-1]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(lk - lq)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s.float(), dim=-1).to(q.dtype), v)
+
+
+def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[Lq, Lk] bool: key at or before the query and within its window (window 0: the whole context)."""
+    keep = key_pos[None, :] <= query_pos[:, None]
+    if window:
+        keep &= key_pos[None, :] > query_pos[:, None] - window
+    return keep
+
+
 def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, prefills: list[PrefillSpan], scale: float, out: torch.Tensor) -> None:
-    """Each span's queries into ``out``: causal over its own keys, or over its context's cached slots. Its own
-    keys and values are taken as the cache holds them (rounded to its dtype), as every later step and every
-    chunk after a cached prefix reads them: a token's attention does not depend on how its prompt was cut."""
+                    v_cache: torch.Tensor, prefills: list[PrefillSpan], scale: float, out: torch.Tensor, *,
+                    window: int = 0, softcap: float = 0.0) -> None:
+    """Each span's queries into ``out``: causal over its own keys, or over its context's cached slots (each
+    query within its ``window`` when there is one). Its own keys and values are taken as the cache holds
+    them (rounded to its dtype), as every later step and every chunk after a cached prefix reads them: a
+    token's attention does not depend on how its prompt was cut."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     for span in prefills:
         end = span.start + span.query_len
         qs = q[span.start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
+        mask = span.mask
+        if window and span.context_len > window:
+            first = span.context_len - span.query_len  # the position of the span's first query
+            key_pos = torch.arange(span.context_len if span.slots is not None else span.query_len, device=q.device)
+            query_pos = torch.arange(span.query_len, device=q.device) + (first if span.slots is not None else 0)
+            mask = _window_mask(query_pos, key_pos, window)[None, None]
         if span.slots is None:
             ks = k[span.start:end].to(k_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
             vs = v[span.start:end].to(v_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
-            o = _sdpa(qs, ks, vs, scale, causal=True)
+            o = _attention(qs, ks, vs, scale, mask, mask is None, softcap)
         else:
             ks = k_flat.index_select(0, span.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
             vs = v_flat.index_select(0, span.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
-            o = _sdpa(qs, ks, vs, scale, mask=span.mask)
+            o = _attention(qs, ks, vs, scale, mask, False, softcap)
         out[span.start:end] = o.squeeze(0).transpose(0, 1)
 
 
 def _decode_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                  scale: float) -> torch.Tensor:
+                  scale: float, softcap: float = 0.0) -> torch.Tensor:
     """Single-token queries. q: [B, H, D]; k, v: [B, KVH, L, D]; mask: [B, 1, 1, L].
 
     The query heads that share one KV head become that head's "query rows" ([B, KVH, group, D]), so
@@ -132,7 +169,7 @@ def _decode_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     b, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     qg = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    out = _attention(qg, k, v, scale, mask, False, softcap)
     return out.reshape(b, num_heads, head_dim)
 
 
@@ -161,7 +198,7 @@ class TorchSDPABackend(AttentionBackend):
         meta.prefills = build_prefill_spans(layout, to_dev)
         return meta
 
-    def attend(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale, out):
+    def attend(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale, out, *, window=0, softcap=0.0):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         for group in meta.decode_groups:
             # Whole blocks are gathered (a few large copies, not one per token), then viewed as keys.
@@ -170,5 +207,9 @@ class TorchSDPABackend(AttentionBackend):
             lk = nb * k_cache.shape[1]
             kd = k_cache.index_select(0, idx).view(b, lk, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
             vd = v_cache.index_select(0, idx).view(b, lk, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-            out[group.start:group.end] = _decode_group(q[group.start:group.end], kd, vd, group.mask, scale)
-        attend_prefills(q, k, v, k_cache, v_cache, meta.prefills, scale, out)
+            mask = group.mask
+            if window:  # the keys of each row's window: the last ``window`` of its context
+                context = mask.sum(-1, keepdim=True)
+                mask = mask & (torch.arange(lk, device=mask.device) >= context - window)
+            out[group.start:group.end] = _decode_group(q[group.start:group.end], kd, vd, mask, scale, softcap)
+        attend_prefills(q, k, v, k_cache, v_cache, meta.prefills, scale, out, window=window, softcap=softcap)

@@ -86,7 +86,10 @@ class TritonBackend(AttentionBackend):
             meta.prefill_max_query_len = int(layout.query_lens[n:].max())
         return meta
 
-    def attend(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale, out):
+    def attend(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale, out, *, window=0, softcap=0.0):
+        if window or softcap:  # backend_for_model never picks this backend for such a model
+            raise ValueError("attention_backend='triton' has no sliding-window or soft-capped attention kernels; "
+                             "use attention_backend='torch'")
         n = meta.num_decode_tokens
         if n:
             self._decode(q[:n].contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
