@@ -148,6 +148,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
     states, ``compute_logits`` -> float32 logits) and its weight loading; decode steps always take the
     Python path (the native decode step implements Llama's layers only)."""
 
+    native_decode_layers = False
+
     def __init__(self, arch: ArchConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", max_positions: int | None = None) -> None:
         nn.Module.__init__(self)

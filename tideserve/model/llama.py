@@ -168,6 +168,9 @@ class LlamaForCausalLM(nn.Module):
     ``torch.inference_mode()`` to skip version-counter bookkeeping.
     """
 
+    # The native decode step computes these layers exactly; a subclass whose layers differ sets False.
+    native_decode_layers: bool = True
+
     def __init__(self, arch: ArchConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", max_positions: int | None = None) -> None:
         super().__init__()

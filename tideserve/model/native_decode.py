@@ -73,12 +73,10 @@ class NativeDecodeForward:
         """The native forward for ``model``, or None when its layers are not all block-quantized, float32
         and laid out as the kernel expects (or no native library could be built). A mixture-of-experts
         model is refused: the kernel runs one dense MLP per layer, so its layers take the Python path."""
-        from tideserve.model.llama import LlamaDecoderLayer
-
         lib = native.load_library()
         if lib is None or getattr(model, "dtype", None) != torch.float32 or model.arch.num_experts:
             return None
-        if not all(type(layer) is LlamaDecoderLayer for layer in model.model.layers):
+        if not getattr(model, "native_decode_layers", False):
             return None  # the kernel runs Llama's layers exactly (Gemma's norms, MLP and windows differ)
         layers = []
         for layer in model.model.layers:
