@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Throughput of two checkouts of tideserve, interleaved on one machine: offline (`tideserve bench offline`,
-# 32 random prompts of 256 tokens, 64 out) for ROUNDS rounds, then a served pair (`tideserve serve` and
+# 32 random prompts of 256 tokens, 64 out; and one sequence at a time, 4 prompts of 256 tokens, 128 out:
+# single-stream decode without a server) for ROUNDS rounds, then a served pair (`tideserve serve` and
 # `tideserve bench serve` at 1 and 64 concurrent streams, 256 in, 48 out, EOS ignored) for SERVED_ROUNDS.
 # The order alternates each round, so drift on a shared host falls on both sides. One line per run:
-#   round <r> <A|B> <offline|served-1|served-64> <output tok/s>
+#   round <r> <A|B> <offline|offline-1|served-1|served-64> <output tok/s>
 # Usage: benchmarks/ab_checkouts.sh A_CHECKOUT B_CHECKOUT [ROUNDS [SERVED_ROUNDS]]
 # Both checkouts run under this repository's .venv (PYTHONPATH selects the package).
 set -u
@@ -21,6 +22,9 @@ for r in $(seq 1 "$ROUNDS"); do
     v=$(cd "$tmp" && PYTHONPATH=${TREE[$t]} $PY -m tideserve bench offline --dataset random --num-prompts 32 \
         --input-len 256 --output-len 64 --seed "$r" --disable-tqdm 2>/dev/null | tok_s)
     echo "round $r $t offline $v"
+    v=$(cd "$tmp" && PYTHONPATH=${TREE[$t]} $PY -m tideserve bench offline --dataset random --num-prompts 4 \
+        --input-len 256 --output-len 128 --max-num-seqs 1 --seed "$r" --disable-tqdm 2>/dev/null | tok_s)
+    echo "round $r $t offline-1 $v"
   done
 done
 for r in $(seq 1 "$SERVED_ROUNDS"); do
