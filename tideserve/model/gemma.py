@@ -24,8 +24,8 @@ from tideserve.model.arch_config import ArchConfig
 from tideserve.model.attention import AttentionMetadata
 from tideserve.model.layers.linear import Linear
 from tideserve.model.layers.norm import RMSNorm
-from tideserve.model.layers.rotary import RotaryEmbedding, apply_rotary_
-from tideserve.model.llama import Embedding, KVCache, LlamaForCausalLM
+from tideserve.model.layers.rotary import RotaryEmbedding
+from tideserve.model.llama import Embedding, KVCache, LlamaAttention, LlamaForCausalLM
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -51,49 +51,19 @@ class GemmaRMSNorm(RMSNorm):
         heads.copy_(self(heads))
 
 
-class GemmaAttention(nn.Module):
-    """Fused qkv, optional per-head q/k norms, rotary, paged attention over the layer's window, output
-    projection."""
+class GemmaAttention(LlamaAttention):
+    """Llama's attention with Gemma's scale (``query_pre_attn_scalar``), the layer's window and score
+    soft-cap, and Gemma's (offset + w) q/k norms."""
 
     def __init__(self, arch: ArchConfig, layer: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__()
-        self.num_heads = arch.num_attention_heads
-        self.num_kv_heads = arch.num_key_value_heads
-        self.head_dim = arch.head_dim
-        self.q_size = arch.q_size
-        self.kv_size = arch.kv_size
+        super().__init__(arch, dtype, device)
         self.scale = (arch.query_pre_attn_scalar or arch.head_dim) ** -0.5
         self.window = arch.layer_window(layer)
         self.softcap = arch.attn_logit_softcapping or 0.0
-        self.qkv_proj = Linear(arch.hidden_size, {"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size},
-                               bias=arch.qkv_bias, dtype=dtype, device=device)
-        self.o_proj = Linear(arch.q_size, arch.hidden_size, bias=arch.o_bias, dtype=dtype, device=device)
-        self.q_norm: GemmaRMSNorm | None = None
-        self.k_norm: GemmaRMSNorm | None = None
         if arch.qk_norm:
             offset = arch.norm_weight_offset
             self.q_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps, offset, dtype, device)
             self.k_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps, offset, dtype, device)
-
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = h.shape[0]
-        qkv = self.qkv_proj(h)
-        if self.q_norm is not None:
-            self.q_norm.forward_heads_(qkv[:, : self.q_size])
-            self.k_norm.forward_heads_(qkv[:, self.q_size: self.q_size + self.kv_size])
-        backend = meta.backend
-        rope_store = backend.rope_store
-        if rope_store is not None:
-            rope_store(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1])
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
-                                                      self.head_dim)
-        if rope_store is None:
-            apply_rotary_(qk, cos, sin)
-        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = backend.forward(qk[:, : self.num_heads], qk[:, self.num_heads:], v, kv_cache[0], kv_cache[1], meta,
-                              self.scale, rope_store is not None, window=self.window, softcap=self.softcap)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class GemmaMLP(nn.Module):

@@ -54,6 +54,8 @@ class LlamaAttention(nn.Module):
         self.q_size = arch.q_size
         self.kv_size = arch.kv_size
         self.scale = arch.head_dim ** -0.5
+        self.window = 0  # keys a query attends (0: all), and the scores' soft-cap (0: none): Gemma sets them
+        self.softcap = 0.0
         self.qkv_proj = Linear(arch.hidden_size, {"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size},
                                bias=arch.qkv_bias, dtype=dtype, device=device)
         self.o_proj = Linear(arch.q_size, arch.hidden_size, bias=arch.o_bias, dtype=dtype, device=device)
@@ -83,7 +85,8 @@ class LlamaAttention(nn.Module):
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, rope_store is not None)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, rope_store is not None,
+                              window=self.window, softcap=self.softcap)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
