@@ -123,7 +123,7 @@ def test_builtin_families() -> None:
     assert not ArchConfig.from_hf_config({**CONFIG, "architectures": ["Qwen2ForCausalLM"]}).qk_norm
 
 
-def test_phi3_family(caplog: pytest.LogCaptureFixture) -> None:
+def test_phi3_family() -> None:
     """Phi-3's fused GGUF tensors map onto the model's fused layers (loaded by shard), its longrope factor
     tensors are config, not weights, and llama.cpp leaves its q/k rows as HF has them."""
     phi3 = family_for("phi3")
@@ -143,11 +143,11 @@ def test_phi3_family(caplog: pytest.LogCaptureFixture) -> None:
     assert a.rope_scaling["rope_type"] == "longrope"
     assert a.rope_scaling["original_max_position_embeddings"] == 4096
     assert a.rope_scaling["attention_factor"] == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
-    # the 4k models' window: not applied, and said so; a 128k model's window past its context: nothing to say
-    ArchConfig.from_hf_config({**config, "max_position_embeddings": 4096, "sliding_window": 262144})
-    assert "sliding_window" not in caplog.text
-    ArchConfig.from_hf_config({**config, "max_position_embeddings": 4096, "sliding_window": 2047})
-    assert "sliding_window=2047 is not applied" in caplog.text
+    # the 4k models' window on every layer; a 128k model's window past its context: none
+    assert ArchConfig.from_hf_config({**config, "max_position_embeddings": 4096,
+                                      "sliding_window": 262144}).sliding_window is None
+    a4k = ArchConfig.from_hf_config({**config, "max_position_embeddings": 4096, "sliding_window": 2047})
+    assert [a4k.layer_window(i) for i in range(a4k.num_hidden_layers)] == [2047] * a4k.num_hidden_layers
     su = ArchConfig.from_hf_config({**config, "rope_scaling": {**config["rope_scaling"], "type": "su"}})
     assert su.rope_scaling == a.rope_scaling
     with pytest.raises(ValueError, match="missing long_factor"):

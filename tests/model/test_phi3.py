@@ -1,5 +1,6 @@
 """Phi-3 / Phi-4 against transformers: tiny random-weight ``Phi3Config`` models, one plain (full rotary,
-untied, Phi-3-mini's ``sliding_window`` set and ignored) and one shaped like Phi-4-mini (partial rotary
+untied, a ``sliding_window`` past its context, as the 128k models have), one with a window of 12 that the
+prompts outgrow (Phi-3-mini-4k's 2047, scaled down) and one shaped like Phi-4-mini (partial rotary
 0.75: 12 of 16 values per head; LongRoPE with an original context of 32 positions; tied embeddings),
 served from an HF directory and from GGUF files written here (float, and on their own blocks through the
 native kernels and the one-call native decode step).
@@ -35,6 +36,7 @@ from tideserve.model.loader import load_model
 
 ORIGINAL = 32  # the longrope model's original context: prompts below and above it
 ROTARY_DIM = 12  # 0.75 of head_dim 16
+WINDOW = 12  # outgrown by the prefix-hit batch and the greedy run, not by the mixed batch
 COMMON: dict[str, Any] = {
     "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
     "num_key_value_heads": 2, "num_hidden_layers": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
@@ -42,6 +44,7 @@ COMMON: dict[str, Any] = {
 }
 VARIANTS: dict[str, Any] = {
     "phi3": lambda: Phi3Config(**COMMON, tie_word_embeddings=False, sliding_window=2047),
+    "phi3-window": lambda: Phi3Config(**COMMON, tie_word_embeddings=False, sliding_window=WINDOW),
     "phi4mini-longrope": lambda: Phi3Config(
         **COMMON, tie_word_embeddings=True, sliding_window=None, partial_rotary_factor=0.75,
         original_max_position_embeddings=ORIGINAL,
@@ -119,8 +122,9 @@ def test_hf_checkpoint_matches_transformers(tiny, backend, mixed_batch, prefix_h
     model = load_model(str(directory), dtype="float32").model
     arch = model.arch
     assert arch.architecture == "Phi3ForCausalLM" and not arch.qkv_bias and not arch.o_bias
-    if name == "phi3":
+    if name.startswith("phi3"):
         assert arch.rotary_dim == arch.head_dim == 16 and arch.rope_scaling is None
+        assert [arch.layer_window(i) for i in range(2)] == ([WINDOW] * 2 if name == "phi3-window" else [0, 0])
         assert_matches_transformers(model, hf_model, (mixed_batch, prefix_hit), greedy_tokens, 9, 12, backend)
         return
     assert arch.rotary_dim == ROTARY_DIM and arch.tie_word_embeddings
@@ -152,6 +156,8 @@ def write_phi3_gguf(hf_model: Any, config: Any, path: Path, qtypes: dict[str, st
     factor as metadata. Quantized tensors replace the HF weights by their dequantized values, so the HF
     model stays the file's exact float reference."""
     writer = start_gguf(path, "phi3", config)
+    if config.sliding_window:
+        writer.add_sliding_window(config.sliding_window)
     rope = config.rope_parameters
     head_dim = config.hidden_size // config.num_attention_heads
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
@@ -192,8 +198,9 @@ def test_float_gguf_matches_transformers(variant, tmp_path, mixed_batch, prefix_
     model = load_model(str(path), dtype="float32", quantization="none").model
     arch = model.arch
     assert arch.architecture == "Phi3ForCausalLM" and arch.tie_word_embeddings == config.tie_word_embeddings
-    if variant == "phi3":
+    if variant.startswith("phi3"):
         assert arch.rotary_dim == 16 and arch.rope_scaling is None
+        assert arch.sliding_window == (WINDOW if variant == "phi3-window" else None)
         assert_matches_transformers(model, hf_model, (mixed_batch, prefix_hit), greedy_tokens, 9, 12, "cpu-native")
         return
     assert arch.rotary_dim == ROTARY_DIM and arch.rope_scaling["rope_type"] == "longrope"
@@ -220,9 +227,11 @@ def test_gguf_blocks_on_the_native_decode_step(variant, tmp_path, mixed_batch, p
     assert fast is not None
     calls: list[bool] = []
     model.native_decode = lambda *a: calls.append(fast(*a)) or calls[-1]
-    batches = (mixed_batch, prefix_hit) if variant == "phi3" else long_batches(mixed_batch)
+    batches = (mixed_batch, prefix_hit) if variant.startswith("phi3") else long_batches(mixed_batch)
     with_native = [batch(model.arch.vocab_size).ours(model, backend="cpu-native") for batch in batches]
-    assert calls == [False, False, True] * 2  # each batch's last step is all decodes
+    # Each batch's last step is all decodes; with a window, only contexts within it (the mixed batch's 11
+    # keys at most, not the prefix hit's 14) take the native call, which attends every key.
+    assert calls == [False, False, True] + [False, False, variant != "phi3-window"]
     model.native_decode = None
     python_loop = [batch(model.arch.vocab_size).ours(model, backend="cpu-native") for batch in batches]
     for batch, got_steps, loop_steps in zip(batches, with_native, python_loop, strict=True):

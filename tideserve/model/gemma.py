@@ -52,13 +52,12 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class GemmaAttention(LlamaAttention):
-    """Llama's attention with Gemma's scale (``query_pre_attn_scalar``), the layer's window and score
-    soft-cap, and Gemma's (offset + w) q/k norms."""
+    """Llama's attention (the layer's window included) with Gemma's scale (``query_pre_attn_scalar``),
+    score soft-cap and (offset + w) q/k norms."""
 
     def __init__(self, arch: ArchConfig, layer: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__(arch, dtype, device)
+        super().__init__(arch, dtype, device, layer)
         self.scale = (arch.query_pre_attn_scalar or arch.head_dim) ** -0.5
-        self.window = arch.layer_window(layer)
         self.softcap = arch.attn_logit_softcapping or 0.0
         if arch.qk_norm:
             offset = arch.norm_weight_offset

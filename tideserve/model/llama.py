@@ -46,7 +46,7 @@ class LlamaAttention(nn.Module):
     rank keeps them whole whichever heads it computes.
     """
 
-    def __init__(self, arch: ArchConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype, device: torch.device | str, layer: int = 0) -> None:
         super().__init__()
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
@@ -54,8 +54,8 @@ class LlamaAttention(nn.Module):
         self.q_size = arch.q_size
         self.kv_size = arch.kv_size
         self.scale = arch.head_dim ** -0.5
-        self.window = 0  # keys a query attends (0: all), and the scores' soft-cap (0: none): Gemma sets them
-        self.softcap = 0.0
+        self.window = arch.layer_window(layer)  # keys a query attends (0: all); Phi-3's and Gemma's windows
+        self.softcap = 0.0  # the scores' soft-cap (0: none): Gemma 2 sets it
         self.qkv_proj = Linear(arch.hidden_size, {"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size},
                                bias=arch.qkv_bias, dtype=dtype, device=device)
         self.o_proj = Linear(arch.q_size, arch.hidden_size, bias=arch.o_bias, dtype=dtype, device=device)
@@ -114,7 +114,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ArchConfig, dtype: torch.dtype, device: torch.device | str, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(arch, dtype, device)
+        self.self_attn = LlamaAttention(arch, dtype, device, index)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
         self.mlp: nn.Module
         if arch.is_moe_layer(index):

@@ -55,6 +55,10 @@ class NativeDecodeForward:
         self.layers_ptr = ctypes.cast(layers, ctypes.c_void_p)
         self._cache_arrays: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
         self._phase_seconds: ctypes.Array | None = None  # accumulated per phase while timing is on
+        # The kernel attends every cached key: with a sliding window (Phi-3's, on every layer) it serves the
+        # steps whose contexts all fit the window, where the window masks nothing.
+        windows = [model.arch.layer_window(i) for i in range(model.arch.num_hidden_layers)]
+        self.window = min((w for w in windows if w), default=0)
 
     def time_phases(self, on: bool = True) -> None:
         """Start (from zero) or stop timing the call's phases; a profiler sees the call as one function."""
@@ -111,6 +115,7 @@ class NativeDecodeForward:
             return False
         tables, lens, slots = meta.decode_block_tables, meta.decode_context_lens, meta.slot_mapping
         if (meta.prefills or meta.num_decode_tokens != tokens or tokens == 0 or tables is None or lens is None
+                or (self.window and int(lens.max()) > self.window)
                 or not _plain_f32(hidden) or not _plain_f32(cos) or not _plain_f32(sin)
                 or not all(t.dtype == torch.int64 and t.is_contiguous() for t in (tables, lens, slots))):
             return False

@@ -8,23 +8,18 @@ without its q/k row permutation (Phi-3 rotates NEOX-style, as HF does), and writ
 ``rope_factors_long``/``rope_factors_short`` tensors (read into ``ArchConfig.rope_scaling``).
 
 Sliding window: the 4k Phi-3-mini/medium configs carry ``sliding_window: 2047`` (no
-``use_sliding_window``; the 128k models' windows exceed their context, Phi-4's is null). It is not applied
-here: attention spans the whole context, where transformers, vLLM and llama.cpp mask keys more than 2047
-positions back. Sequences up to the window are unaffected, so ``max_model_len`` <= 2047 serves these
-models exactly; a warning says so at load. (Phi-3's window is the same for every layer, so applying it
-needs only a windowed attention mask, not per-layer cache layouts.)
+``use_sliding_window``; the 128k models' windows exceed their context, Phi-4's is null). As transformers,
+vLLM and llama.cpp do, every layer attends the last ``sliding_window`` keys (a window that reaches past the
+context changes nothing and is dropped). GGUF files carry it as ``phi3.attention.sliding_window``.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from tideserve.model.families import llama
 from tideserve.model.registry import GGUFTensorMap, ModelFamily
-
-logger = logging.getLogger(__name__)
 
 GGUF_TENSORS = GGUFTensorMap(
     global_names=llama.GGUF_TENSORS.global_names,
@@ -41,12 +36,21 @@ def hf_config_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     """Phi-3 has no biases; a config asking for one is a model this family does not describe."""
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise ValueError("Phi-3 checkpoints with attention or MLP biases are not supported")
-    window = config.get("sliding_window")
-    if window and window < int(config.get("max_position_embeddings", 0)):
-        logger.warning("config.json sliding_window=%d is not applied: beyond %d tokens attention spans the whole "
-                       "context, unlike the model's training; max_model_len <= %d keeps results exact",
-                       window, window, window)
-    return {"qkv_bias": False, "o_bias": False}
+    return {"qkv_bias": False, "o_bias": False,
+            **_window(config.get("sliding_window"), config.get("max_position_embeddings"),
+                      config.get("num_hidden_layers"))}
+
+
+def gguf_metadata_fields(get: Callable[[str, Any], Any]) -> dict[str, Any]:
+    return _window(get("{arch}.attention.sliding_window", None), get("{arch}.context_length", None),
+                   get("{arch}.block_count", None))
+
+
+def _window(window: Any, context: Any, layers: Any) -> dict[str, Any]:
+    """The same window on every layer, or none when it reaches past the context (it would mask nothing)."""
+    if not window or (context and int(window) >= int(context)):
+        return {}
+    return {"sliding_window": int(window), "sliding_layers": [True] * int(layers)}
 
 
 def gguf_config_fields(tensors: Collection[str]) -> dict[str, Any]:
@@ -62,4 +66,5 @@ FAMILY = ModelFamily(
     gguf_tensors=GGUF_TENSORS,
     hf_config_fields=hf_config_fields,
     gguf_config_fields=gguf_config_fields,
+    gguf_metadata_fields=gguf_metadata_fields,
 )
