@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
 
 from tideserve import native
 from tideserve.model.arch_config import ArchConfig
-from tideserve.model.attention import TorchSDPABackend, TritonBackend, backend_for_model, selector
+from tideserve.model.attention import TritonBackend, backend_for_model, selector
 from tideserve.model.gemma import GemmaForCausalLM
 from tideserve.model.layers.quant.weights import QuantWeight
 from tideserve.model.loader import load_model
@@ -243,14 +243,14 @@ def test_engine_chunked_prefill_and_prefix_cache(backend: str, tmp_path: Path, s
         assert list(out.outputs[0].token_ids) == reference(hf_model, prompt, 10)
 
 
-def test_the_triton_backend_refuses_windowed_models(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Triton kernels have no window or soft-cap: asked for by name, a ValueError that says so; where
-    auto would pick them (CUDA), the torch backend instead."""
+def test_the_triton_backend_serves_windowed_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton kernels take the window and the soft-cap (tests/model/attention/triton/), so a Gemma model
+    gets the Triton backend when asked for by name and where auto picks it (CUDA), never a substitute."""
     model = GemmaForCausalLM(ArchConfig.from_hf_config(Gemma2Config(**COMMON).to_dict()))
+    assert model.arch.sliding_window and model.arch.attn_logit_softcapping
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets the backend be built on the CPU
     if not TritonBackend.available():
         pytest.skip("triton is not installed")
-    with pytest.raises(ValueError, match="no sliding-window or soft-capped attention kernels"):
-        backend_for_model("triton", model, torch.float32, "cpu")
+    assert isinstance(backend_for_model("triton", model, torch.float32, "cpu"), TritonBackend)
     monkeypatch.setattr(selector, "select_attention_backend", lambda *_: TritonBackend("cpu"))
-    assert isinstance(backend_for_model("auto", model, torch.float32, "cpu"), TorchSDPABackend)
+    assert isinstance(backend_for_model("auto", model, torch.float32, "cpu"), TritonBackend)

@@ -6,7 +6,8 @@ reference, and a prefix hit gives the logits of computing the whole sequence afr
 
 The Triton backend is checked against its kernels' contract with torch stand-ins for them (its builder's
 int32 tables, query start offsets and context lengths, and the K/V stored before the call); the kernels
-themselves are checked against the torch backend when they are importable and TRITON_INTERPRET=1.
+themselves are checked against the torch backend when they are importable and TRITON_INTERPRET=1, with
+full attention and with sliding windows and soft-capped scores.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def triton_contract(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
     def counted(name, fn):
         def call(*args, **hints):  # hints (max_context_len, max_query_len) only save the kernels a device read
+            assert not hints.get("window") and not hints.get("softcap"), "the stand-ins attend the whole context"
             calls[name] += 1
             fn(*args)
         return call
@@ -198,8 +200,15 @@ def test_the_torch_builder_groups_sorted_decodes_and_pads_unsorted_ones(paged_ca
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not TritonBackend.available(),
                     reason="the Triton kernels are checked here only when importable and TRITON_INTERPRET=1")
-def test_the_triton_kernels_follow_the_torch_backend(paged_cache):
+@pytest.mark.parametrize("attention", ["full", "windowed"])
+def test_the_triton_kernels_follow_the_torch_backend(paged_cache, attention):
+    """``windowed``: a window of 3 keys with soft-capped scores on layer 0 and of 6 on layer 1, which the
+    contexts (up to 17 tokens in blocks of 4) and C's cached prefix outgrow."""
     model = tiny("qwen2")
+    if attention == "windowed":
+        for layer, window, softcap in ((0, 3, 0.5), (1, 6, 0.0)):
+            model.model.layers[layer].self_attn.window = window
+            model.model.layers[layer].self_attn.softcap = softcap
     want_logits, want_tokens, _ = run_steps(model, "torch", paged_cache, steps=4)
     got_logits, got_tokens, _ = run_steps(model, "triton", paged_cache, steps=4)
     assert got_tokens == want_tokens
@@ -221,7 +230,7 @@ def test_the_real_triton_kernels_run_behind_the_backend_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node], env=env,
                           capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
+    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------- selection

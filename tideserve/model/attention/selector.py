@@ -44,14 +44,8 @@ def select_attention_backend(name: str, device: torch.device | str, dtype: torch
 
 def backend_for_model(name: str, model: torch.nn.Module, kv_dtype: torch.dtype,
                       device: torch.device | str) -> AttentionBackend:
-    """``select_attention_backend`` for a model (its dtype and ``arch``'s heads). The Triton kernels have no
-    sliding window or score soft-capping: such a model (Gemma) runs on torch where auto would pick them."""
+    """``select_attention_backend`` for a model (its dtype and ``arch``'s heads). Every backend runs
+    sliding-window and soft-capped layers (Gemma, Phi-3), so the model's attention options narrow nothing."""
     arch = model.arch
-    backend = select_attention_backend(name, device, model.dtype, kv_dtype, arch.num_attention_heads,
-                                       arch.num_key_value_heads, arch.head_dim)
-    if isinstance(backend, TritonBackend) and (arch.sliding_window or arch.attn_logit_softcapping):
-        if name == "triton":
-            raise ValueError(f"attention_backend='triton' has no sliding-window or soft-capped attention kernels, "
-                             f"which {arch.architecture} needs; use attention_backend='auto' or 'torch'.")
-        return TorchSDPABackend(device)
-    return backend
+    return select_attention_backend(name, device, model.dtype, kv_dtype, arch.num_attention_heads,
+                                    arch.num_key_value_heads, arch.head_dim)

@@ -2,8 +2,9 @@
 
 Both kernels read the block tables in place, so nothing is gathered or padded; this step's K/V are stored
 through ``slot_mapping`` first, then decodes and prefill chunks (with or without a cached prefix) attend
-over the cache. The kernels are imported once, at construction, so a missing ``triton`` is a start-up
-error, not a failure in the middle of a step. On the CPU the kernels run only under Triton's interpreter
+over the cache, within a sliding window and with soft-capped scores where the layer asks for them. The
+kernels are imported once, at construction, so a missing ``triton`` is a start-up error, not a failure in
+the middle of a step. On the CPU the kernels run only under Triton's interpreter
 (``TRITON_INTERPRET=1``): slow, and meant for tests.
 """
 
@@ -87,14 +88,12 @@ class TritonBackend(AttentionBackend):
         return meta
 
     def attend(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale, out, *, window=0, softcap=0.0):
-        if window or softcap:  # backend_for_model never picks this backend for such a model
-            raise ValueError("attention_backend='triton' has no sliding-window or soft-capped attention kernels; "
-                             "use attention_backend='torch'")
         n = meta.num_decode_tokens
         if n:
             self._decode(q[:n].contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                         scale, out[:n], max_context_len=meta.decode_max_context_len)
+                         scale, out[:n], max_context_len=meta.decode_max_context_len, window=window,
+                         softcap=softcap)
         if meta.prefill_block_tables is not None:
             self._prefill(q[n:].contiguous(), k_cache, v_cache, meta.prefill_block_tables,
                           meta.prefill_query_start_loc, meta.prefill_context_lens, scale, out[n:],
-                          max_query_len=meta.prefill_max_query_len)
+                          max_query_len=meta.prefill_max_query_len, window=window, softcap=softcap)

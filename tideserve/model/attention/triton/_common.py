@@ -82,13 +82,26 @@ def interpreted(kernel: object) -> bool:
 
 
 @triton.jit
-def attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, t, tmask, allowed, kvh, d, dmask, qk_scale,
-                stride_kb, stride_ks, stride_kh, BLOCK_SIZE: tl.constexpr, FP32: tl.constexpr):
+def tanh(x):
+    """tanh from exp2 (1.4426950408889634 = log2(e)), the same code compiled and interpreted:
+    (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1], so nothing overflows and large |x| saturates to +-1."""
+    e = tl.exp2(tl.abs(x) * (-2.0 * 1.4426950408889634))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, t, tmask, allowed, kvh, d, dmask, scale, softcap,
+                stride_kb, stride_ks, stride_kh, BLOCK_SIZE: tl.constexpr, FP32: tl.constexpr,
+                SOFTCAP: tl.constexpr):
     """One step of online softmax over key positions ``t`` (a tile), shared by decode and prefill.
 
     Each position's block comes from the sequence's block table row (``table_ptr``), so the paged cache
-    is read in place; ``allowed`` masks the scores (real keys, and causality for prefill); ``qk_scale``
-    includes log2(e), so exp2 replaces exp. Returns the updated (running max, running sum, accumulator).
+    is read in place; ``allowed`` masks the scores (real keys, causality and the window for prefill).
+    With ``SOFTCAP``, the scaled score s becomes softcap * tanh(s / softcap) before masking (the torch
+    backend's order); scores are then taken to base 2, so exp2 replaces exp. A row with no allowed key
+    yet keeps a running max of -inf: the rescale then uses 0 in its place, so such a row stays at
+    (sum 0, accumulator 0) instead of NaN. Returns the updated (running max, running sum, accumulator).
     """
     block = tl.load(table_ptr + t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
     kv = block * stride_kb + (t % BLOCK_SIZE) * stride_ks + kvh * stride_kh
@@ -99,13 +112,33 @@ def attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, t, tmask, allowed, kv
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.where(allowed, s * qk_scale, float("-inf"))
+    if SOFTCAP:
+        s = softcap * tanh(s * (scale / softcap)) * 1.4426950408889634
+    else:
+        s = s * (scale * 1.4426950408889634)
+    s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if FP32:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc * alpha[:, None] + pv
+
+
+# What the kernels get for "no window": a window longer than any context, so they need no branch on it
+# (Triton also specializes an int argument of 1 to a constant, which a branch on it would have to handle).
+NO_WINDOW = 1 << 30
+
+
+def kernel_window(window: int, softcap: float) -> int:
+    """The window the kernels take (``NO_WINDOW`` for 0, none) after checking both options: 0 means none,
+    a negative one is a caller's bug, not "none"."""
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: the whole context), got {window}.")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0: no soft-capping), got {softcap}.")
+    return int(window) if window > 0 else NO_WINDOW

@@ -40,21 +40,25 @@ def num_partitions(max_context_len: int, num_programs: int, partition_size: int 
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, tmp_out_ptr, tmp_m_ptr, tmp_l_ptr,
-    scale, num_heads, num_parts,
+    scale, softcap, window, num_heads, num_parts,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_ks, stride_kh, stride_btb,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
-    FP32: tl.constexpr,
+    FP32: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
     ctx = tl.load(lens_ptr + seq).to(tl.int32)
+    # The query sits at ctx - 1: its window's first key is ctx - window. The loop starts there, so no key
+    # before the window is read or masked; a partition wholly before it runs no tile and stores
+    # (max -inf, sum 0), which the reduction weighs 0.
+    first = tl.maximum(ctx - window, 0)
     if SPLIT:
-        start = part * PARTITION
-        end = tl.minimum(ctx, start + PARTITION)
+        start = tl.maximum(part * PARTITION, first)
+        end = tl.minimum(ctx, part * PARTITION + PARTITION)
     else:
-        start = 0
+        start = first
         end = ctx
 
     g = tl.arange(0, G_PAD)
@@ -69,14 +73,12 @@ def _decode_kernel(
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    qk_scale = scale * 1.4426950408889634  # exp2 instead of exp
-
     for t0 in range(start, end, TILE):
         t = t0 + tl.arange(0, TILE)
         tmask = t < end
         m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr + seq * stride_btb, t, tmask,
-                                    tmask[None, :], kvh, d, dmask, qk_scale, stride_kb, stride_ks, stride_kh,
-                                    BLOCK_SIZE=BLOCK_SIZE, FP32=FP32)
+                                    tmask[None, :], kvh, d, dmask, scale, softcap, stride_kb, stride_ks,
+                                    stride_kh, BLOCK_SIZE=BLOCK_SIZE, FP32=FP32, SOFTCAP=SOFTCAP)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     omask = gmask[:, None] & dmask[None, :]
@@ -122,8 +124,12 @@ def _reduce_kernel(
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor, *, max_context_len: int | None = None,
-                           partition_size: int | None = None) -> None:
+                           partition_size: int | None = None, window: int = 0, softcap: float = 0.0) -> None:
     """out[b] = softmax(q[b] K_b^T * scale) V_b over sequence b's first context_lens[b] cached keys.
+
+    ``window`` > 0: only the last ``window`` keys (the query is at context_lens[b] - 1, so keys
+    p - window + 1 .. p); ``softcap`` > 0: each scaled score s becomes softcap * tanh(s / softcap) before
+    the softmax. 0 means none, for both.
 
     q, out: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D] (float32, bfloat16 or float16,
     any mix with q); block_tables: [B, max_blocks] int32 (or int64), entries past a sequence's blocks never
@@ -133,6 +139,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     num_heads, num_kv_heads, head_dim, block_size = _common.check_cache(q, k_cache, v_cache, out, "[B, H, D]")
     batch = q.shape[0]
+    window = _common.kernel_window(window, softcap)
     _common.check_index("block_tables", block_tables, 2, q.device)
     _common.check_index("context_lens", context_lens, 1, q.device)
     if block_tables.shape[0] != batch or context_lens.shape[0] != batch:
@@ -159,11 +166,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         tmp_out = tmp_m = tmp_l = out  # unused
     _decode_kernel[(batch, num_kv_heads, parts)](
         q, k_cache, v_cache, block_tables, context_lens, out, tmp_out, tmp_m, tmp_l,
-        float(scale), num_heads, parts,
+        float(scale), float(softcap), window, num_heads, parts,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, G_PAD=_common.pow2_at_least(group), D=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, TILE=TILE,
         PARTITION=partition, SPLIT=split, FP32=_common.compute_in_fp32(q, k_cache, _decode_kernel),
+        SOFTCAP=softcap > 0,
     )
     if split:
         _reduce_kernel[(batch, num_heads)](

@@ -7,7 +7,8 @@ read from the paged cache through the block table, in place.
 
 A program takes ``BLOCK_Q`` query positions of one sequence and every query head of one KV head (rows =
 positions x heads of the group), so grouped-query attention reads each key tile once per group. Key tiles
-past the tile's last query position are never visited (causal skipping).
+past the tile's last query position are never visited (causal skipping), nor, with a sliding window, key
+tiles before the window of the tile's first query position.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ BLOCK_ROWS = 64  # (query position, head) rows per program
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr, scale,
+    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr, scale, softcap, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_btb,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, FP32: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, FP32: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     qtile = tl.program_id(1)
@@ -54,19 +55,21 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], tl.float32)
-    qk_scale = scale * 1.4426950408889634  # exp2 instead of exp
 
-    # Keys up to this tile's last query position (causal); none when the tile is past the chunk.
+    # Keys up to this tile's last query position (causal); none when the tile is past the chunk. With a
+    # window, from the first query position's first window key: later rows' windows start later, but as
+    # BLOCK_Q <= TILE the first key tile still holds a key of every real row. Padding rows past the
+    # context may see none; attend_tile keeps them at zero instead of NaN.
     hi = tl.minimum(ctx, prefix + (qtile + 1) * BLOCK_Q)
     hi = tl.where(qtile * BLOCK_Q < qlen, hi, 0)
-    for t0 in range(0, hi, TILE):
+    lo = tl.maximum(prefix + qtile * BLOCK_Q - window + 1, 0)
+    for t0 in range(lo, hi, TILE):
         t = t0 + tl.arange(0, TILE)
         tmask = t < ctx
-        # Every row may attend key 0, so each row's running max is finite after the first tile.
-        allowed = tmask[None, :] & (t[None, :] <= pos[:, None])
+        allowed = tmask[None, :] & (t[None, :] <= pos[:, None]) & (t[None, :] > pos[:, None] - window)
         m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr + seq * stride_btb, t, tmask, allowed,
-                                    kvh, d, dmask, qk_scale, stride_kb, stride_ks, stride_kh,
-                                    BLOCK_SIZE=BLOCK_SIZE, FP32=FP32)
+                                    kvh, d, dmask, scale, softcap, stride_kb, stride_ks, stride_kh,
+                                    BLOCK_SIZE=BLOCK_SIZE, FP32=FP32, SOFTCAP=SOFTCAP)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + qi)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -76,8 +79,12 @@ def _prefill_kernel(
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             context_lens: torch.Tensor, scale: float, out: torch.Tensor, *,
-                            max_query_len: int | None = None) -> None:
+                            max_query_len: int | None = None, window: int = 0, softcap: float = 0.0) -> None:
     """Causal attention of S variable-length query chunks over their paged contexts.
+
+    ``window`` > 0: a query at position p attends keys p - window + 1 .. p only (the window may start
+    inside the cached prefix); ``softcap`` > 0: each scaled score s becomes softcap * tanh(s / softcap)
+    before the softmax. 0 means none, for both.
 
     q, out: [T, H, D], sequence s's queries at rows query_start_loc[s]:query_start_loc[s+1];
     k_cache, v_cache: [num_blocks, block_size, KVH, D] holding every key of each context, this chunk's
@@ -86,6 +93,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ``max_query_len`` saves a device-to-host read when the caller knows it.
     """
     num_heads, num_kv_heads, head_dim, block_size = _common.check_cache(q, k_cache, v_cache, out, "[T, H, D]")
+    window = _common.kernel_window(window, softcap)
     _common.check_index("block_tables", block_tables, 2, q.device)
     _common.check_index("query_start_loc", query_start_loc, 1, q.device)
     _common.check_index("context_lens", context_lens, 1, q.device)
@@ -105,9 +113,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_q = max(1, BLOCK_ROWS // g_pad)
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, float(scale),
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
+        float(scale), float(softcap), window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, D=head_dim, D_PAD=_common.pow2_at_least(head_dim),
         BLOCK_SIZE=block_size, TILE=TILE, FP32=_common.compute_in_fp32(q, k_cache, _prefill_kernel),
+        SOFTCAP=softcap > 0,
     )
