@@ -180,9 +180,10 @@ def _add_moe_tensor(writer: gguf.GGUFWriter, name: str, param: torch.Tensor, qty
     param.copy_(torch.from_numpy(np.concatenate(values, axis=1)))
 
 
-def start_gguf(path: Path, arch: str, config: Any) -> gguf.GGUFWriter:
+def start_gguf(path: Path, arch: str, config: Any, bos: int = 1, eos: int = 2) -> gguf.GGUFWriter:
     """A GGUF writer holding the metadata llama.cpp writes for a tiny HF ``config`` (a t<i> vocabulary,
-    BOS 1, EOS 2, linear rope scaling when the config has it); the tensors are the caller's."""
+    ``bos`` and ``eos`` ids, the full-attention layers' rope, linear scaling when the config has it); the
+    tensors are the caller's."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -194,19 +195,20 @@ def start_gguf(path: Path, arch: str, config: Any) -> gguf.GGUFWriter:
     if head_dim:  # as llama.cpp's converter: only when config.json has head_dim (Qwen3: not hidden / heads)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)  # per layer type (Gemma 3)
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    if config.rope_parameters.get("rope_type") == "linear":
+    if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(config.rope_parameters["factor"])
+        writer.add_rope_scaling_factor(rope["factor"])
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     if experts:  # as llama.cpp: the expert MLP size only where it is not feed_forward_length (qwen3moe)
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         if getattr(config, "moe_intermediate_size", None):
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    writer.add_bos_token_id(bos)
+    writer.add_eos_token_id(eos)
     writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
     return writer
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_blocks import QTYPE_NAMES, dequantize, finish_gguf, quantize
+from gguf_blocks import QTYPE_NAMES, dequantize, finish_gguf, quantize, start_gguf
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
 
 from tideserve import native
@@ -71,29 +70,12 @@ def write_gemma_gguf(hf_model: Any, config: Any, path: Path, qtypes: dict[str, s
     float32, or in ``qtypes[module suffix]`` blocks: then the HF model's weights become the blocks' values,
     so it stays the file's exact float reference."""
     arch = GGUF_ARCH[config.architectures[0]] if config.architectures else GGUF_ARCH[type(hf_model).__name__]
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer = start_gguf(path, arch, config, bos=2, eos=1)
     writer.add_sliding_window(config.sliding_window)
-    params = config.rope_parameters.get("full_attention", config.rope_parameters)
-    writer.add_rope_freq_base(params["rope_theta"])
-    if params.get("rope_type") == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(params["factor"])
     if config.final_logit_softcapping:
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
     if arch == "gemma2" and config.attn_logit_softcapping:
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
-    writer.add_bos_token_id(2)
-    writer.add_eos_token_id(1)
-    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
     for name, param in hf_model.named_parameters():
         w = param.detach().numpy().astype(np.float32)
         if name.endswith("norm.weight"):
