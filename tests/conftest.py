@@ -88,8 +88,18 @@ def make_llm(shared_model) -> Callable[..., Any]:
     return make
 
 
+# The longest files (about a minute or more each on 2 cores) run first, so that under `make test`'s two
+# workers (whole files each, in collection order) none of them starts last while the other worker idles.
+LONGEST_FIRST = ("tests/engine/test_kv_memory.py", "tests/serve/test_cotenancy.py",
+                 "tests/serve/test_elastic_served.py", "tests/serve/test_openapi_fuzz.py",
+                 "tests/serve/test_replicas_router.py", "tests/test_cli.py", "tests/worker/test_tensor_parallel.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``cuda`` need a CUDA device: without one they are skipped, each by name, with why."""
+    """The longest files first (LONGEST_FIRST), the rest in their order. Tests marked ``cuda`` need a CUDA
+    device: without one they are skipped, each by name, with why."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(item.path).relative_to(config.rootpath).as_posix(), len(rank)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (marker cuda; benchmarks/gpu_check.sh runs these)")
