@@ -12,14 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+from tideserve.model.families import llama
 from tideserve.model.registry import GGUFTensorMap, ModelFamily
 
 GGUF_TENSORS = GGUFTensorMap(
-    global_names={
-        "token_embd.weight": "model.embed_tokens.weight",
-        "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-    },
+    global_names=llama.GGUF_TENSORS.global_names,
     block_names={
         "attn_norm": "input_layernorm",
         "attn_q": "self_attn.q_proj",
