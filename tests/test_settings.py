@@ -14,7 +14,14 @@ from tideserve import LLM
 from tideserve.cli import build_parser, parse_command_line
 from tideserve.cli_engine_args import engine_kwargs
 from tideserve.cli_reference import render
-from tideserve.config import CacheConfig, KVEventsConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tideserve.config import (
+    CacheConfig,
+    KVEventsConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from tideserve.core.kv_cache.elastic import ElasticConfig
 from tideserve.engine.arg_utils import ENGINE_SETTINGS, EngineArgs
 from tideserve.pooling_params import PoolerConfig
@@ -70,6 +77,9 @@ SAMPLES = {
     "kv_events_config": ({"enable_kv_cache_events": True, "topic": "t"},
                          '{"enable_kv_cache_events": true, "topic": "t"}',
                          KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", topic="t")),
+    "speculative_config": ({"method": "ngram", "num_speculative_tokens": 3},
+                           '{"method": "ngram", "num_speculative_tokens": 3}',
+                           SpeculativeConfig(method="ngram", num_speculative_tokens=3)),
 }
 
 

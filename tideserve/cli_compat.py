@@ -67,9 +67,8 @@ ENGINE_FLAGS = (
                 "server"),
     ForeignFlag(("--max-num-partial-prefills", "--long-prefill-token-threshold"), "chunked prefill shares "
                 "one token budget per step (--max-num-batched-tokens)", takes_value=True),
-    ForeignFlag(("--speculative-config", "--speculative-model", "--num-speculative-tokens"), "speculative "
-                "decoding is not implemented; generation runs without a draft model (same outputs, without "
-                "the speed-up)", takes_value=True),
+    ForeignFlag(("--speculative-model", "--num-speculative-tokens"), "vLLM's older spelling: use "
+                "--speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'", takes_value=True),
     ForeignFlag(("--tokenizer-mode",), "the model's fast tokenizer is always used", takes_value=True,
                 harmless=_one_of("auto", "hf")),
     ForeignFlag(("--load-format",), "the weights are read from the model's GGUF or safetensors files as "

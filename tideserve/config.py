@@ -136,6 +136,62 @@ def parse_kv_events_config(value: Any) -> KVEventsConfig | None:
                             '{"enable_kv_cache_events": true, "publisher": "zmq"}')
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config``: propose ``num_speculative_tokens`` tokens per step and verify them in
+    one forward pass (tideserve/spec_decode/). ``method`` "ngram" looks the proposals up in the request's own
+    prompt and output: the tokens that followed the latest earlier occurrence of its last n tokens, n from
+    ``prompt_lookup_max`` down to ``prompt_lookup_min``. Field names are vLLM's; ``disable_by_batch_size``
+    (vLLM's too) stops proposing while at least that many requests run, where a step is bound by
+    arithmetic rather than by reading the weights, so verifying proposals costs more than it saves."""
+
+    method: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None  # a draft model: not available yet (refused with the reason)
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        name = "speculative_config"
+        if self.model is not None and self.method in (None, "draft_model"):
+            raise ValueError(f"{name}.model: draft-model speculation is not available in this version; use "
+                             f'{{"method": "ngram", "num_speculative_tokens": 4}}.')
+        if self.method is None:
+            self.method = "ngram" if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None \
+                else None
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"{name}.method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}.")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 32:
+            raise ValueError(f"{name}.num_speculative_tokens must be an integer in [1, 32], got {k!r}.")
+        if self.prompt_lookup_max is None:
+            self.prompt_lookup_max = max(3, self.prompt_lookup_min or 1)
+        if self.prompt_lookup_min is None:
+            self.prompt_lookup_min = min(2, self.prompt_lookup_max)
+        for key in ("prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}.{key} must be an integer >= 1, got {value!r}.")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"{name}.prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max}).")
+        if self.disable_by_batch_size is None:
+            self.disable_by_batch_size = 8
+        value = self.disable_by_batch_size
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}.disable_by_batch_size must be an integer >= 1, got {value!r}.")
+
+
+def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
+    """A SpeculativeConfig from JSON text (the flag), a dict (Python) or one already built; None stays None."""
+    return config_from_json(value, SpeculativeConfig, "speculative_config",
+                            '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}')
+
+
 @dataclass
 class CacheConfig:
     """KV cache settings. The pool is elastic (sized from measurement, grows and shrinks with load)
@@ -220,6 +276,12 @@ class SchedulerConfig:
         "fcfs", choices=SCHEDULING_POLICIES,
         help="fcfs: arrival order; priority: by each request's priority field (lower first, then arrival), "
              "preempting lower-priority requests for higher ones")
+    # parsed to a SpeculativeConfig (or None) in __post_init__
+    speculative_config: SpeculativeConfig | dict | str | None = setting(
+        None, metavar="JSON",
+        help='speculative decoding in vLLM\'s format, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 4}\': proposals from the request\'s own text, verified in one forward pass '
+             '(greedy output unchanged)')
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
@@ -232,6 +294,7 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}.")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
+        self.speculative_config = parse_speculative_config(self.speculative_config)
 
 
 # --attention-backend (model/attention/): auto picks cpu-native on the CPU, triton on CUDA, else torch.

@@ -53,6 +53,13 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     prefill_counted: bool = False  # its prompt is in the engine's prompt-token counter (once, at prefill's end)
+    num_new_tokens: int = 0  # output tokens the last step appended (more than one when proposals were accepted)
+    # Speculative decoding (spec_decode/): the proposals for its next step, and how many of them that step
+    # verifies (set by the scheduler: the step's budget may take fewer).
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_scheduled_spec: int = 0
+    spec_skip_steps: int = 0  # decode steps left without proposals (the acceptance policy's back-off)
+    spec_backoff: int = 1  # the back-off after the next round that accepts nothing
 
     @property
     def num_prompt_tokens(self) -> int:

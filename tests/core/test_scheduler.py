@@ -23,7 +23,7 @@ def step(s, token=7):
     for rid in out.num_scheduled_tokens:
         r = s.requests[rid]
         if r.num_computed_tokens >= r.num_tokens:
-            sampled[rid] = token
+            sampled[rid] = [token]
     s.update_from_output(sampled)
     return out
 

@@ -42,7 +42,7 @@ def test_every_request_finishes_in_order_without_leaks(specs, policy, mode, max_
         if step_no > max(a for *_, a in specs) and not s.has_unfinished():
             break
         out = s.schedule()
-        sampled = {rid: 1 for rid in out.num_scheduled_tokens
+        sampled = {rid: [1] for rid in out.num_scheduled_tokens
                    if s.requests[rid].num_computed_tokens >= s.requests[rid].num_tokens}
         for r in s.update_from_output(sampled):
             if r.is_finished:

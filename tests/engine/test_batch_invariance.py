@@ -1,7 +1,8 @@
 """The same request gives the same answer: a greedy request's tokens equal its run alone, whatever shares its
 steps, however much of its prompt the prefix cache held, however its prefill is chunked, whatever the block
-size, and across preemption (recompute and swap) and pool resizes. The real SmolLM2 file as a user gets it
-by default: its own Q4_1 and Q8_0 blocks on the native kernels, a bfloat16 KV cache. A seeded sampled request
+size, across preemption (recompute and swap) and pool resizes, and with speculative proposals verified in its
+steps. The real SmolLM2 file as a user gets it by default: its own Q4_1 and Q8_0 blocks on the native kernels,
+a bfloat16 KV cache. A seeded sampled request
 (one sample, or n of them, each child seeded from the request's seed) draws the same tokens in the same
 conditions: its logits are the same bits, and its generator is its own."""
 
@@ -62,6 +63,8 @@ ENGINES = st.fixed_dictionaries({
     "block_size": st.sampled_from([8, 16, 32]),
     "max_num_batched_tokens": st.sampled_from([24, 40, 96, 2048]),
     "pool": st.sampled_from(["roomy", "recompute", "swap"]),
+    # n-gram proposals verified in the step (any single token counts as a match, so they come often)
+    "speculative": st.booleans(),
 })
 
 
@@ -86,6 +89,8 @@ def build(make_llm, engine: dict):
               "max_num_batched_tokens": engine["max_num_batched_tokens"]}
     if engine["pool"] != "roomy":  # room for one request of max_model_len, not for it and its mates: preemption
         kwargs.update(num_blocks=256 // engine["block_size"], preemption_mode=engine["pool"], swap_space=0.05)
+    if engine["speculative"]:
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     return make_llm(**kwargs)
 
 

@@ -36,7 +36,9 @@ def _add_dataset_args(p: argparse.ArgumentParser, with_seed: bool) -> None:
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset", default="random", choices=DATASETS,
                    help="random: random token ids decoded to text (vLLM's random dataset); mixed: prompt "
-                        "20-1000 / output 16-512 tokens, log-uniform; prompts-file: --dataset-path")
+                        "20-1000 / output 16-512 tokens, log-uniform; prompts-file: --dataset-path; editing: "
+                        "chat requests to rewrite a short file with one change (output copies the prompt); "
+                        "questions: open-ended chat questions (use --endpoint chat with these two)")
     g.add_argument("--dataset-path", default=None, help="prompts file: one prompt per line, or JSONL "
                                                         "with 'prompt' (and optional 'output_len')")
     g.add_argument("--num-prompts", type=int, default=100)

@@ -14,6 +14,13 @@ Datasets:
   batching pays for its stragglers.
 - ``prompts-file``: real prompts, one per line of a text file, or JSON Lines with ``{"prompt": ...}`` and
   optionally ``"output_len"``; output lengths otherwise come from ``output_len`` and ``range_ratio``.
+- ``editing``: chat requests to rewrite a short file (code, a README) with one small change and print it whole
+  (``bench/data/editing.jsonl``): the output copies most of the prompt, the workload of code editors, where
+  n-gram speculation pays. Each may write its file plus 48 tokens.
+- ``questions``: open-ended chat questions (``bench/data/questions.txt``): little of the output is in the
+  prompt, the workload where speculation must cost nothing.
+The last two are chat prompts: ``prompt`` is the user's message (``bench serve --endpoint chat`` sends it as
+one), ``prompt_token_ids`` the model's chat template applied to it (what ``bench offline`` feeds).
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
-DATASETS = ("random", "mixed", "prompts-file")
+DATASETS = ("random", "mixed", "prompts-file", "editing", "questions")
+DATA = Path(__file__).with_name("data")
 MIXED_INPUT_RANGE = (20, 1000)
 MIXED_OUTPUT_RANGE = (16, 512)
 
@@ -177,6 +185,38 @@ def file_requests(tokenizer: TokenizerLike, path: str | Path, num_prompts: int, 
     return requests
 
 
+def _chat_ids(tokenizer: TokenizerLike, text: str) -> list[int]:
+    """The chat template applied to one user message (plain encoding for a tokenizer without one)."""
+    encode_chat = getattr(tokenizer, "encode_chat", None)
+    if encode_chat is not None:
+        try:
+            return encode_chat([{"role": "user", "content": text}])
+        except ValueError:  # no chat template
+            pass
+    return tokenizer.encode(text)
+
+
+def editing_requests(tokenizer: TokenizerLike, num_prompts: int) -> list[SampleRequest]:
+    """Rewrite-this-file chat prompts, cycled; each may write its file's tokens plus 48."""
+    entries = [json.loads(line) for line in (DATA / "editing.jsonl").read_text(encoding="utf-8").splitlines()
+               if line.strip()]
+    requests = []
+    for i in range(num_prompts):
+        entry = entries[i % len(entries)]
+        text = (f"{entry['instruction']} Print the whole file after the change, and nothing else.\n\n"
+                f"```\n{entry['source']}```")
+        out_len = len(tokenizer.encode(entry["source"], add_special_tokens=False)) + 48
+        requests.append(SampleRequest(text, _chat_ids(tokenizer, text), out_len))
+    return requests
+
+
+def question_requests(tokenizer: TokenizerLike, num_prompts: int, output_len: int) -> list[SampleRequest]:
+    """Open-ended chat questions, cycled, each with ``output_len`` tokens at most."""
+    questions = [q for q in (DATA / "questions.txt").read_text(encoding="utf-8").splitlines() if q.strip()]
+    return [SampleRequest(q, _chat_ids(tokenizer, q), output_len)
+            for q in (questions[i % len(questions)] for i in range(num_prompts))]
+
+
 def build_requests(tokenizer: TokenizerLike, dataset: str, num_prompts: int, *, input_len: int = 1024,
                    output_len: int = 128, range_ratio: float = 0.0, seed: int = 0, prefix_len: int = 0,
                    dataset_path: str | None = None) -> list[SampleRequest]:
@@ -191,6 +231,10 @@ def build_requests(tokenizer: TokenizerLike, dataset: str, num_prompts: int, *, 
         if not dataset_path:
             raise ValueError("dataset 'prompts-file' needs --dataset-path.")
         return file_requests(tokenizer, dataset_path, num_prompts, output_len, range_ratio, seed)
+    if dataset == "editing":
+        return editing_requests(tokenizer, num_prompts)
+    if dataset == "questions":
+        return question_requests(tokenizer, num_prompts, output_len)
     raise ValueError(f"dataset {dataset!r} is not one of {', '.join(DATASETS)}.")
 
 

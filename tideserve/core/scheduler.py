@@ -30,6 +30,8 @@ from tideserve.config import SchedulerConfig
 from tideserve.core.kv_cache.manager import KVCacheManager
 from tideserve.request import Request, RequestStatus
 from tideserve.sampling_params import SamplingParams
+from tideserve.spec_decode.proposals import observe_round
+from tideserve.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,9 @@ class SchedulerOutput:
     # KV copies the runner makes before the forward pass: (device block, swap block) and back.
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: the proposals each request's step verifies after its last token (its scheduled
+    # tokens are 1 + their number).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -106,6 +111,7 @@ class Scheduler:
         # waits a step) rather than stall the running ones until the pool's pages are committed.
         self.on_out_of_blocks_to_admit: Callable[[int], bool] | None = None
         self.num_swap_ins = 0  # resumed by copying their KV back (no recompute)
+        self.spec_stats = SpecDecodeStats()  # proposals verified and accepted, since start
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -155,7 +161,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new == 1 and request.spec_token_ids:  # a decode with proposals: verified in this step
+                num_new += len(request.spec_token_ids)
+            num_new = min(num_new, budget)
             if num_new <= 0:  # nothing to compute (should not happen); leave it
                 i += 1
                 continue
@@ -175,6 +184,9 @@ class Scheduler:
             if new_ids is None:
                 break
             scheduled_running.append(request)
+            if request.spec_token_ids and request.num_tokens - request.num_computed_tokens == 1 and num_new > 1:
+                out.spec_token_ids[request.request_id] = request.spec_token_ids[:num_new - 1]
+                request.num_scheduled_spec = num_new - 1
             out.cached_requests.append(
                 CachedRequestData(request.request_id, new_ids, request.num_computed_tokens))
             out.num_scheduled_tokens[request.request_id] = num_new
@@ -339,9 +351,12 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(request, preempted=True)
+        request.spec_token_ids = []
+        request.num_scheduled_spec = 0
         if out is not None:
             out.preempted_ids.append(request.request_id)
             out.num_scheduled_tokens.pop(request.request_id, None)
+            out.spec_token_ids.pop(request.request_id, None)
             if pairs:
                 out.swap_out.extend(pairs)
         else:
@@ -363,18 +378,37 @@ class Scheduler:
         return victim
 
     # ----------------------------------------------------------------- after the forward pass
-    def update_from_output(self, sampled: dict[str, int]) -> list[Request]:
-        """Append each request's new token, apply stop checks; returns the requests that got a token."""
+    def update_from_output(self, sampled: dict[str, list[int]]) -> list[Request]:
+        """Append each request's new tokens in order (one, or its accepted proposals and the model's token
+        after them), stopping at the first that ends it; returns the requests that got a token, each with
+        ``num_new_tokens`` set. The slots of proposals that were not accepted are handed back: the request's
+        computed tokens and block table shrink to what it keeps."""
         updated = []
-        for request_id, token_id in sampled.items():
+        for request_id, token_ids in sampled.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
+            num_spec, request.num_scheduled_spec = request.num_scheduled_spec, 0
+            request.spec_token_ids = []
+            request.num_new_tokens = 0
+            if num_spec:
+                self.spec_stats.observe(num_spec, len(token_ids) - 1)
+                observe_round(request, num_spec, len(token_ids) - 1)
+                rejected = num_spec - (len(token_ids) - 1)
+                if rejected:
+                    request.num_computed_tokens -= rejected
+                    self.kv.trim(request_id, request.num_computed_tokens)
+            stopped = False
             if request.max_tokens == 0:  # scored or pooled its prompt only: no token to keep
                 request.status = RequestStatus.FINISHED_LENGTH
             else:
-                request.output_token_ids.append(token_id)
-            if request.is_finished or request.check_stop_token():
+                for token_id in token_ids:
+                    request.output_token_ids.append(token_id)
+                    request.num_new_tokens += 1
+                    if request.check_stop_token():
+                        stopped = True
+                        break
+            if request.is_finished or stopped:
                 self.running.remove(request)
                 del self.requests[request_id]
                 self._arrival.pop(request_id, None)

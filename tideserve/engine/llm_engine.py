@@ -30,6 +30,7 @@ from tideserve.platform import platform_for, resolve_device
 from tideserve.pooling_params import PoolingParams
 from tideserve.request import Request, RequestStatus
 from tideserve.sampling_params import SamplingParams
+from tideserve.spec_decode.proposals import Speculator
 from tideserve.structured_output.reasoning_gate import gated
 from tideserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 from tideserve.worker.executor import Method
@@ -75,10 +76,17 @@ class LLMEngine:
         self.thread_governor = parts.thread_governor
         self.kv_events = parts.kv_events
         self._ids = itertools.count()
-        self._sampled_last_step: dict[str, int] = {}
+        self._sampled_last_step: dict[str, list[int]] = {}
         self.sleep_level = 0  # sleep mode: 0 awake, else the level the engine was put to sleep at
         self._asleep: set[str] = set()  # what is released and not woken yet: "weights", "kv_cache"
         self._num_prompt_tokens = 0
+        spec = parts.scheduler_config.speculative_config
+        # Speculative decoding: proposals set on the running requests before each schedule (None: off).
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        if spec is not None:
+            logger.info("Speculative decoding: %s, %d proposed tokens per step (lookup of the last %d..%d "
+                        "tokens), off while %d or more requests run", spec.method, spec.num_speculative_tokens,
+                        spec.prompt_lookup_min, spec.prompt_lookup_max, spec.disable_by_batch_size)
         self._num_generation_tokens = 0
 
     @property
@@ -282,6 +290,8 @@ class LLMEngine:
         for parent_id, parent in list(self.output_processor.parents.items()):
             if parent.finished:
                 touched[parent_id] = None
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, len(self.scheduler.running))
         sched_out = self.scheduler.schedule()
         if not sched_out.is_empty:
             runner_out = self._execute(sched_out)
@@ -291,8 +301,9 @@ class LLMEngine:
                 self.output_processor.on_prompt_logprobs(rid, first, entries)
             for rid, part in runner_out.pooled.items():
                 self.output_processor.on_pooled(rid, part)
-            updated = self.scheduler.update_from_output({rid: s.token_id for rid, s in sampled.items()})
-            self._num_generation_tokens += sum(1 for r in updated if r.max_tokens > 0)
+            updated = self.scheduler.update_from_output(
+                {rid: [s.token_id for s in tokens] for rid, tokens in sampled.items()})
+            self._num_generation_tokens += sum(r.num_new_tokens for r in updated if r.max_tokens > 0)
             for request in updated:  # prompt tokens count when their prefill is done, as vLLM counts them
                 if not request.prefill_counted:
                     request.prefill_counted = True
@@ -303,8 +314,13 @@ class LLMEngine:
                 if request.max_tokens > 0:
                     if request.first_token_time is None:
                         request.first_token_time = now
-                    stop = self.output_processor.on_token(
-                        request, request.output_token_ids[-1], sampled[request.request_id].logprobs)
+                    new = request.num_new_tokens
+                    tokens = sampled[request.request_id]
+                    for index in range(new):  # stops at a stop string, dropping the tokens after it
+                        stop = self.output_processor.on_token(
+                            request, request.output_token_ids[index - new], tokens[index].logprobs)
+                        if stop is not None:
+                            break
                 if stop is not None and not request.is_finished:
                     self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                     request.stop_reason = stop
@@ -331,7 +347,7 @@ class LLMEngine:
         sampled with the next step."""
         out = self.executor.collective_rpc(Worker.execute_model, scheduler_output, self._sampled_last_step,
                                            unique_reply_rank=0)
-        self._sampled_last_step = {rid: s.token_id for rid, s in out.sampled.items()}
+        self._sampled_last_step = {rid: [s.token_id for s in tokens] for rid, tokens in out.sampled.items()}
         return out
 
     def _advance_grammars(self, updated: list[Request]) -> None:
@@ -340,7 +356,7 @@ class LLMEngine:
             matcher = request.structured_output
             if matcher is None or request.max_tokens == 0 or request.is_finished:
                 continue
-            if not matcher.accept_token(request.output_token_ids[-1]):
+            if not all(matcher.accept_token(t) for t in request.output_token_ids[-request.num_new_tokens:]):
                 # The mask allowed this token, so the grammar engine and the mask disagree: end the request
                 # rather than return output that does not match its constraint.
                 logger.error("Request %s: its grammar refused the token it allowed (%s); aborting it",
@@ -354,6 +370,7 @@ class LLMEngine:
         swap = kv.swap
         memory = self.memory.read()
         total = memory.total_bytes
+        spec = self.scheduler.spec_stats
         return EngineStats(
             num_requests_running=len(self.scheduler.running),
             num_requests_waiting=len(self.scheduler.waiting),
@@ -380,4 +397,9 @@ class LLMEngine:
             sleep_level=self.sleep_level,
             prompt_tokens=self._num_prompt_tokens,
             generation_tokens=self._num_generation_tokens,
+            spec_decode_enabled=self.speculator is not None,
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(spec.accepted_per_pos),
         )

@@ -40,3 +40,16 @@ class StatLogger:
             "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
             prompt / elapsed, generation / elapsed, stats.num_requests_running, stats.num_requests_waiting,
             100 * stats.kv_cache_usage, 100 * hits / queries if queries else 0.0)
+        drafts = stats.spec_decode_num_drafts - last.spec_decode_num_drafts
+        if stats.spec_decode_enabled and drafts:
+            proposed = stats.spec_decode_num_draft_tokens - last.spec_decode_num_draft_tokens
+            accepted = stats.spec_decode_num_accepted_tokens - last.spec_decode_num_accepted_tokens
+            per_pos = [(n - (last.spec_decode_num_accepted_tokens_per_pos[i]
+                             if i < len(last.spec_decode_num_accepted_tokens_per_pos) else 0)) / drafts
+                       for i, n in enumerate(stats.spec_decode_num_accepted_tokens_per_pos)]
+            logger.info(
+                "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s, "
+                "Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, "
+                "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+                1 + accepted / drafts, accepted / elapsed, proposed / elapsed, accepted, proposed,
+                ", ".join(f"{r:.3f}" for r in per_pos), 100 * accepted / proposed if proposed else 0.0)

@@ -6,7 +6,7 @@ Counters are cumulative since start; gauges are the current value.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -36,3 +36,10 @@ class EngineStats:
     memory_utilization: float = 0.0  # process (CPU) or device (CUDA) memory in use / available, 0..1
     prompt_tokens: int = 0  # counter: prompt tokens of requests whose prefill is done
     generation_tokens: int = 0  # counter: generated tokens
+    # Speculative decoding (counters): verification rounds, proposals verified, accepted, accepted per
+    # position in the proposal; spec_decode_enabled says whether the engine proposes at all.
+    spec_decode_enabled: bool = False
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)

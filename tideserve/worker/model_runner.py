@@ -24,6 +24,7 @@ from tideserve.model.layers.sampler import Sampler, SamplingMetadata, gather_log
 from tideserve.outputs import Logprob
 from tideserve.platform import platform_for
 from tideserve.sampling_params import SamplingParams
+from tideserve.spec_decode import verify
 from tideserve.worker.cuda_graphs import DecodeGraphs, GraphCapture, cuda_graph_capture
 from tideserve.worker.kv_store import CopyKVStore, KVCacheStorage
 
@@ -67,7 +68,9 @@ class PooledPart:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, SampledToken]
+    # Per request that completed its tokens: its new tokens in order (one; or, verifying proposals, the
+    # accepted ones and the model's token after them).
+    sampled: dict[str, list[SampledToken]]
     # Per request asking for prompt logprobs: (index of the first prompt token scored, one entry per
     # prompt token scored in this step: the logprob of token i given tokens 0..i-1).
     prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]]
@@ -188,6 +191,9 @@ class ModelRunner:
             attached.append((state.block_ids, max(state.num_computed_tokens, len(state.token_ids))))
         for cached in out.cached_requests:
             state = self.requests[cached.request_id]
+            # The table the cache manager kept: ceil(computed / block size) blocks (it hands back the blocks
+            # of proposals that were not accepted), then this step's.
+            del state.block_ids[-(-cached.num_computed_tokens // self.block_size):]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.new_block_ids:
@@ -222,7 +228,10 @@ class ModelRunner:
         prefill_ids = [rid for rid, n in out.num_scheduled_tokens.items() if n > 1]
         order = decode_ids + prefill_ids
         pieces = [(rid, self.requests[rid].num_computed_tokens, out.num_scheduled_tokens[rid]) for rid in order]
-        sample_rows, sample_ids = self._sample_rows(pieces)
+        spec = out.spec_token_ids
+        for rid, drafts in spec.items():  # the proposals are this step's input after the last token
+            self.requests[rid].token_ids.extend(drafts)
+        sample_rows, sample_ids = self._sample_rows(pieces, spec)
         pending_mask = self._start_masks(sample_ids)  # may run on a worker thread during the forward pass
 
         slab = self.platform.forward_slab_tokens
@@ -240,27 +249,49 @@ class ModelRunner:
             return result
         logits = self.model.compute_logits(hidden[sample_rows])
         if not self.samples:
+            for rid, drafts in spec.items():  # the driver's tokens come with the next step
+                del self.requests[rid].token_ids[-len(drafts):]
             return result
         states = [self.requests[rid] for rid in sample_ids]
+        # A request verifying proposals has one row per position: row i sees its outputs with the first i
+        # proposals appended (penalties and min_tokens count them), as an unspeculated step would.
+        outputs, position = [], 0  # position: the row's index among its request's rows
+        for i, (rid, state) in enumerate(zip(sample_ids, states)):
+            position = position + 1 if i and sample_ids[i - 1] == rid else 0
+            end = len(state.token_ids) - len(spec.get(rid, ())) + position
+            outputs.append(state.token_ids[state.num_prompt_tokens:end])
         sampling_meta = SamplingMetadata.build(
             params=[s.sampling_params for s in states],
             generators=[s.generator for s in states],
             prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in states],
-            output_token_ids=[s.token_ids[s.num_prompt_tokens:] for s in states],
+            output_token_ids=outputs,
             eos_token_ids=[s.eos_token_id for s in states],
             device=self.device,
         )
         if pending_mask is not None:
             sampling_meta.allowed_token_mask = pending_mask.result()
+        draws = verify.generator_states(spec, self.requests)
         sampled = self.sampler(logits, sampling_meta)
         token_ids = sampled.sampled_token_ids
         if isinstance(token_ids, torch.Tensor):
             token_ids = token_ids.tolist()
-        for row, (rid, state) in enumerate(zip(sample_ids, states)):
-            token = int(token_ids[row])
-            state.token_ids.append(token)
-            lp = sampled.logprobs[row] if sampled.logprobs is not None else None
-            result.sampled[rid] = SampledToken(token, lp)
+        row = 0
+        for rid in dict.fromkeys(sample_ids):
+            state = self.requests[rid]
+            drafts = spec.get(rid, ())
+            if drafts:
+                del state.token_ids[-len(drafts):]
+            rows = len(drafts) + 1
+            kept = verify.accepted_length(token_ids[row:row + rows], drafts) + 1
+            if drafts:
+                verify.replay_draws(draws.get(rid), kept, logits.shape[-1])
+            tokens = []
+            for r in range(row, row + kept):
+                token = int(token_ids[r])
+                state.token_ids.append(token)
+                tokens.append(SampledToken(token, sampled.logprobs[r] if sampled.logprobs is not None else None))
+            result.sampled[rid] = tokens
+            row += rows
         return result
 
     def _start_masks(self, sample_ids: list[str]):
@@ -334,15 +365,17 @@ class ModelRunner:
                 start, count, room = start + take, count - take, room - take
         return slabs
 
-    def _sample_rows(self, pieces: list[tuple[str, int, int]]) -> tuple[torch.Tensor, list[str]]:
-        """Rows of the step's flat batch to sample from (each request whose tokens the step completes:
-        its last row), and their request ids."""
+    def _sample_rows(self, pieces: list[tuple[str, int, int]],
+                     spec: dict[str, list[int]]) -> tuple[torch.Tensor, list[str]]:
+        """Rows of the step's flat batch to sample from (each request whose tokens the step completes: its
+        last row, and the rows of its proposals before it), and their request ids (one per row)."""
         rows, ids, end = [], [], 0
         for rid, start, count in pieces:
             end += count
             if start + count >= len(self.requests[rid].token_ids):
-                rows.append(end - 1)
-                ids.append(rid)
+                num = len(spec.get(rid, ())) + 1
+                rows.extend(range(end - num, end))
+                ids.extend([rid] * num)
         return torch.tensor(rows, dtype=torch.long, device=self.device), ids
 
     def _forward(self, pieces: list[tuple[str, int, int]], num_decodes: int, graphs: bool = False) -> torch.Tensor:

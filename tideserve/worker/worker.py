@@ -215,14 +215,14 @@ class Worker:
 
     # ----------------------------------------------------------------- requests
     def execute_model(self, scheduler_output: SchedulerOutput,
-                      sampled_last_step: dict[str, int]) -> ModelRunnerOutput:
+                      sampled_last_step: dict[str, list[int]]) -> ModelRunnerOutput:
         """Run one step. ``sampled_last_step``: the tokens rank 0 sampled in the previous step, which a
         rank that does not sample appends to its requests before this one (rank 0 has them already)."""
         if not self.runner.samples:
-            for request_id, token in sampled_last_step.items():
+            for request_id, tokens in sampled_last_step.items():
                 state = self.runner.requests.get(request_id)
                 if state is not None:
-                    state.token_ids.append(token)
+                    state.token_ids.extend(tokens)
         return self.runner.execute(scheduler_output)
 
     def forget_finished_requests(self) -> None:

@@ -248,6 +248,18 @@ class KVCacheManager:
             stored.block_hashes.append(external_hash(hashes[i]))
             stored.token_ids.extend(token_ids[i * bs:(i + 1) * bs])
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Release the blocks past the ones ``num_tokens`` tokens fill (the slots of rejected proposals), tail
+        first, so the table covers exactly ceil(num_tokens / block_size) blocks again. They hold no published
+        prefix: only verified tokens' full blocks are published."""
+        table = self.req_blocks.get(request_id)
+        keep = self.blocks_needed(num_tokens)
+        if table and len(table) > keep:
+            tail = table[keep:]
+            del table[keep:]
+            assert all(b.block_hash is None for b in tail), "a trimmed block holds a published prefix"
+            self.pool.release(tail[::-1])
+
     def free(self, request_id: str) -> None:
         """Release a request's blocks at once, tail first so shared prefix roots live longest."""
         table = self.req_blocks.pop(request_id, None)

@@ -1,0 +1,60 @@
+"""Which running requests get proposals for their next step, and how many.
+
+Verifying k proposals costs one forward pass over k + 1 tokens. A single stream's step is bound by reading the
+weights, so that costs little more than one token, and every accepted proposal saves a step. A large batch's
+step is bound by arithmetic, so each proposal costs about what a token costs: there (``disable_by_batch_size``
+running requests or more) nothing is proposed. A request whose proposals keep failing pays for verification
+and gains nothing: after a round that accepts none, it goes without proposals for a number of steps that
+doubles with each such round (up to ``MAX_BACKOFF``) and resets when a round accepts one.
+
+Requests that follow a grammar (their masks are computed one position ahead) and pooling requests get none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tideserve.config import SpeculativeConfig
+from tideserve.request import Request
+from tideserve.spec_decode.ngram import NgramProposer
+
+MAX_BACKOFF = 16  # decode steps without proposals after repeated rounds that accepted nothing
+
+
+class Speculator:
+    """Sets ``request.spec_token_ids`` for every running request before each schedule."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def propose(self, running: Iterable[Request], num_running: int) -> None:
+        off = num_running >= self.config.disable_by_batch_size
+        for request in running:
+            request.spec_token_ids = [] if off else self._proposals(request)
+
+    def _proposals(self, request: Request) -> list[int]:
+        if request.num_tokens - request.num_computed_tokens != 1 or request.structured_output is not None:
+            return []  # still prefilling, or masked by a grammar
+        if request.max_tokens == 0 or request.sampling_params.pooling is not None:
+            return []
+        room = min(self.config.num_speculative_tokens,
+                   request.max_tokens - len(request.output_token_ids) - 1,  # the round's own token is one more
+                   self.max_model_len - request.num_tokens)
+        if room <= 0:
+            return []
+        if request.spec_skip_steps > 0:
+            request.spec_skip_steps -= 1
+            return []
+        return self.proposer.propose(request.all_token_ids, room)
+
+
+def observe_round(request: Request, num_proposed: int, num_accepted: int) -> None:
+    """The back-off: a round that accepted nothing skips the next ``spec_backoff`` steps' proposals and
+    doubles it; a round that accepted any resets it."""
+    if num_accepted == 0:
+        request.spec_skip_steps = request.spec_backoff
+        request.spec_backoff = min(2 * request.spec_backoff, MAX_BACKOFF)
+    else:
+        request.spec_backoff = 1
