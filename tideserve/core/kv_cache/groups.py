@@ -25,6 +25,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# With several groups, the id every sliding table holds before its window: reserved for the pool's lifetime
+# (a fresh pool's first block), never written, kept zeroed by the workers so that a masked read adds 0.
+NULL_BLOCK_ID = 0
+
 
 @dataclass(frozen=True)
 class KVCacheGroups:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from tideserve.core.kv_cache.block_pool import BlockHash, BlockPool, KVBlock
 from tideserve.core.kv_cache.events import AllBlocksCleared, BlockStored, external_hash
-from tideserve.core.kv_cache.groups import KVCacheGroups, first_live_block
+from tideserve.core.kv_cache.groups import NULL_BLOCK_ID, KVCacheGroups, first_live_block
 from tideserve.core.kv_cache.manager import KVCacheManager
 
 GroupBlockIds = tuple[list[int], ...]  # one list of block ids per KV cache group
@@ -68,7 +68,7 @@ class HybridKVCacheManager(KVCacheManager):
 
     def _reserve_null(self) -> KVBlock:
         null = self.pool.allocate(1)[0]
-        assert null.block_id == 0, "the null block is a fresh pool's first block"
+        assert null.block_id == NULL_BLOCK_ID, "the null block is a fresh pool's first block"
         return null
 
     @property
@@ -125,6 +125,11 @@ class HybridKVCacheManager(KVCacheManager):
         unused slots of its last block are counted against."""
         tables = self.req_tables.get(request_id)
         return len(tables[0]) if tables else 0
+
+    def max_blocks_for_tokens(self, num_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` may hold at once: a prompt prefilled in one step holds
+        a block per position in every group until its next step releases what left the windows."""
+        return self.groups.num_groups * self.blocks_needed(num_tokens)
 
     def num_live_blocks(self, request_id: str) -> int:
         """Blocks the request holds over every group (null entries excluded)."""
@@ -319,7 +324,7 @@ class HybridKVCacheManager(KVCacheManager):
         if self.swap is not None:
             self.swap.check_invariants(self.swapped)
         null = self.null_block
-        assert null.block_id == 0 and null.ref_cnt == 1 and null.block_hash is None, null
+        assert null.block_id == NULL_BLOCK_ID and null.ref_cnt == 1 and null.block_hash is None, null
         entries = 0
         for request_id, tables in self.req_tables.items():
             assert len(tables) == self.groups.num_groups
