@@ -30,6 +30,8 @@ from tideserve.config import (
 )
 from tideserve.core.kv_cache.elastic import ElasticConfig
 from tideserve.core.kv_cache.geometry import KVGeometry, KVStoreLimits
+from tideserve.core.kv_cache.groups import KVCacheGroups
+from tideserve.core.kv_cache.hybrid import HybridKVCacheManager
 from tideserve.core.kv_cache.manager import KVCacheManager
 from tideserve.core.scheduler import Scheduler
 from tideserve.engine.arg_utils import EngineArgs
@@ -122,12 +124,17 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
         logger.info("memory probe: %s", memory.describe())
         token_bytes = executor.collective_rpc(Worker.kv_token_bytes)[0]
         kv_dtype_name = str(kv_dtype).removeprefix("torch.")
-        logger.info("KV cache dtype %s (%d bytes per token); decode attention: %s", kv_dtype_name,
-                    2 * arch.num_hidden_layers * token_bytes,
+        groups = arch.kv_cache_groups()
+        logger.info("KV cache dtype %s (%d bytes per token and layer group); decode attention: %s", kv_dtype_name,
+                    2 * groups.group_size * token_bytes,
                     executor.collective_rpc(Worker.describe_attention, unique_reply_rank=0))
-        shape = KVGeometry(arch.num_hidden_layers, token_bytes, kv_dtype_name, cache_config.initial_block_size, 0)
+        if groups.is_hybrid:
+            logger.info("KV cache: %s; a block holds one group's layers, sliding groups keep only their window",
+                        groups.describe())
+        # A block holds one group's layers (all of them for a single-group model): its bytes count those.
+        shape = KVGeometry(groups.group_size, token_bytes, kv_dtype_name, cache_config.initial_block_size, 0)
         plan = _plan(cache_config, sched_config, args.elastic_config(), executor, memory, model, shape,
-                     max_model_len)
+                     max_model_len, groups.num_groups)
         limits = KVStoreLimits.tightest(executor.collective_rpc(
             Worker.initialize_kv_cache, plan.geometry, plan.reserve_bytes, plan.policy is None))
         _log_kv_store(executor, plan, limits)
@@ -136,8 +143,7 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
         executor.collective_rpc(Worker.set_commit_floor, plan.account.margin_bytes // 2)
         scope = memory.scope()
         ledger = MemoryLedger(scope) if scope is not None else None
-        kv_manager = KVCacheManager(geometry.num_blocks, geometry.block_size, cache_config.enable_prefix_caching,
-                                    extra_key=loaded.name)
+        kv_manager = make_kv_manager(geometry, groups, cache_config.enable_prefix_caching, extra_key=loaded.name)
         kv_manager.enable_swap(geometry.num_swap_blocks)
         scheduler = Scheduler(sched_config, kv_manager, max_model_len)
         pool = PoolController(geometry, limits, kv_manager, scheduler, executor, memory, plan.account, plan.policy,
@@ -165,6 +171,16 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
         tokenizer=tokenizer, max_model_len=max_model_len, executor=executor, memory=memory, kv_manager=kv_manager,
         scheduler=scheduler, pool=pool, input_processor=processor, output_processor=OutputProcessor(tokenizer),
         structured_output=structured_output, thread_governor=thread_governor, kv_events=kv_events)
+
+
+def make_kv_manager(geometry: KVGeometry, groups: KVCacheGroups, enable_prefix_caching: bool,
+                    extra_key: object = None) -> KVCacheManager:
+    """The cache manager for ``groups``: per-group tables with window freeing when local and global layers
+    mix, else the single-table manager."""
+    if groups.is_hybrid:
+        return HybridKVCacheManager(geometry.num_blocks, geometry.block_size, groups, enable_prefix_caching,
+                                    extra_key=extra_key)
+    return KVCacheManager(geometry.num_blocks, geometry.block_size, enable_prefix_caching, extra_key=extra_key)
 
 
 def check_cpu_offload(config: ModelConfig, platform: Platform, warn: bool = True) -> None:
@@ -251,7 +267,8 @@ def _start_workers(args: EngineArgs, model_config: ModelConfig, loaded: LoadedMo
 
 
 def _plan(cache: CacheConfig, sched: SchedulerConfig, elastic: ElasticConfig, executor: Executor,
-          memory: WorkersMemoryProbe, model: torch.nn.Module, shape: KVGeometry, max_model_len: int) -> KVPlan:
+          memory: WorkersMemoryProbe, model: torch.nn.Module, shape: KVGeometry, max_model_len: int,
+          num_groups: int = 1) -> KVPlan:
     """Measure (the activation peak of a profiling pass on every rank, unless the pool's size is given in
     blocks) and size the pool from what the workers report."""
     baseline = memory.read().used_by_process_bytes
@@ -263,7 +280,7 @@ def _plan(cache: CacheConfig, sched: SchedulerConfig, elastic: ElasticConfig, ex
     reading = memory.read()
     account = memory_account(reading.available_bytes, model_weight_bytes(model), activation, elastic, baseline,
                              reading.used_by_process_bytes)
-    return plan_kv_cache(shape, cache, sched, elastic, max_model_len, account, reading.total_bytes)
+    return plan_kv_cache(shape, cache, sched, elastic, max_model_len, account, reading.total_bytes, num_groups)
 
 
 def _log_kv_store(executor: Executor, plan: KVPlan, limits: KVStoreLimits) -> None:

@@ -35,13 +35,14 @@ class KVPlan:
 
 
 def plan_kv_cache(shape: KVGeometry, cache: CacheConfig, sched: SchedulerConfig, elastic: ElasticConfig,
-                  max_model_len: int, account: MemoryAccount, total_bytes: int) -> KVPlan:
+                  max_model_len: int, account: MemoryAccount, total_bytes: int, num_groups: int = 1) -> KVPlan:
     """Size the pool from measurement (elastic) or from the user's fixed size (static, checked against the
     memory that exists). ``shape``: the geometry's layout and block size (its block count is ignored);
-    ``total_bytes``: the device's or the memory limit's size."""
+    ``total_bytes``: the device's or the memory limit's size; ``num_groups``: the KV cache groups, each
+    holding its own blocks (a prompt prefilled in one step holds a block per position in every group)."""
     per_block = shape.bytes_per_block
     bs = shape.block_size
-    blocks_one_request = shape.blocks_for_tokens(max_model_len)
+    blocks_one_request = num_groups * shape.blocks_for_tokens(max_model_len)
     if cache.num_blocks is not None:
         budget = cache.num_blocks * per_block
         check_static_size("num_blocks", f"{cache.num_blocks} blocks", budget, account)
@@ -73,7 +74,7 @@ def plan_kv_cache(shape: KVGeometry, cache: CacheConfig, sched: SchedulerConfig,
         reserve = max(geometry.pool_bytes, account.budget_bytes, total_bytes)
         return KVPlan(geometry, account, policy, reserve)
     if cache.num_blocks is None:
-        fit_max_num_seqs(sched, max_blocks, bs, max_model_len)
+        fit_max_num_seqs(sched, max_blocks // num_groups, bs, max_model_len)
     geometry = KVGeometry(shape.num_layers, shape.token_bytes, shape.kv_dtype, bs, max_blocks, swap_bytes)
     return KVPlan(geometry, account, None, geometry.pool_bytes)
 

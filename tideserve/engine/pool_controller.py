@@ -176,14 +176,14 @@ class PoolController:
         total = 0
         for queue in (self.scheduler.running, self.scheduler.waiting):
             for request in queue:
-                total += self.geometry.blocks_for_tokens(min(request.num_prompt_tokens + request.max_tokens,
-                                                             self.max_model_len))
+                total += self.kv.max_blocks_for_tokens(min(request.num_prompt_tokens + request.max_tokens,
+                                                           self.max_model_len))
         return total
 
     def known_blocks(self) -> int:
         """The blocks the requests in the engine will surely hold: each at every token it has now (the
         prompt, and the output so far), shared prefix blocks counted once per request."""
-        return sum(self.geometry.blocks_for_tokens(min(request.num_tokens, self.max_model_len))
+        return sum(self.kv.max_blocks_for_tokens(min(request.num_tokens, self.max_model_len))
                    for queue in (self.scheduler.running, self.scheduler.waiting) for request in queue)
 
     def _refresh_ceiling(self) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tideserve.core.kv_cache.groups import KVCacheGroups
 from tideserve.model.registry import family_for, hf_architecture_for_gguf, hf_architecture_for_model_type
 
 if TYPE_CHECKING:
@@ -110,6 +111,11 @@ class ArchConfig:
         if self.sliding_window and self.sliding_layers and self.sliding_layers[layer]:
             return self.sliding_window
         return 0
+
+    def kv_cache_groups(self) -> KVCacheGroups:
+        """How the KV cache groups the layers (core/kv_cache/groups.py): one group unless local and global
+        layers are mixed (Gemma 2/3), then groups of equal size each holding one kind."""
+        return KVCacheGroups.from_windows([self.layer_window(i) for i in range(self.num_hidden_layers)])
 
     @property
     def generates(self) -> bool:

@@ -8,8 +8,9 @@ quantization and LM-head machinery (``LlamaForCausalLM``), with Gemma's own laye
   3 use their own unscaled base (``rope_local_theta``);
 - attention scale ``query_pre_attn_scalar ** -0.5``, soft-capped scores (Gemma 2) and logits.
 
-The attention backend applies the window and the soft-cap (``AttentionBackend.forward``); the KV cache
-keeps every position of every layer.
+The attention backend applies the window and the soft-cap (``AttentionBackend.forward``). With local and
+global layers the KV cache keeps them in separate groups (core/kv_cache/groups.py): a local layer's group
+holds only the blocks of its window, and each layer attends with its group's metadata (``GroupedMetadata``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tideserve.model.arch_config import ArchConfig
-from tideserve.model.attention import AttentionMetadata
+from tideserve.model.attention import AttentionMetadata, GroupedMetadata, metadata_per_layer
 from tideserve.model.layers.linear import Linear
 from tideserve.model.layers.norm import RMSNorm
 from tideserve.model.layers.rotary import RotaryEmbedding
@@ -140,12 +141,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self._quantize_table = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata | GroupedMetadata) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids) * self.embed_scale
         cos, sin = self.rotary.cos_sin(positions)
         local = self.rotary_local.cos_sin(positions) if self.rotary_local is not None else (cos, sin)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, *(local if layer.sliding else (cos, sin)), kv_cache, meta)
+        metas = metadata_per_layer(meta, len(self.model.layers))
+        for layer, kv_cache, layer_meta in zip(self.model.layers, kv_caches, metas, strict=True):
+            h = layer(h, *(local if layer.sliding else (cos, sin)), kv_cache, layer_meta)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

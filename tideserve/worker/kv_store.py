@@ -541,6 +541,7 @@ class KVCacheStorage:
         self.device_store: KVStore | None = None
         self.swap_store: KVStore | None = None
         self._commit_guard: Callable[[int], bool] | None = None
+        self._zeroed: tuple | None = None  # (store, block size, blocks, id) of the last zero_block
 
     def attach(self, store: KVStore) -> None:
         """Take the device pool (``create_kv_store``); from now on its block size is the only one."""
@@ -658,6 +659,7 @@ class KVCacheStorage:
     def restore_pages(self) -> None:
         """The pool's and the swap tier's memory back after ``release_pages``, zeroed."""
         self.device_store.restore_pages()
+        self._zeroed = None
         if self.swap_store is not None:
             self.swap_store.restore_pages()
 
@@ -678,6 +680,17 @@ class KVCacheStorage:
             copy_between(self.swap_store, self.device_store, pairs)
 
     # ----------------------------------------------------------------- slots nobody wrote
+    def zero_block(self, block_id: int) -> None:
+        """Zero one block in every layer slot, once per store layout: the null block of a model with
+        several KV cache groups (core/kv_cache/groups.py), which no step writes. Masked reads of it then
+        add exactly 0 (a NaN left by a fresh pool would not: 0 * NaN is NaN)."""
+        key = (id(self.device_store), self.block_size, self.num_blocks, block_id)
+        if self._zeroed == key:
+            return
+        bs = self.block_size
+        self.device_store.fill_slots(torch.arange(block_id * bs, (block_id + 1) * bs, device=self.device))
+        self._zeroed = key
+
     def clear_unwritten(self, owned: list[tuple[list[int], int]]) -> None:
         """Zero the slots of each block list from token ``num_valid`` to the end of its last block.
 

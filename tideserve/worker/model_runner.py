@@ -6,6 +6,10 @@ of their bytes (resize, compaction, swap, block-size change). Each step is laid 
 (``BatchLayout``: block tables, token counts, positions, slot mapping) and the attention backend chosen at
 load builds its metadata from that. Single-token queries (decodes) go first in the flat batch so attention
 can batch them.
+
+A model with several KV cache groups (local and global layers: core/kv_cache/groups.py) has one block table
+per group per request: each group gets its own layout and metadata (``GroupedMetadata``), and each layer
+reads its group's layer slot of the store.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from tideserve.core.kv_cache.groups import NULL_BLOCK_ID, KVCacheGroups, first_live_block
 from tideserve.core.scheduler import NewRequestData, SchedulerOutput
-from tideserve.model.attention import BatchLayout, backend_for_model
+from tideserve.model.attention import AttentionMetadata, BatchLayout, GroupedMetadata, backend_for_model
 from tideserve.model.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from tideserve.outputs import Logprob
 from tideserve.platform import platform_for
@@ -45,7 +50,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     eos_token_id: int | None
-    block_ids: list[int]
+    block_ids: list[int]  # with several KV cache groups: one table per group (list[list[int]])
     num_computed_tokens: int
     structured_output: Any = None  # grammar matcher: this request's samples are masked by it
 
@@ -92,6 +97,8 @@ class ModelRunner:
         self.sampler = Sampler()
         # Chosen once (model/attention/selector.py): its kernels are bound, its builder makes each step's metadata.
         self.attn_backend = backend_for_model(attention_backend, model, kv_dtype, device)
+        self.kv_groups: KVCacheGroups = model.arch.kv_cache_groups()
+        self.hybrid = self.kv_groups.is_hybrid
         self.requests: dict[str, CachedRequestState] = {}
         # Seeded requests' generators, by request id. Kept across preemption (a resumed request draws on
         # from where it stopped, so its tokens are those of an uninterrupted run); dropped when it finishes.
@@ -109,7 +116,7 @@ class ModelRunner:
         default). False, changing nothing, when the attention backend has no static decode metadata, or for a
         mixture of experts: which experts a step runs depends on its routing, read on the host, which a
         captured graph cannot follow."""
-        if not self.attn_backend.graph_fields or getattr(self.model.arch, "num_experts", 0):
+        if not self.attn_backend.graph_fields or getattr(self.model.arch, "num_experts", 0) or self.hybrid:
             return False
         self.graphs = DecodeGraphs(self.model, self.attn_backend.graph_fields, self.device, max_num_seqs,
                                    max_model_len, capture or cuda_graph_capture(self.device))
@@ -118,7 +125,16 @@ class ModelRunner:
     # ----------------------------------------------------------------- KV tensors (read, never moved here)
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return self.kv_storage.caches
+        """Each layer's (K, V): its own, or with several KV cache groups its group's layer slot."""
+        return self._layer_caches(self.kv_storage.caches)
+
+    def _layer_caches(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if not self.hybrid:
+            return slots
+        return [slots[j] for j in self.kv_groups.layer_slot]
+
+    def _grouped(self, metas: list[AttentionMetadata]) -> AttentionMetadata | GroupedMetadata:
+        return GroupedMetadata(metas, self.kv_groups.layer_group) if self.hybrid else metas[0]
 
     @property
     def block_size(self) -> int:
@@ -150,10 +166,12 @@ class ModelRunner:
         if key not in peaks:
             scratch = CopyKVStore(self.layout, self.device, block_size, -(-n // block_size), zero=True)
             meta = self.attn_backend.build_metadata(BatchLayout.single_prefill(n, block_size))
+            meta = self._grouped([meta] * self.kv_groups.num_groups)
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
             pos = torch.arange(n, device=self.device)
+            caches = self._layer_caches(scratch.caches)
             peaks[key] = self.platform.measure_peak_bytes(
-                lambda: self.model.compute_logits(self.model(ids, pos, scratch.caches, meta)[-1:]))
+                lambda: self.model.compute_logits(self.model(ids, pos, caches, meta)[-1:]))
         measured = int(peaks[key] * num_tokens / n) + logits
         logger.info("profiling run: %d tokens, activation peak %.1f MiB measured (scaled to %d tokens), "
                     "%.1f MiB estimated from shapes", n, measured / 2**20, num_tokens, estimate / 2**20)
@@ -167,7 +185,10 @@ class ModelRunner:
         self.kv_storage.copy_blocks(moves)
         remap = dict(moves)
         for state in self.requests.values():
-            state.block_ids = [remap.get(b, b) for b in state.block_ids]
+            if self.hybrid:
+                state.block_ids = [[remap.get(b, b) for b in t] for t in state.block_ids]
+            else:
+                state.block_ids = [remap.get(b, b) for b in state.block_ids]
 
     def forget_finished(self) -> None:
         """Drop the state of requests that finished after the last step (normally dropped by the next
@@ -181,6 +202,9 @@ class ModelRunner:
             self.generators.pop(request_id, None)
         for request_id in out.preempted_ids:
             self.requests.pop(request_id, None)
+        if self.hybrid:
+            self._update_group_tables(out)
+            return
         attached: list[tuple[list[int], int]] = []  # (blocks just attached, tokens already in them)
         for new in out.new_requests:
             state = CachedRequestState(
@@ -198,6 +222,31 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.new_block_ids:
                 attached.append((list(cached.new_block_ids), 0))
+        self.kv_storage.clear_unwritten(attached)
+
+    def _update_group_tables(self, out: SchedulerOutput) -> None:
+        """``_update_states``' table part with one table per KV cache group. A sliding group's entries
+        before its window become the null block here by the cache manager's own rule (``first_live_block``
+        at the computed tokens), so the runner never reads a block the manager gave back."""
+        attached: list[tuple[list[int], int]] = []
+        for new in out.new_requests:
+            state = CachedRequestState(
+                list(new.token_ids), new.num_prompt_tokens, new.sampling_params, self._generator(new),
+                new.eos_token_id, [list(t) for t in new.block_ids], new.num_computed_tokens, new.structured_output)
+            self.requests[new.request_id] = state
+            valid = max(state.num_computed_tokens, len(state.token_ids))
+            attached.extend((t, valid) for t in state.block_ids)
+        bs = self.block_size
+        for cached in out.cached_requests:
+            state = self.requests[cached.request_id]
+            state.num_computed_tokens = cached.num_computed_tokens
+            for table, new_ids, window in zip(state.block_ids, cached.new_block_ids, self.kv_groups.windows,
+                                              strict=True):
+                table.extend(new_ids)
+                if new_ids:
+                    attached.append((list(new_ids), 0))
+                for i in range(first_live_block(cached.num_computed_tokens, window, bs)):
+                    table[i] = NULL_BLOCK_ID
         self.kv_storage.clear_unwritten(attached)
 
     def _generator(self, new: NewRequestData) -> torch.Generator | None:
@@ -382,6 +431,8 @@ class ModelRunner:
         """Final hidden states of one forward pass over ``pieces`` (request id, first position, tokens),
         the first ``num_decodes`` of them single-token decodes; ``graphs``: a decode-only pass may replay a
         captured graph."""
+        if self.hybrid:
+            return self._forward_groups(pieces, num_decodes)
         max_blocks = max(len(self.requests[rid].block_ids) for rid, _, _ in pieces)
         tables = np.zeros((len(pieces), max_blocks), dtype=np.int64)
         input_ids = np.empty(sum(count for _, _, count in pieces), dtype=np.int64)
@@ -402,3 +453,29 @@ class ModelRunner:
         if hidden is None:
             hidden = self.model(ids, positions, self.kv_caches, meta)
         return hidden
+
+    def _forward_groups(self, pieces: list[tuple[str, int, int]], num_decodes: int) -> torch.Tensor:
+        """``_forward`` with one block table per KV cache group: a layout and metadata per group (the same
+        tokens and positions, each group's own tables and slot mapping), each layer attending with its
+        group's. Every entry a sliding group's query may read is a live block (the null block only sits
+        wholly before the window), and the null block is zeroed, so masked reads add exactly 0."""
+        self.kv_storage.zero_block(NULL_BLOCK_ID)
+        states = [self.requests[rid] for rid, _, _ in pieces]
+        width = max(len(s.block_ids[0]) for s in states)
+        num_computed = np.array([p[1] for p in pieces], dtype=np.int64)
+        query_lens = np.array([p[2] for p in pieces], dtype=np.int64)
+        input_ids = np.empty(int(query_lens.sum()), dtype=np.int64)
+        offset = 0
+        for state, (_, start, count) in zip(states, pieces):
+            input_ids[offset:offset + count] = state.token_ids[start:start + count]
+            offset += count
+        metas, positions = [], None
+        for g in range(self.kv_groups.num_groups):
+            tables = np.zeros((len(pieces), width), dtype=np.int64)
+            for i, state in enumerate(states):
+                tables[i, :len(state.block_ids[g])] = state.block_ids[g]
+            layout = BatchLayout(tables, num_computed, query_lens, num_decodes, self.block_size)
+            metas.append(self.attn_backend.build_metadata(layout))
+            positions = layout.positions
+        ids = torch.from_numpy(input_ids).to(self.device)
+        return self.model(ids, torch.from_numpy(positions).to(self.device), self.kv_caches, self._grouped(metas))

@@ -118,8 +118,11 @@ class Worker:
         self.platform = platform_for(device)
         self.memory_probe: MemoryProbe = memory_probe if memory_probe is not None else self.platform
         arch = model.arch
+        # One K and one V region per layer slot: every layer, or with local and global layers mixed one per
+        # layer of a KV cache group (a block then holds one group's layers; core/kv_cache/groups.py).
         self.kv_storage = KVCacheStorage(
-            KVLayout(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, kv_dtype), device, block_size)
+            KVLayout(arch.kv_cache_groups().group_size, arch.num_key_value_heads, arch.head_dim, kv_dtype), device,
+            block_size)
         self._attention_backend = attention_backend
         self._structured_output = structured_output
         self._reload = reload

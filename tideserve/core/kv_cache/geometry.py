@@ -24,7 +24,7 @@ class KVGeometry:
     engine's memory accounting is kept.
     """
 
-    num_layers: int
+    num_layers: int  # layer slots a block holds: every layer, or one KV cache group's (core/kv_cache/groups.py)
     token_bytes: int  # one token of one layer's K (or V), on the driver rank
     kv_dtype: str  # torch's name without the prefix: "float32", "bfloat16", "float8_e4m3fn"
     block_size: int
@@ -37,7 +37,8 @@ class KVGeometry:
 
     @property
     def bytes_per_block(self) -> int:
-        """One block across every layer's K and V."""
+        """One block across the K and V of the layers it holds (one group's, with several groups: a block is
+        owned by one group, so the bytes of a token across every layer are spread over a block per group)."""
         return 2 * self.num_layers * self.block_size * self.token_bytes
 
     @property

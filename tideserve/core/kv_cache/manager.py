@@ -147,6 +147,10 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def max_blocks_for_tokens(self, num_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` may hold at once (its prompt prefilled in one step)."""
+        return self.blocks_needed(num_tokens)
+
     # ----------------------------------------------------------------- prefix cache
     def set_cache_salt(self, request_id: str, salt: str | None) -> None:
         """Isolate a request's cached prefixes (kept until ``drop_cache_salt``, across preemptions)."""

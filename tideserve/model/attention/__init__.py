@@ -8,7 +8,13 @@ The runner describes each step once (``BatchLayout``) and asks its backend for t
 attends through ``meta.backend``.
 """
 
-from tideserve.model.attention.backend import AttentionBackend, AttentionMetadata, store_kv
+from tideserve.model.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    GroupedMetadata,
+    metadata_per_layer,
+    store_kv,
+)
 from tideserve.model.attention.batch_layout import BatchLayout, PrefillSpan
 from tideserve.model.attention.cpu_native import CpuNativeBackend, CpuNativeMetadata
 from tideserve.model.attention.selector import ATTENTION_BACKENDS, backend_for_model, select_attention_backend
@@ -17,6 +23,7 @@ from tideserve.model.attention.triton_backend import TritonBackend, TritonMetada
 
 __all__ = [
     "ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "BatchLayout", "CpuNativeBackend",
-    "CpuNativeMetadata", "DecodeGroup", "PrefillSpan", "TorchMetadata", "TorchSDPABackend", "TritonBackend",
-    "TritonMetadata", "backend_for_model", "group_by_blocks", "select_attention_backend", "store_kv",
+    "CpuNativeMetadata", "DecodeGroup", "GroupedMetadata", "PrefillSpan", "TorchMetadata", "TorchSDPABackend",
+    "TritonBackend", "TritonMetadata", "backend_for_model", "group_by_blocks", "metadata_per_layer",
+    "select_attention_backend", "store_kv",
 ]

@@ -87,6 +87,27 @@ class AttentionMetadata:
     num_decode_tokens: int
 
 
+@dataclass
+class GroupedMetadata:
+    """One step's metadata for a model with several KV cache groups (core/kv_cache/groups.py): each group
+    has its own block tables, hence its own slot mapping and metadata; every layer attends with its
+    group's (``for_layer``). The model passes each layer its own, so backends and kernels see plain
+    ``AttentionMetadata`` and need not know groups exist."""
+
+    groups: list[AttentionMetadata]
+    layer_group: tuple[int, ...]
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        return self.groups[self.layer_group[layer]]
+
+
+def metadata_per_layer(meta: AttentionMetadata | GroupedMetadata, num_layers: int) -> list[AttentionMetadata]:
+    """Each layer's metadata: its group's, or the one shared by every layer."""
+    if isinstance(meta, GroupedMetadata):
+        return [meta.for_layer(i) for i in range(num_layers)]
+    return [meta] * num_layers
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k, v [T, KVH, D] into the flat slots of the caches (torch's path; the CPU kernel fuses it with rotary)."""
