@@ -132,3 +132,22 @@ def test_held_kv_follows_the_window(tmp_path: Path, shared_model: Any) -> None:
     assert bytes_per_block == bs * layer_token_bytes
     assert expected * bytes_per_block / full_bytes == pytest.approx(1 / 6 + 5 / 6 * window / n)
     engine.abort_request(rid)
+
+
+def test_speculative_proposals_keep_the_tokens(tiny_gemma3: tuple[Any, str], shared_model: Any) -> None:
+    """N-gram proposals verified in one step per request, rejected ones handed back in every group's table
+    while the window frees the local groups' blocks: transformers' greedy tokens, and no leak."""
+    hf_model, path = tiny_gemma3
+    tokenizer = shared_model(dtype="float32", quantization="none")[1]
+    llm = _llm(path, tokenizer, "cpu-native", block_size=8, enable_prefix_caching=True,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    prompts = [[(7 * i) % 11 + 20 * r for i in range(30)] for r in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert list(out.outputs[0].token_ids) == _hf_greedy(hf_model, prompt, 20)
+    stats = llm.engine.scheduler.spec_stats
+    assert 0 < stats.num_draft_tokens and stats.num_accepted_tokens < stats.num_draft_tokens  # some rejected
+    kv = llm.engine.kv_manager
+    kv.check_invariants()
+    assert kv.num_free_blocks == kv.num_blocks - 1

@@ -242,6 +242,7 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
             for table, new_ids, window in zip(state.block_ids, cached.new_block_ids, self.kv_groups.windows,
                                               strict=True):
+                del table[-(-cached.num_computed_tokens // bs):]  # as _update_states: rejected proposals' blocks
                 table.extend(new_ids)
                 if new_ids:
                     attached.append((list(new_ids), 0))

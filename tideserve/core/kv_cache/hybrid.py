@@ -237,6 +237,20 @@ class HybridKVCacheManager(KVCacheManager):
         _, _, num_new, gained = self._plan(request_id, num_computed_tokens, num_new_tokens, hit)
         return max(0, num_new + self._revived(hit) + reserve - self.pool.num_free_blocks - gained)
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Release, in every group, the blocks past the ones ``num_tokens`` tokens fill (rejected proposals'
+        slots), tail first. They lie after the window's start, so none is the null block, and they hold no
+        published prefix."""
+        tables = self.req_tables.get(request_id)
+        keep = self.blocks_needed(num_tokens)
+        if not tables or len(tables[0]) <= keep:
+            return
+        order = [t[i] for i in range(len(tables[0]) - 1, keep - 1, -1) for t in tables]
+        assert all(b is not self.null_block and b.block_hash is None for b in order), "trimmed a kept block"
+        for table in tables:
+            del table[keep:]
+        self.pool.release(order)
+
     def free(self, request_id: str) -> None:
         """Release every block the request holds, tail first across its groups (shared roots live longest)."""
         tables = self.req_tables.pop(request_id, None)
