@@ -7,7 +7,9 @@ running requests or more) nothing is proposed. A request whose proposals keep fa
 and gains nothing: after a round that accepts none, it goes without proposals for a number of steps that
 doubles with each such round (up to ``MAX_BACKOFF``) and resets when a round accepts one.
 
-Requests that follow a grammar (their masks are computed one position ahead) and pooling requests get none.
+A request that follows a grammar gets the proposals its grammar accepts (each verifying row is masked by
+the grammar after the proposals before it: ``worker/model_runner.py``); one whose grammar waits for the end
+of its reasoning, and pooling requests, get none.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Iterable
 from tideserve.config import SpeculativeConfig
 from tideserve.request import Request
 from tideserve.spec_decode.ngram import NgramProposer
+from tideserve.structured_output.backend import GrammarMatcher
 
 MAX_BACKOFF = 16  # decode steps without proposals after repeated rounds that accepted nothing
 
@@ -35,8 +38,11 @@ class Speculator:
             request.spec_token_ids = [] if off else self._proposals(request)
 
     def _proposals(self, request: Request) -> list[int]:
-        if request.num_tokens - request.num_computed_tokens != 1 or request.structured_output is not None:
-            return []  # still prefilling, or masked by a grammar
+        if request.num_tokens - request.num_computed_tokens != 1:
+            return []  # still prefilling
+        grammar = request.structured_output
+        if grammar is not None and not isinstance(grammar, GrammarMatcher):
+            return []  # a reasoning gate: its mask changes at the end of thinking
         if request.max_tokens == 0 or request.sampling_params.pooling is not None:
             return []
         room = min(self.config.num_speculative_tokens,
@@ -47,7 +53,12 @@ class Speculator:
         if request.spec_skip_steps > 0:
             request.spec_skip_steps -= 1
             return []
-        return self.proposer.propose(request.all_token_ids, room)
+        proposals = self.proposer.propose(request.all_token_ids, room)
+        if request.eos_token_id in proposals:  # nothing follows an end of sequence
+            proposals = proposals[:proposals.index(request.eos_token_id)]
+        if grammar is not None and proposals:  # only what the grammar allows, so every row has a mask
+            proposals = proposals[:grammar.valid_prefix(proposals)]
+        return proposals
 
 
 def observe_round(request: Request, num_proposed: int, num_accepted: int) -> None:

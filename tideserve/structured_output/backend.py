@@ -67,6 +67,21 @@ class GrammarMatcher:
     def is_accepting(self) -> bool:
         return bool(self._m.is_accepting())
 
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids``, from the first, the grammar would accept in turn (nothing consumed)."""
+        return int(self._m.validate_tokens(list(token_ids))) if token_ids else 0
+
+    def fill_bitmask_after(self, token_ids: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
+        """``fill_bitmask`` for the position after ``token_ids`` (a valid prefix): consumed, the mask
+        written, then rolled back, so the matcher ends where it started."""
+        for token_id in token_ids:
+            self._m.consume_token(token_id)
+        try:
+            self.fill_bitmask(bitmask, row)
+        finally:
+            if token_ids:
+                self._m.rollback(len(token_ids))
+
     def is_terminated(self) -> bool:
         """Nothing but end-of-sequence can follow."""
         return bool(self._m.is_stopped())
@@ -78,6 +93,22 @@ class GrammarMatcher:
         """Write this matcher's allowed tokens into ``bitmask[row]`` (a CPU int32 tensor)."""
         view = bitmask[row]
         self._m.unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * view.element_size())
+
+
+class MatcherAfter:
+    """A row that verifies proposals: ``matcher``'s mask at the position after ``token_ids`` (the proposals
+    before the row). It fills its own row (no native handle), after the batched rows, since it moves the
+    shared matcher forward and back."""
+
+    handle = None
+    active = True
+
+    def __init__(self, matcher: GrammarMatcher, token_ids: Sequence[int]) -> None:
+        self.matcher = matcher
+        self.token_ids = list(token_ids)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_bitmask_after(self.token_ids, bitmask, row)
 
 
 class CompiledGrammar:

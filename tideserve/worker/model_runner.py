@@ -30,6 +30,7 @@ from tideserve.outputs import Logprob
 from tideserve.platform import platform_for
 from tideserve.sampling_params import SamplingParams
 from tideserve.spec_decode import verify
+from tideserve.structured_output.backend import MatcherAfter
 from tideserve.worker.cuda_graphs import DecodeGraphs, GraphCapture, cuda_graph_capture
 from tideserve.worker.kv_store import CopyKVStore, KVCacheStorage
 
@@ -282,7 +283,7 @@ class ModelRunner:
         for rid, drafts in spec.items():  # the proposals are this step's input after the last token
             self.requests[rid].token_ids.extend(drafts)
         sample_rows, sample_ids = self._sample_rows(pieces, spec)
-        pending_mask = self._start_masks(sample_ids)  # may run on a worker thread during the forward pass
+        pending_mask = self._start_masks(sample_ids, spec)  # may run on a worker thread during the forward pass
 
         slab = self.platform.forward_slab_tokens
         if prefill_ids and slab is not None and out.total_num_scheduled_tokens > slab:
@@ -344,14 +345,20 @@ class ModelRunner:
             row += rows
         return result
 
-    def _start_masks(self, sample_ids: list[str]):
+    def _start_masks(self, sample_ids: list[str], spec: dict[str, list[int]]):
         """The allowed-token masks of the rows about to be sampled that follow a grammar, or None.
 
         Their matchers were advanced after the previous step's sampling, so the masks can be computed
-        before (or while) this step's forward pass runs.
+        before (or while) this step's forward pass runs. A request verifying proposals has a mask per row,
+        each the grammar's after the proposals before that row.
         """
-        rows = [(row, matcher) for row, rid in enumerate(sample_ids)
-                if (matcher := self.requests[rid].structured_output) is not None and matcher.active]
+        rows = []
+        for row, rid in enumerate(sample_ids):
+            matcher = self.requests[rid].structured_output
+            if matcher is None or not matcher.active:
+                continue
+            before = 0 if rid not in spec else row - sample_ids.index(rid)  # proposals before this row
+            rows.append((row, MatcherAfter(matcher, spec[rid][:before]) if before else matcher))
         if not rows:
             return None
         return self.structured_output.compute(rows, self.device)
