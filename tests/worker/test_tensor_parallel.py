@@ -98,6 +98,24 @@ def test_tp2_swap_preemption_matches_tp1(tiny_checkpoint, smollm2_tokenizer):
     assert got == want and two.engine.scheduler.num_swap_ins > 0
 
 
+def test_tp2_speculative_proposals_match_tp1(tiny_checkpoint, smollm2_tokenizer):
+    """N-gram proposals verified on two ranks (the other rank learns the accepted tokens with the next step
+    and cuts its tables as rank 0 does), under swap preemption: the tokens of one rank without proposals."""
+    loaded = load_model(str(tiny_checkpoint("llama-kv4-untied")), dtype="float32")
+    vocab = loaded.arch.vocab_size
+    prompts = [[(k + i % 5) % vocab for i in range(30)] for k in range(6)]  # repeating: proposals come often
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    settings = {"max_model_len": 64, "block_size": 8, "num_blocks": 24, "preemption_mode": "swap",
+                "swap_space": "1MiB", "max_num_seqs": 6}
+    one = LLM.from_loaded(loaded, smollm2_tokenizer, **settings)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    two = LLM.from_loaded(loaded, smollm2_tokenizer, tensor_parallel_size=2, **settings, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 64})
+    got = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert two.engine.scheduler.spec_stats.num_accepted_tokens > 0
+
+
 def test_tp2_on_the_embedded_model_float32(make_llm):
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     params = SamplingParams(temperature=0, max_tokens=10)
