@@ -7,7 +7,14 @@ is as cold as in a step. The paths are run in interleaved rounds (every path onc
 the median over rounds, with the spread (min-max), since the machine may be shared. Attention also gets an
 effective bandwidth: the K/V bytes it must read over its time.
 
+The quantized products are a step's 30 MLP down projections (1536 -> 576) in one GGUF block format, used in
+turn, for 1 input row (a decode step) and 16 (a batch), against torch's float32 product with the blocks'
+dequantized values (what a dequantizing load keeps). The blocks are in the layout a model loaded on this
+CPU keeps (interleaved by 8 rows for Q4_K on AVX2 and AVX-512, which the scalar path reads through copies).
+``--only`` keeps the cases whose name contains it.
+
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/native_kernels.py --rounds 7 --json out.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/native_kernels.py --rounds 9 --only "down projection"
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,8 +35,11 @@ import torch.nn.functional as F
 from tideserve import native
 from tideserve.model.attention import BatchLayout, TorchSDPABackend
 from tideserve.model.layers.rotary import apply_rotary_
+from tideserve.native import quant
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS, BLOCK = 9, 3, 64, 576, 30, 16
+INTERMEDIATE = 1536  # the MLP's width: a whole number of the K-quants' 256-value units
+QUANT_FORMATS = ("q2_k", "q3_k", "iq4_nl", "iq4_xs", "q4_k")
 
 
 def cpu_description() -> str:
@@ -150,6 +161,34 @@ def rope_case(tokens: int, dtype: torch.dtype) -> tuple[Callable[[], None], Call
     return ours, theirs
 
 
+def qgemm_case(qtype: str, rows: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(the native kernels over ``qtype`` blocks, torch over their float32 values): LAYERS down projections
+    of ``rows`` input rows, each layer's weight distinct, so the weights stream as in a step."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from gguf_blocks import quantized_pair  # the tests' GGUF block writer (gguf cannot write K-quants)
+
+    gen = torch.Generator().manual_seed(2)
+    layout = quant.preferred_layout(qtype)
+    mats, floats = [], []
+    for _ in range(LAYERS):
+        data, values = quantized_pair(torch.randn(HIDDEN, INTERMEDIATE, generator=gen) * 0.05, qtype)
+        if layout != "rows":
+            data = quant.relayout(qtype, data, INTERMEDIATE, layout)
+        mats.append(quant.make_qmat([(qtype, data)], INTERMEDIATE, None, [layout]))
+        floats.append(values)
+    x = torch.randn(rows, INTERMEDIATE, generator=gen)
+
+    def ours() -> None:
+        for mat in mats:
+            assert quant.qmatmul(x, mat) is not None
+
+    def theirs() -> None:
+        for w in floats:
+            F.linear(x, w)
+
+    return ours, theirs
+
+
 def timed(fn: Callable[[], None]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -162,6 +201,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256, help="keys per request for decode attention")
     ap.add_argument("--prompt-len", type=int, default=305, help="tokens of the prompt for prefill attention")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only", default=None, help="run only the cases whose name contains this")
     args = ap.parse_args()
     if native.load_library() is None:
         raise SystemExit("the native kernels could not be built here")
@@ -187,6 +227,13 @@ def main() -> None:
         for rows in (1, 64):
             cases[f"add + RMSNorm {name}, {rows} x {HIDDEN}, {2 * LAYERS} calls"] = (*rms_case(rows, dtype), None)
             cases[f"rotary + KV store {name}, {rows} tokens, {LAYERS} calls"] = (*rope_case(rows, dtype), None)
+    for qtype in QUANT_FORMATS:
+        for rows in (1, 16):
+            name = f"{qtype} down projection, {rows} x {INTERMEDIATE} -> {HIDDEN}, {LAYERS} layers"
+            if args.only is None or args.only in name:
+                cases[name] = (*qgemm_case(qtype, rows), None)
+    if args.only is not None:
+        cases = {name: case for name, case in cases.items() if args.only in name}
 
     variants = [*paths, "torch"]
     times: dict[str, dict[str, list[float]]] = {case: {v: [] for v in variants} for case in cases}

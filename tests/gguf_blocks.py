@@ -1,9 +1,11 @@
 """Test helpers: GGUF block quantizers for every format tideserve's kernels take, and tiny GGUF files
 (mixtures of experts included: experts stacked into 3-D tensors as llama.cpp writes them).
 
-The gguf package quantizes the legacy formats (Q4_0 ... Q8_0) but not the K-quants, so Q4_K, Q5_K and
-Q6_K are written here in numpy from ggml's block layouts (a plain min/max fit, not llama.cpp's search:
-any valid blocks will do for tests) and checked against ``gguf.quants.dequantize`` in the tests.
+The gguf package quantizes the legacy formats (Q4_0 ... Q8_0) but not the K-quants or the IQ4 formats, so
+Q2_K ... Q6_K, IQ4_NL and IQ4_XS are written here in numpy from ggml's block layouts (a plain min/max fit, not
+llama.cpp's search: any valid blocks will do for tests) and checked against ``gguf.quants.dequantize`` in the
+tests. ``random_blocks`` fills every field with random bytes (only the fp16 scales are kept finite), so the
+kernels also meet codes and scales a fit would never write.
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 QTYPE_NAMES = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q8_0": Q.Q8_0,
-               "q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
+               "q2_k": Q.Q2_K, "q3_k": Q.Q3_K, "q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K,
+               "iq4_nl": Q.IQ4_NL, "iq4_xs": Q.IQ4_XS}
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+# where each format keeps its fp16 scales (byte offsets in a unit): random_blocks keeps them finite
+F16_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,), "q2_k": (80, 82),
+              "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,), "iq4_xs": (0,)}
 
 
 def _f16_bytes(a: np.ndarray) -> np.ndarray:
@@ -51,7 +58,8 @@ def _quantize_k_minmax(x: np.ndarray, levels: int) -> tuple[np.ndarray, ...]:
 
 
 def quantize_k(x: np.ndarray, qtype: str) -> np.ndarray:
-    """float32 [rows, k] (k a multiple of 256) -> uint8 [rows, row_bytes] of Q4_K, Q5_K or Q6_K blocks."""
+    """float32 [rows, k] (k a multiple of 256) -> uint8 [rows, row_bytes] of 256-value super-blocks (Q2_K ...
+    Q6_K, IQ4_XS)."""
     rows, k = x.shape
     units = x.astype(np.float32).reshape(-1, 256)
     if qtype in ("q4_k", "q5_k"):
@@ -64,6 +72,12 @@ def quantize_k(x: np.ndarray, qtype: str) -> np.ndarray:
             qh = (high << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1).astype(np.uint8)
             parts.append(qh)
         parts.append(qs)
+    elif qtype == "q2_k":
+        parts = _quantize_q2_k(units)
+    elif qtype == "q3_k":
+        parts = _quantize_q3_k(units)
+    elif qtype == "iq4_xs":
+        parts = _quantize_iq4_xs(units)
     elif qtype == "q6_k":
         sub = units.reshape(-1, 16, 16)
         scale = np.abs(sub).max(-1) / 31
@@ -85,10 +99,105 @@ def quantize_k(x: np.ndarray, qtype: str) -> np.ndarray:
     return np.concatenate(flat, axis=1).reshape(rows, -1)
 
 
+def _q2_k_scales(sub: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Sub-blocks [U, 16, 16] -> (d, dmin, sc [U, 16], mn [U, 16], q [U, 16, 16]), value = d sc q - dmin mn."""
+    lo = np.minimum(sub.min(-1), 0.0)
+    scale = (sub.max(-1) - lo) / 3
+    d, dmin = scale.max(-1) / 15, (-lo).max(-1) / 15
+    d16, dmin16 = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d16[:, None] > 0, np.rint(scale / d16[:, None]), 0).clip(0, 15)
+        mn = np.where(dmin16[:, None] > 0, np.rint(-lo / dmin16[:, None]), 0).clip(0, 15)
+        step = (d16[:, None] * sc)[..., None]
+        q = np.where(step > 0, np.rint((sub + (dmin16[:, None] * mn)[..., None]) / step), 0).clip(0, 3)
+    return d, dmin, sc.astype(np.uint8), mn.astype(np.uint8), q.astype(np.uint8)
+
+
+def _pack_2bit(q: np.ndarray) -> np.ndarray:
+    """Codes [U, 256] (below 4) -> [U, 64]: value 128 n + 32 j + l in bits 2j of byte 32 n + l."""
+    q = q.reshape(-1, 2, 4, 32)
+    return sum(q[:, :, j] << (2 * j) for j in range(4)).astype(np.uint8).reshape(-1, 64)
+
+
+def _quantize_q2_k(units: np.ndarray) -> list[np.ndarray]:
+    d, dmin, sc, mn, q = _q2_k_scales(units.reshape(-1, 16, 16))
+    return [sc | (mn << 4), _pack_2bit(q.reshape(-1, 256)), _f16_bytes(d), _f16_bytes(dmin)]
+
+
+def _quantize_q3_k(units: np.ndarray) -> list[np.ndarray]:
+    """value = d (s - 32) (u - 4), u = 2 low bits | hmask bit << 2; scales s (6 bits) packed as ggml does."""
+    sub = units.reshape(-1, 16, 16)
+    scale = np.abs(sub).max(-1) / 4
+    d = scale.max(-1) / 31
+    d16 = d.astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d16[:, None] > 0, np.rint(scale / d16[:, None]), 0).clip(0, 31)
+        step = (d16[:, None] * sc)[..., None]
+        u = (np.where(step > 0, np.rint(sub / step), 0).clip(-4, 3) + 4).astype(np.uint8).reshape(-1, 256)
+    high = (u >> 2).reshape(-1, 8, 32)  # sub-block j of 32: bit j of hmask
+    hmask = sum(high[:, j] << j for j in range(8)).astype(np.uint8)
+    s6 = (sc + 32).astype(np.uint8)
+    scales = np.zeros((s6.shape[0], 12), dtype=np.uint8)
+    scales[:, :8] = (s6[:, :8] & 0xF) | ((s6[:, 8:] & 0xF) << 4)
+    for k in range(4):
+        scales[:, 8 + k] = sum(((s6[:, 4 * m + k] >> 4) & 3) << (2 * m) for m in range(4))
+    return [hmask, _pack_2bit(u & 3), scales, _f16_bytes(d)]
+
+
+def _iq4_codes(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Blocks [..., 32] over their steps [...] -> the nearest codebook entries' nibbles, packed [..., 16]."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scaled = np.where(step[..., None] != 0, x / step[..., None], 0.0)
+    codes = np.abs(scaled[..., None] - IQ4_VALUES).argmin(-1).astype(np.uint8)
+    return codes[..., :16] | (codes[..., 16:] << 4)
+
+
+def _signed_max(x: np.ndarray) -> np.ndarray:
+    """Each block's value of largest magnitude, with its sign (mapped to the codebook's -127)."""
+    return np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+
+
+def _quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = (_signed_max(blocks) / -127).astype(np.float16)
+    return np.concatenate([_f16_bytes(d), _iq4_codes(blocks, d.astype(np.float32))], -1).reshape(x.shape[0], -1)
+
+
+def _quantize_iq4_xs(units: np.ndarray) -> list[np.ndarray]:
+    """value = d (ls - 32) code, one 6-bit ls per 32 values (low 4 bits in scales_l, high 2 in scales_h)."""
+    sub = units.reshape(-1, 8, 32)
+    scale = _signed_max(sub) / -127
+    d = np.abs(scale).max(-1) / 31
+    d16 = d.astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ls = np.where(d16[:, None] > 0, np.rint(scale / d16[:, None]), 0).clip(-32, 31)
+    qs = _iq4_codes(sub, d16[:, None] * ls).reshape(-1, 128)
+    stored = (ls + 32).astype(np.uint16)
+    scales_h = sum(((stored[:, j] >> 4) & 3) << (2 * j) for j in range(8)).astype(np.uint16)
+    low = (stored & 0xF).astype(np.uint8)
+    scales_l = low[:, 0::2] | (low[:, 1::2] << 4)
+    return [_f16_bytes(d), scales_h.view(np.uint8).reshape(-1, 2), scales_l, qs]
+
+
+def random_blocks(rows: int, k: int, qtype: str, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, row_bytes] of random bytes in ``qtype``'s layout, its fp16 scales drawn in [1e-3, 1e-2)
+    (random bytes there would be infinities and NaNs): every code and packed scale a format can hold."""
+    from tideserve.native.quant import QUNITS
+
+    unit, nbytes = QUNITS[qtype]
+    gen = np.random.default_rng(seed)
+    units = gen.integers(0, 256, (rows * k // unit, nbytes), dtype=np.uint8)
+    for at in F16_FIELDS[qtype]:
+        units[:, at:at + 2] = _f16_bytes(gen.uniform(1e-3, 1e-2, units.shape[0]))
+    return units.reshape(rows, -1)
+
+
 def quantize(x: np.ndarray, qtype: str) -> np.ndarray:
     """float32 [rows, k] -> uint8 [rows, row_bytes] in ``qtype`` (any format tideserve's kernels take)."""
-    if qtype in ("q4_k", "q5_k", "q6_k"):
+    if qtype in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"):
         return quantize_k(x, qtype)
+    if qtype == "iq4_nl":
+        return _quantize_iq4_nl(x)
     return gguf.quants.quantize(x.astype(np.float32), QTYPE_NAMES[qtype])
 
 

@@ -329,7 +329,8 @@ class ModelConfig:
     quantization: str | None = setting(
         "auto", aliases=("-q",), choices=QUANTIZATIONS, parser_choices=False,
         help="auto (default): a quantized GGUF runs on its own blocks (gguf), anything else in float; gguf: keep a "
-             "GGUF file's blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K) for the native kernels; none: "
+             "GGUF file's blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS) for the native "
+             "kernels; none: "
              "dequantize to --dtype (the float reference); int8: int8 GEMMs for every linear layer (CPU, fbgemm); "
              "int4: 4-bit blocks for every linear layer, quantized at load. awq/gptq/fp8 checkpoints cannot be "
              "read")
@@ -401,9 +402,9 @@ def _check_quantization(method: str | None) -> str:
     if method in VLLM_CHECKPOINT_QUANTIZATIONS:
         raise ValueError(
             f"quantization={method!r} is not supported: tideserve cannot read {method} checkpoints. It reads GGUF "
-            "files (Q4_0/Q4_1/Q4_K/Q5_0/Q5_K/Q6_K/Q8_0/F16/BF16/F32) and float safetensors, and quantizes float "
-            "weights itself at load: use a GGUF export of the model, or its float weights with "
-            "quantization='int8' or 'int4' (--quantization int8|int4).")
+            "files (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS/F16/BF16/F32) and float "
+            "safetensors, and quantizes float weights itself at load: use a GGUF export of the model, or its "
+            "float weights with quantization='int8' or 'int4' (--quantization int8|int4).")
     raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}.")
 
 

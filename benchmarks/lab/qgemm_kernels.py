@@ -28,7 +28,8 @@ from tideserve.platform import platform_for  # noqa: E402
 
 # (format, out_features, in_features) of a layer, as in the embedded SmolLM2 (K-quants: the down projection)
 LAYERS = {"q4_0": (3072, 576), "q4_1": (3072, 576), "q5_0": (3072, 576), "q5_1": (3072, 576),
-          "q8_0": (49152, 576), "q4_k": (576, 1536), "q5_k": (576, 1536), "q6_k": (576, 1536)}
+          "q8_0": (49152, 576), "q2_k": (576, 1536), "q3_k": (576, 1536), "q4_k": (576, 1536), "q5_k": (576, 1536),
+          "q6_k": (576, 1536), "iq4_nl": (3072, 576), "iq4_xs": (576, 1536)}
 STEP_SHAPES = [("q4_1", 960, 576), ("q4_1", 576, 576), ("q4_1", 3072, 576), ("q4_1", 576, 1536)]
 
 

@@ -33,8 +33,12 @@ K_QUANTS = {"q_proj": "q4_k", "k_proj": "q4_k", "v_proj": "q6_k", "o_proj": "q5_
             "up_proj": "q4_k", "down_proj": "q6_k", "embed_tokens": "q8_0", "lm_head": "q6_k"}
 LEGACY = {"q_proj": "q5_0", "k_proj": "q5_0", "v_proj": "q8_0", "o_proj": "q4_1", "gate_proj": "q4_0",
           "up_proj": "q5_1", "down_proj": "q4_k", "embed_tokens": "q6_k"}
+# The 2- and 3-bit K-quants and the non-linear IQ4 formats (llama.cpp's Q2_K, Q3_K_M and IQ4_XS files mix these).
+LOW_BIT = {"q_proj": "iq4_xs", "k_proj": "iq4_xs", "v_proj": "q3_k", "o_proj": "iq4_nl", "gate_proj": "q2_k",
+           "up_proj": "q3_k", "down_proj": "iq4_xs", "embed_tokens": "iq4_nl", "lm_head": "q3_k"}
 VARIANTS = {
     "llama-kquants": (lambda: LlamaConfig(**COMMON, tie_word_embeddings=False), "llama", K_QUANTS),
+    "llama-lowbit": (lambda: LlamaConfig(**COMMON, tie_word_embeddings=False), "llama", LOW_BIT),
     "qwen2-legacy": (lambda: Qwen2Config(**COMMON, tie_word_embeddings=True), "qwen2", LEGACY),
     # q/k norms in the native decode step; head_dim 128, not hidden / heads (64); q, k, v and o biases
     "qwen3-kquants": (lambda: Qwen3Config(**COMMON, head_dim=128, attention_bias=True, tie_word_embeddings=True),

@@ -14,7 +14,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from gguf_blocks import quantize, quantized_pair
+from gguf_blocks import dequantize, quantize, quantized_pair, random_blocks
 
 from tideserve.model.layers.quant.blocks import dequantize_blocks, quantize_blocks
 from tideserve.model.layers.quant.weights import QuantWeight
@@ -22,8 +22,9 @@ from tideserve.native import quant
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="no C compiler to build the kernels")
 
-FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]
-GEMV_FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"]  # the formats AVX2's matrix-vector kernel takes
+FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]
+# the formats AVX2's matrix-vector kernel takes
+GEMV_FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q6_k", "iq4_nl", "iq4_xs"]
 ROW_PATHS = ["avx2", "avx512"]
 INT_PATHS = ["avx2", "avx512"]  # the integer tiles and matrix-vector kernel: AVX2's byte products, or VNNI's
 X8_FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"]  # the formats with an interleaved layout
@@ -65,6 +66,29 @@ def test_scalar_path_is_the_documented_arithmetic(qtype, rows):
     # ... which is the float product up to the 8-bit rounding of x.
     exact = x.double() @ values.double().T
     assert (out.double() - exact).norm() < 0.01 * exact.norm()
+
+
+@pytest.mark.parametrize("path", ["scalar", "avx2-rows", "avx2-gemv", "avx2-tiles", "avx512", "avx512-gemv",
+                                  "avx512-tiles"])
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_random_blocks_are_the_documented_arithmetic(path, qtype, request):
+    """Blocks of random bytes (every code, packed scale, sign and high bit a format can hold, where a fitted
+    weight meets few of them: Q3_K's negative scales, IQ4_XS's, Q8_0's -128) through every integer path: the
+    product of gguf's own dequantization with x rounded to 8 bits per block, to float32 rounding (relative
+    1e-4, absolute 1e-4 of the largest output)."""
+    isa = path.split("-")[0]
+    need(isa)
+    previous = quant.set_tile_min_rows(1 if path.endswith("tiles") else 1 << 30)
+    request.addfinalizer(lambda: quant.set_tile_min_rows(previous))
+    gemv = quant.set_gemv(path.endswith("gemv"))
+    request.addfinalizer(lambda: quant.set_gemv(gemv))
+    data = random_blocks(40, 512, qtype, seed=9)
+    values = torch.from_numpy(dequantize(data, qtype))
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(10)) * 2
+    with quant.forced_isa(isa):
+        got = quant.qmatmul(x, quant.make_qmat([(qtype, torch.from_numpy(data))], 512, None))
+    want = reference_scalar(x, values)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
 @pytest.fixture
@@ -385,10 +409,10 @@ def test_a_quantized_weight_keeps_the_layout_this_cpu_reads_fastest(path):
 def test_batch_sizes_pick_the_measured_kernel():
     """Below the tiles' threshold the row kernels, from it the tiles (on AVX2, AVX-512 VNNI and AMX CPUs).
     On AVX2, every format but Q5_K takes the matrix-vector kernel below the tiles, which start at 13 rows (4
-    over Q5_K, 12 over Q4_K, 16 over Q6_K, 24 over Q8_0); with it off, the tiles start at 4 rows (12 over
-    Q8_0). VNNI's tiles start earlier: at 8 rows (4 over Q5_K, 10 over Q4_K, 16 over Q6_K, 12 over Q8_0).
-    AMX CPUs take that AVX-512 plan below 12 rows and the AMX tiles from there. The override moves the
-    threshold and 0 restores it."""
+    over Q5_K, 8 over Q3_K and IQ4_NL, 12 over Q4_K and IQ4_XS, 16 over Q2_K and Q6_K, 24 over Q8_0); with
+    it off, the tiles start at 4 rows (12 over Q8_0). VNNI's tiles start earlier: at 8 rows (4 over Q5_K, 10
+    over Q4_K, 16 over Q6_K, 12 over Q8_0). AMX CPUs take that AVX-512 plan below 12 rows and the AMX tiles
+    from there. The override moves the threshold and 0 restores it."""
     isa = quant.qgemm_isa()
     tiles = {"avx2": "avx2-tiles", "avx512": "avx512-tiles", "amx": "amx-tiles"}.get(isa)
     small = {"avx2": "avx2-gemv", "avx512": "avx512-gemv", "amx": "avx512-gemv"}.get(isa, "rows")
@@ -402,6 +426,10 @@ def test_batch_sizes_pick_the_measured_kernel():
         assert quant.kernel_for(11, "q4_k") == "avx2-gemv" and quant.kernel_for(12, "q4_k") == "avx2-tiles"
         assert quant.kernel_for(15, "q6_k") == "avx2-gemv" and quant.kernel_for(16, "q6_k") == "avx2-tiles"
         assert quant.kernel_for(23, "q8_0") == "avx2-gemv" and quant.kernel_for(24, "q8_0") == "avx2-tiles"
+        assert quant.kernel_for(15, "q2_k") == "avx2-gemv" and quant.kernel_for(16, "q2_k") == "avx2-tiles"
+        assert quant.kernel_for(7, "q3_k") == "avx2-gemv" and quant.kernel_for(8, "q3_k") == "avx2-tiles"
+        assert quant.kernel_for(7, "iq4_nl") == "avx2-gemv" and quant.kernel_for(8, "iq4_nl") == "avx2-tiles"
+        assert quant.kernel_for(11, "iq4_xs") == "avx2-gemv" and quant.kernel_for(12, "iq4_xs") == "avx2-tiles"
         previous = quant.set_gemv(False)
         try:
             assert quant.kernel_for(1) == "rows" and quant.kernel_for(4) == "avx2-tiles"
@@ -428,15 +456,16 @@ def test_batch_sizes_pick_the_measured_kernel():
         quant.set_tile_min_rows(previous)
     assert quant.kernel_for(64) == (tiles or "rows")
     want = {"avx2": "avx2: q4_0, q4_1, q5_0, q5_1: avx2-gemv to 12 rows, avx2-tiles from 13 rows; q8_0: avx2-gemv "
-                    "to 23 rows, avx2-tiles from 24 rows; q4_k: avx2-gemv to 11 rows, avx2-tiles from 12 rows; "
-                    "q5_k: rows to 3 rows, avx2-tiles from 4 rows; q6_k: avx2-gemv to 15 rows, avx2-tiles from 16 "
-                    "rows",
-            "avx512": "avx512: q4_0, q4_1, q5_0, q5_1: avx512-gemv to 7 rows, avx512-tiles from 8 rows; q8_0: "
-                      "avx512-gemv to 11 rows, avx512-tiles from 12 rows; q4_k: avx512-gemv to 9 rows, avx512-tiles "
-                      "from 10 rows; q5_k: rows to 3 rows, avx512-tiles from 4 rows; q6_k: avx512-gemv to 15 rows, "
-                      "avx512-tiles from 16 rows",
-            "amx": "amx: q4_0, q4_1, q5_0, q5_1: avx512-gemv to 7 rows, avx512-tiles to 11 rows, amx-tiles from 12 "
-                   "rows; q8_0, q6_k: avx512-gemv to 11 rows, amx-tiles from 12 rows; q4_k: avx512-gemv to 9 rows, "
+                    "to 23 rows, avx2-tiles from 24 rows; q2_k, q6_k: avx2-gemv to 15 rows, avx2-tiles from 16 rows; "
+                    "q3_k, iq4_nl: avx2-gemv to 7 rows, avx2-tiles from 8 rows; q4_k, iq4_xs: avx2-gemv to 11 rows, "
+                    "avx2-tiles from 12 rows; q5_k: rows to 3 rows, avx2-tiles from 4 rows",
+            "avx512": "avx512: q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, iq4_nl, iq4_xs: avx512-gemv to 7 rows, avx512-tiles "
+                      "from 8 rows; q8_0: avx512-gemv to 11 rows, avx512-tiles from 12 rows; q4_k: avx512-gemv to 9 "
+                      "rows, avx512-tiles from 10 rows; q5_k: rows to 3 rows, avx512-tiles from 4 rows; q6_k: "
+                      "avx512-gemv to 15 rows, avx512-tiles from 16 rows",
+            "amx": "amx: q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, iq4_nl, iq4_xs: avx512-gemv to 7 rows, avx512-tiles to "
+                   "11 rows, amx-tiles from 12 rows; q8_0, q6_k: avx512-gemv to 11 rows, amx-tiles from 12 rows; q4_k: "
+                   "avx512-gemv to 9 rows, "
                    "avx512-tiles to 11 rows, amx-tiles from 12 rows; q5_k: rows to 3 rows, avx512-tiles to 11 rows, "
                    "amx-tiles from 12 rows"}
     assert quant.kernels_summary() == want.get(isa, f"{isa}: rows")
@@ -597,8 +626,8 @@ def test_qmatmul_declines_what_it_cannot_take():
     assert quant.qmatmul(torch.randn(0, 64), mat) is None
     with pytest.raises(ValueError, match="a q4_k row needs a multiple of 256 values, got 64"):
         QuantWeight([("q4_k", data)], 64)
-    with pytest.raises(ValueError, match="no kernel for block format 'q2_k'"):
-        QuantWeight([("q2_k", data)], 64)
+    with pytest.raises(ValueError, match="no kernel for block format 'iq2_xs'"):
+        QuantWeight([("iq2_xs", data)], 64)
 
 
 def test_the_torch_fallback_computes_the_same_product(monkeypatch):
@@ -627,8 +656,10 @@ def test_float_quantization_is_close_and_idempotent(qtype):
 
 
 def test_k_quant_reference_quantizer_matches_gguf_dequantize():
-    """tests/gguf_blocks.py writes Q4_K/Q5_K/Q6_K itself; gguf reads them back within each format's step."""
+    """tests/gguf_blocks.py writes the K-quants and IQ4 formats itself; gguf reads them back within each
+    format's step (the IQ4 codebook's widest gap, 127 - 104 of 127, sets theirs)."""
     w = torch.randn(16, 512, generator=torch.Generator().manual_seed(4))
-    for qtype, tol in (("q4_k", 0.25), ("q5_k", 0.12), ("q6_k", 0.06)):
+    for qtype, tol in (("q2_k", 0.5), ("q3_k", 0.3), ("q4_k", 0.25), ("q5_k", 0.12), ("q6_k", 0.06),
+                       ("iq4_nl", 0.12), ("iq4_xs", 0.12)):
         _, values = quantized_pair(w, qtype)
         assert (values - w).abs().max() < tol * w.abs().max(), qtype

@@ -18,7 +18,7 @@ from tideserve.native import quant
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="no C compiler to build the kernels")
 
-FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]
+FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]
 X8_FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"]
 PATHS = ["scalar", "avx2", "avx512", "amx"]
 K = 512
@@ -66,10 +66,10 @@ def test_a_row_gives_the_same_bits_in_every_batch_size(path, qtype, layout):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("qtype", ["q4_1", "q6_k"])
+@pytest.mark.parametrize("qtype", ["q4_1", "q6_k", "q2_k", "iq4_xs"])
 def test_swiglu_rows_give_the_same_bits_in_every_batch_size(path, qtype):
     need(path)
-    mat = layer(qtype, "x8")
+    mat = layer(qtype, quant.preferred_layout(qtype))
     with quant.forced_isa(path):
         assert_rows_independent_of_batch(mat, 2 * K, swiglu=True)
 
@@ -81,10 +81,10 @@ def test_a_row_gives_the_same_bits_over_mixed_segments(path):
     need(path)
     gen = np.random.default_rng(11)
     segments = []
-    for qtype, n in (("q4_k", 64), ("q8_0", 24), ("q6_k", 40)):
+    for qtype, n in (("q4_k", 64), ("q8_0", 24), ("q6_k", 40), ("q3_k", 24)):  # Q3_K: no interleaved layout
         w = (gen.standard_normal((n, K))).astype(np.float32)
         data, _ = quantized_pair(torch.from_numpy(w), qtype)
-        segments.append((qtype, quant.relayout(qtype, data, K, "x8")))
-    mat = quant.make_qmat(segments, K, None, ["x8"] * 3)
+        segments.append((qtype, data if qtype == "q3_k" else quant.relayout(qtype, data, K, "x8")))
+    mat = quant.make_qmat(segments, K, None, ["x8"] * 3 + ["rows"])
     with quant.forced_isa(path):
         assert_rows_independent_of_batch(mat, K)

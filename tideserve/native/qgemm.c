@@ -1,5 +1,5 @@
 /* Linear layers over block-quantized weights, y = x W^T (+ bias), with W kept in its GGUF block format
- * (qgemm_formats.h: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
+ * (qgemm_formats.h: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS).
  *
  * Why: a decode step multiplies each weight once per token, so at small batches its speed is the speed
  * at which weights stream from memory, and 4-6 bits per weight read a fifth to a seventh of float32's
@@ -72,7 +72,9 @@ enum { TS_QG_SCALAR = 0, TS_QG_AVX2 = 1, TS_QG_AVX512 = 2, TS_QG_AMX = 3 };
  * weights streaming from DRAM, as a decode step's do, in the layout a loaded model keeps (interleaved for
  * the legacy formats and Q8_0; measured: docs/benchmarks.md). It decodes a block once per TS_GEMV_ROWS
  * rows of x and the tiles once per call, but the tiles also write and reread their panel; a Q8_0 panel
- * stores every code's sign too, and the tiles decode K-quant panels row by row. */
+ * stores every code's sign too, and the tiles decode K-quant panels row by row. Q2_K, Q3_K, IQ4_NL and
+ * IQ4_XS were measured on AVX2 only (a 2-core Zen 3, one thread, their own rows); on AVX-512 VNNI they take
+ * the common threshold. */
 static int gemv_max_rows(int isa, int64_t type) {
     if (isa >= TS_QG_AVX512) { /* VNNI's tiles gain more over AVX2's than its matrix-vector kernel does */
         switch (type) {
@@ -84,8 +86,10 @@ static int gemv_max_rows(int isa, int64_t type) {
     }
     switch (type) {
     case TS_Q8_0: return 23;
-    case TS_Q4_K: return 11;
+    case TS_Q2_K: return 15;
+    case TS_Q4_K: case TS_IQ4_XS: return 11;
     case TS_Q6_K: return 15;
+    case TS_Q3_K: case TS_IQ4_NL: return 7;
     default: return 12;
     }
 }
@@ -175,13 +179,14 @@ enum { TS_K_ROWS = 0, TS_K_AVX2_TILES = 1, TS_K_AMX_TILES = 2, TS_K_AVX2_GEMV = 
 /* For a format whose offset is minus a power of two times its scale (value = s * (code - 2^shift)), the
  * shift; 0 for the formats with a float minimum. The integer tiles start such a format's integer sums from
  * the x codes' sum shifted instead of adding the offset in float. ``vnni``: the AVX-512 VNNI panels store
- * Q8_0's codes as w + 128; AVX2's keep them signed (no offset). */
+ * the signed formats' codes as w + 128; AVX2's keep them signed (no offset). */
 static inline __attribute__((always_inline)) int ts_tile_int_offset_shift(const int type, const int vnni) {
     switch (type) {
     case TS_Q4_0: return 3;
     case TS_Q5_0: return 4;
-    case TS_Q6_K: return 5; /* per 16-value half, as Q6_K's scales are */
-    case TS_Q8_0: return vnni ? 7 : 0;
+    case TS_Q3_K: return 2; /* per 16-value half, as Q3_K's and Q6_K's scales are */
+    case TS_Q6_K: return 5;
+    case TS_Q8_0: case TS_IQ4_NL: case TS_IQ4_XS: return vnni ? 7 : 0; /* the signed formats */
     default: return 0;
     }
 }
@@ -350,7 +355,7 @@ static void dot_row_group_scalar(int type, const uint8_t *row, int64_t kb, const
             const int8_t *x = a->q + r * a->k + b * TS_QBLOCK;
             int dot[2] = {0, 0};
             for (int j = 0; j < 32; j++) {
-                const int w = type == TS_Q8_0 ? (int)(int8_t)codes[j] : (int)codes[j];
+                const int w = ts_qtype_signed(type) ? (int)(int8_t)codes[j] : (int)codes[j];
                 dot[j >= 16] += w * x[j];
             }
             const float xd = a->d[r * a->kb + b];
@@ -496,8 +501,8 @@ static inline __attribute__((always_inline)) void panel_decode_blocks(const int 
                 continue;
             }
             const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
-            const __m512i lo32 = type == TS_Q8_0 ? _mm512_cvtepi8_epi32(lo) : _mm512_cvtepu8_epi32(lo);
-            const __m512i hi32 = type == TS_Q8_0 ? _mm512_cvtepi8_epi32(hi) : _mm512_cvtepu8_epi32(hi);
+            const __m512i lo32 = ts_qtype_signed(type) ? _mm512_cvtepi8_epi32(lo) : _mm512_cvtepu8_epi32(lo);
+            const __m512i hi32 = ts_qtype_signed(type) ? _mm512_cvtepi8_epi32(hi) : _mm512_cvtepu8_epi32(hi);
             const __m512 vlo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo32), _mm512_set1_ps(s[0]), _mm512_set1_ps(o[0]));
             const __m512 vhi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi32), _mm512_set1_ps(s[1]), _mm512_set1_ps(o[1]));
             _mm512_storeu_si512((void *)(dst + b * TS_QBLOCK), (__m512i)_mm512_cvtne2ps_pbh(vhi, vlo));
@@ -1136,7 +1141,7 @@ int ts_qdequant_rows_f32(int64_t type, const uint8_t *data, int64_t rows, int64_
             ts_block_decode(type, row, b, codes, s, o);
             float *dst = out + i * k + b * TS_QBLOCK;
             for (int j = 0; j < 32; j++) {
-                const float c = type == TS_Q8_0 ? (float)(int8_t)codes[j] : (float)codes[j];
+                const float c = ts_qtype_signed(type) ? (float)(int8_t)codes[j] : (float)codes[j];
                 dst[j] = s[j >= 16] * c + o[j >= 16];
             }
         }

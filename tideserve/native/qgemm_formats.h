@@ -2,18 +2,29 @@
  * AVX-512 and AMX paths), so each format is described once.
  *
  * A weight row of k values is k / U units, stored back to back exactly as in a GGUF file (ggml's
- * block_q4_0 etc.); U is 32 for the legacy formats and 256 for the K-quants. Every format decodes, per
- * 32 values, to unsigned 8-bit codes u and per-16-value scale s and offset o, value = s * u + o:
+ * block_q4_0 etc.); U is 32 for the legacy formats and IQ4_NL, 256 for the K-quants and IQ4_XS. Every format
+ * decodes, per 32 values, to 8-bit codes u (unsigned, or signed: ts_qtype_signed) and per-16-value scale s and
+ * offset o, value = s * u + o:
  *   Q4_0  (type 2,  18 B / 32): d fp16, qs[16]; u = nibble (value j: low nibble of qs[j], j+16: high), o = -8d
  *   Q4_1  (type 3,  20 B / 32): d, m fp16, qs[16] as Q4_0; o = m
  *   Q5_0  (type 6,  22 B / 32): d fp16, qh[4] (bit j = 5th bit of value j), qs[16]; o = -16d
  *   Q5_1  (type 7,  24 B / 32): d, m fp16, qh[4], qs[16]; o = m
- *   Q8_0  (type 8,  34 B / 32): d fp16, qs[32] int8: the one signed format, value = d * q (no offset)
+ *   Q8_0  (type 8,  34 B / 32): d fp16, qs[32] int8: signed codes, value = d * q (no offset)
  *   Q4_K  (type 12, 144 B / 256): d, dmin fp16, scales[12] (eight 6-bit scales and mins), qs[128];
  *         sub-block j of 32: u = nibble, s = d * sc[j], o = -dmin * mn[j]
  *   Q5_K  (type 13, 176 B / 256): as Q4_K plus qh[32] (bit j of qh[l] is the 5th bit of value l of sub-block j)
  *   Q6_K  (type 14, 210 B / 256): ql[128], qh[64], scales[16] int8, d fp16; 16 sub-blocks of 16 with
  *         s = d * scales[i], u in 0..63, o = -32 s
+ *   Q2_K  (type 10, 84 B / 256): scales[16] (4-bit scale | 4-bit min << 4), qs[64], d, dmin fp16; 16 sub-blocks
+ *         of 16: u = 2 bits, s = d * (scales[i] & 15), o = -dmin * (scales[i] >> 4)
+ *   Q3_K  (type 11, 110 B / 256): hmask[32], qs[64], scales[12] (sixteen 6-bit scales), d fp16; 16 sub-blocks
+ *         of 16: u = 2 low bits | hmask bit << 2 (0..7), s = d * (scale - 32), o = -4 s
+ *   IQ4_NL (type 20, 18 B / 32): d fp16, qs[16] as Q4_0, but a nibble indexes a 16-entry table of int8
+ *         values (ts_iq4_values): signed codes like Q8_0's, value = d * code
+ *   IQ4_XS (type 23, 136 B / 256): d fp16, scales_h u16, scales_l[4], qs[128]; 8 sub-blocks of 32 with a
+ *         6-bit scale ls (low 4 bits in scales_l, high 2 in scales_h), s = d * (ls - 32), codes as IQ4_NL's
+ * The signed formats (Q8_0, IQ4_NL, IQ4_XS: ts_qtype_signed) have no offset; a format has a scale per
+ * 16-value half where ts_qtype_halves says 2 (Q2_K, Q3_K, Q6_K), one per 32 values otherwise.
  * Activations are quantized per 32 values to int8 (x = xd * q), with the sums of q over each 16-value
  * half, so a unit's offsets cost one multiply-add per half instead of one per value.
  */
@@ -24,7 +35,13 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { TS_Q4_0 = 2, TS_Q4_1 = 3, TS_Q5_0 = 6, TS_Q5_1 = 7, TS_Q8_0 = 8, TS_Q4_K = 12, TS_Q5_K = 13, TS_Q6_K = 14 };
+enum {
+    TS_Q4_0 = 2, TS_Q4_1 = 3, TS_Q5_0 = 6, TS_Q5_1 = 7, TS_Q8_0 = 8, TS_Q2_K = 10, TS_Q3_K = 11, TS_Q4_K = 12,
+    TS_Q5_K = 13, TS_Q6_K = 14, TS_IQ4_NL = 20, TS_IQ4_XS = 23
+};
+
+/* The IQ4 formats' non-linear codebook: a nibble's int8 value (ggml's kvalues_iq4nl). */
+static const int8_t ts_iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 #define TS_QBLOCK 32
 
@@ -49,7 +66,9 @@ typedef struct {
 
 
 /* Every format the kernels take, for switches that dispatch to a template per format: X(TS_Q4_0) ... */
-#define TS_FOR_EACH_QTYPE(X) X(TS_Q4_0) X(TS_Q4_1) X(TS_Q5_0) X(TS_Q5_1) X(TS_Q8_0) X(TS_Q4_K) X(TS_Q5_K) X(TS_Q6_K)
+#define TS_FOR_EACH_QTYPE(X)                                                                                  \
+    X(TS_Q4_0) X(TS_Q4_1) X(TS_Q5_0) X(TS_Q5_1) X(TS_Q8_0) X(TS_Q2_K) X(TS_Q3_K) X(TS_Q4_K) X(TS_Q5_K) X(TS_Q6_K) \
+    X(TS_IQ4_NL) X(TS_IQ4_XS)
 
 static inline int ts_qtype_known(int64_t type) {
     switch (type) {
@@ -63,9 +82,18 @@ static inline int ts_qtype_known(int64_t type) {
 }
 
 /* Values per storage unit, and bytes per unit. */
-static inline int64_t ts_qunit(int64_t type) { return type >= TS_Q4_K ? 256 : 32; }
+static inline int64_t ts_qunit(int64_t type) {
+    switch (type) {
+    case TS_Q2_K: case TS_Q3_K: case TS_Q4_K: case TS_Q5_K: case TS_Q6_K: case TS_IQ4_XS: return 256;
+    default: return 32;
+    }
+}
 static inline int64_t ts_qunit_bytes(int64_t type) {
     switch (type) {
+    case TS_Q2_K: return 84;
+    case TS_Q3_K: return 110;
+    case TS_IQ4_NL: return 18;
+    case TS_IQ4_XS: return 136;
     case TS_Q4_0: return 18;
     case TS_Q4_1: return 20;
     case TS_Q5_0: return 22;
@@ -77,6 +105,12 @@ static inline int64_t ts_qunit_bytes(int64_t type) {
     default: return 0;
     }
 }
+/* Whether a format's codes are signed int8 (value = s * code, no offset) rather than unsigned. */
+static inline int ts_qtype_signed(int64_t type) { return type == TS_Q8_0 || type == TS_IQ4_NL || type == TS_IQ4_XS; }
+
+/* Scales per 32-value block: 2 for the formats with one per 16 values. */
+static inline int ts_qtype_halves(int64_t type) { return type == TS_Q2_K || type == TS_Q3_K || type == TS_Q6_K ? 2 : 1; }
+
 static inline int64_t ts_qrow_bytes(int64_t type, int64_t k) { return k / ts_qunit(type) * ts_qunit_bytes(type); }
 
 static inline float ts_fp16(uint16_t h) {
@@ -212,7 +246,18 @@ static inline void ts_k_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t 
     }
 }
 
-/* Scalar decode of the 32-value block b of a row: codes (uint8, or int8 for Q8_0), scale and offset of
+/* Q3_K's 6-bit scale i (0 .. 15) from its 12 packed bytes, before the -32: the low 4 bits are nibble i / 8 of
+ * byte i % 8, the high 2 bits are bits 2 (i / 4) of byte 8 + i % 4. */
+static inline int ts_q3k_scale(const uint8_t *q, int i) {
+    return ((q[i % 8] >> (4 * (i / 8))) & 0xF) | (((q[8 + i % 4] >> (2 * (i / 4))) & 3) << 4);
+}
+
+/* IQ4_XS's 6-bit scale of sub-block j (0 .. 7), before the -32: low 4 bits from scales_l, high 2 from scales_h. */
+static inline int ts_iq4xs_scale(const uint8_t *u, int j) {
+    return ((u[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((ts_load_u16(u + 2) >> (2 * j)) & 3) << 4);
+}
+
+/* Scalar decode of the 32-value block b of a row: codes (uint8, or int8 for ts_qtype_signed), scale and offset of
  * each 16-value half. The reference every SIMD path is tested against. */
 static inline void ts_block_decode(int64_t type, const uint8_t *row, int64_t b, uint8_t codes[32], float s[2],
                                    float o[2]) {
@@ -283,6 +328,39 @@ static inline void ts_block_decode(int64_t type, const uint8_t *row, int64_t b, 
             s[h] = d * (float)scales[2 * j + h];
             o[h] = -32.0f * s[h];
         }
+        break;
+    }
+    case TS_Q2_K: { /* sub-block j: bits 2 (j % 4) of qs[32 (j / 4) ..], scales 2j and 2j + 1 */
+        const uint8_t *qs = u + 16 + 32 * (j / 4);
+        for (int i = 0; i < 32; i++) codes[i] = (qs[i] >> (2 * (j % 4))) & 3;
+        const float d = ts_fp16(ts_load_u16(u + 80)), dmin = ts_fp16(ts_load_u16(u + 82));
+        for (int h = 0; h < 2; h++) {
+            s[h] = d * (float)(u[2 * j + h] & 0xF);
+            o[h] = -dmin * (float)(u[2 * j + h] >> 4);
+        }
+        break;
+    }
+    case TS_Q3_K: { /* as Q2_K's low bits (qs at 32), bit j of hmask[i] the third bit of value i */
+        const uint8_t *qs = u + 32 + 32 * (j / 4);
+        for (int i = 0; i < 32; i++)
+            codes[i] = (uint8_t)(((qs[i] >> (2 * (j % 4))) & 3) | (((u[i] >> j) & 1) << 2));
+        const float d = ts_fp16(ts_load_u16(u + 108));
+        for (int h = 0; h < 2; h++) {
+            s[h] = d * (float)(ts_q3k_scale(u + 96, 2 * j + h) - 32);
+            o[h] = -4.0f * s[h];
+        }
+        break;
+    }
+    case TS_IQ4_NL:
+    case TS_IQ4_XS: {
+        const uint8_t *qs = type == TS_IQ4_NL ? u + 2 : u + 8 + 16 * j;
+        for (int i = 0; i < 16; i++) {
+            codes[i] = (uint8_t)ts_iq4_values[qs[i] & 0x0F];
+            codes[i + 16] = (uint8_t)ts_iq4_values[qs[i] >> 4];
+        }
+        const float d = ts_fp16(ts_load_u16(u));
+        s[0] = s[1] = type == TS_IQ4_NL ? d : d * (float)(ts_iq4xs_scale(u, j) - 32);
+        o[0] = o[1] = 0.0f;
         break;
     }
     default:

@@ -1,7 +1,8 @@
 /* Matrix-vector products (1 to TS_GEMV_ROWS rows of x: single-stream decode) over Q4_0, Q4_1, Q5_0,
- * Q5_1, Q8_0, Q4_K and Q6_K (every format but Q5_K). qgemm.c compiles this twice, after qgemm_tiles.h (whose
- * 8-row gathers and 8 x 8 transpose it uses): under AVX2 and under AVX-512 VNNI (TS_SIMD_VNNI 1: vpdpbusd
- * instead of vpmaddubsw and its int16 chains, and 512-bit vectors for Q4_K and Q6_K).
+ * Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q6_K, IQ4_NL and IQ4_XS (every format but Q5_K). qgemm.c compiles this twice,
+ * after qgemm_tiles.h (whose 8-row gathers and 8 x 8 transpose it uses): under AVX2 and under AVX-512 VNNI
+ * (TS_SIMD_VNNI 1: vpdpbusd instead of vpmaddubsw and its int16 chains, and 512-bit vectors for Q4_K and Q6_K;
+ * the other formats keep 256-bit vectors there).
  *
  * Why: at one row of x a decode step is bound by how fast the weights stream in, and the row kernels
  * spend about 27 instructions per 32-value block (two scalar fp16 conversions, a vector of scales built
@@ -27,7 +28,33 @@
 
 /* Whether a weight format has a matrix-vector kernel here. */
 static inline int TS_SIMD(gemv_has_format)(int64_t type) {
-    return TS_SIMD(rows8_nibble_format)((int)type) || type == TS_Q8_0 || type == TS_Q4_K || type == TS_Q6_K;
+    return TS_SIMD(rows8_nibble_format)((int)type) || ts_qtype_signed(type) || type == TS_Q2_K || type == TS_Q3_K ||
+           type == TS_Q4_K || type == TS_Q6_K;
+}
+
+/* dots[r] lane c = the exact integer product of 32 signed codes w (w[g] lane c: codes 4g .. 4g + 3 of weight
+ * row c) with block b of x row r0 + r: |w| times x carrying w's sign, the u8 x s8 the byte products take. On
+ * AVX2 each step is widened at once (2 x 128 x 127 leaves no room for a second step in int16). */
+static inline __attribute__((always_inline)) void TS_SIMD(gemv_signed_dots)(const int R, const __m256i w[8],
+                                                                          const ts_act *a, int64_t r0, int64_t b,
+                                                                          __m256i dots[TS_GEMV_ROWS]) {
+#if !TS_SIMD_VNNI
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    for (int g = 0; g < 8; g++) {
+        const __m256i w_abs = _mm256_abs_epi8(w[g]); /* -128 -> 0x80, read as the unsigned 128 */
+        for (int r = 0; r < R; r++) {
+            int32_t four;
+            memcpy(&four, a->q + (r0 + r) * a->k + b * TS_QBLOCK + 4 * g, 4);
+            const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(four), w[g]);
+#if TS_SIMD_VNNI
+            dots[r] = _mm256_dpbusd_epi32(g == 0 ? _mm256_setzero_si256() : dots[r], w_abs, x);
+#else
+            const __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, x), ones);
+            dots[r] = g == 0 ? sum : _mm256_add_epi32(dots[r], sum);
+#endif
+        }
+    }
 }
 
 /* res[r][c] = dot(x row r0 + r, weight row c of the 8 at ``rows``) for r < R; with x8 the 8 rows are one
@@ -52,23 +79,11 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group)(const int 
         if (x8) TS_SIMD(rows8_halves_x8)(block, &d, &m);
         else TS_SIMD(rows8_halves)(block, row_bytes, &d, &m);
         __m256i dots[TS_GEMV_ROWS];
-        if (type == TS_Q8_0) {
+        if (ts_qtype_signed(type)) {
             __m256i w[8]; /* w[g] lane c: codes 4g .. 4g + 3 of row c */
-            TS_SIMD(rows8_q8_codes)(x8, block, row_bytes, w);
-            for (int g = 0; g < 8; g++) {
-                const __m256i w_abs = _mm256_abs_epi8(w[g]); /* -128 -> 0x80, read as the unsigned 128 */
-                for (int r = 0; r < R; r++) {
-                    int32_t four;
-                    memcpy(&four, a->q + (r0 + r) * a->k + b * TS_QBLOCK + 4 * g, 4);
-                    const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(four), w[g]); /* |w| * (x, w's sign) */
-#if TS_SIMD_VNNI
-                    dots[r] = _mm256_dpbusd_epi32(g == 0 ? _mm256_setzero_si256() : dots[r], w_abs, x);
-#else
-                    const __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, x), ones); /* 2 x 128 x 127 */
-                    dots[r] = g == 0 ? sum : _mm256_add_epi32(dots[r], sum);
-#endif
-                }
-            }
+            if (type == TS_Q8_0) TS_SIMD(rows8_q8_codes)(x8, block, row_bytes, w);
+            else TS_SIMD(rows8_iq4_codes)(block + 2, row_bytes, w); /* IQ4_NL, stored as in the file */
+            TS_SIMD(gemv_signed_dots)(R, w, a, r0, b, dots);
         } else {
             __m256i lo[4], hi[4]; /* lane c: 4 codes of row c, values 4j.. and 16 + 4j.. */
             TS_SIMD(rows8_nibble_codes)(type, x8, block, row_bytes, lo, hi);
@@ -112,9 +127,116 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group)(const int 
                 whole = _mm256_add_epi32(whole, _mm256_slli_epi32(_mm256_set1_epi32(qs[0] + qs[1]), shift));
             }
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(whole), xd), d, acc[r]);
-            if (!shift && type != TS_Q8_0) { /* Q4_1, Q5_1: the minimum times the sum of the block's x */
+            if (!shift && !ts_qtype_signed(type)) { /* Q4_1, Q5_1: the minimum times the sum of the block's x */
                 const float *xs = a->s + 2 * at;
                 acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[0] + xs[1]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(res[r], acc[r]);
+}
+
+/* gemv_group over Q2_K and Q3_K (stored as in the file). Per half of a unit, the 8 rows' 32-byte run of 2-bit
+ * codes is transposed once and serves its four sub-blocks of 32 (bits 2t of each byte); Q3_K's 32 bytes of
+ * third bits once per unit (bit j of byte v: value v of sub-block j). Each 16 values have their own scale, so
+ * the integer sums and the epilogue are per half, the tiles' order: Q2_K's offset -dmin x min is added in
+ * float, Q3_K's -4 x scale starts the integer sum from x's codes' sum. */
+static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_k2)(const int type, const int x8, const int R,
+                                                                       const uint8_t *rows, int64_t row_bytes,
+                                                                       int64_t kb, const ts_act *a, int64_t r0,
+                                                                       const uint8_t *next, int64_t next_bytes,
+                                                                       float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
+    (void)x8; /* no interleaved layout */
+    const int q3 = type == TS_Q3_K;
+    const int64_t unit_bytes = q3 ? 110 : 84, halves = kb / 4, lines = (next_bytes + 63) / 64;
+#if !TS_SIMD_VNNI
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    __m256 acc[TS_GEMV_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < kb / 8; u++) {
+        const uint8_t *unit = rows + u * unit_bytes;
+        __m256 d, neg_dmin = _mm256_setzero_ps();
+        __m256i sc[4], hm[8];
+        if (q3) {
+            TS_SIMD(q3k_unit_header)(unit, row_bytes, &d, sc);
+            TS_SIMD(rows8_words8)(unit, row_bytes, hm);
+        } else {
+            TS_SIMD(q2k_unit_header)(unit, row_bytes, &d, &neg_dmin, sc);
+        }
+        for (int n = 0; n < 2; n++) {
+            const int64_t half = u * 2 + n;
+            for (int64_t l = half * lines / halves; l < (half + 1) * lines / halves; l++)
+                __builtin_prefetch(next + 64 * l, 0, 3);
+            __m256i t[8]; /* t[g] lane c: bytes 4g .. 4g + 3 of row c's run */
+            TS_SIMD(rows8_words8)(unit + (q3 ? 32 : 16) + 32 * n, row_bytes, t);
+#pragma GCC unroll 4
+            for (int s = 0; s < 4; s++) { /* sub-block j = 4n + s: bits 2s of the run */
+                const int j = 4 * n + s;
+                __m256i codes[8];
+                TS_SIMD(k2_codes)(q3, t, hm, s, j, codes);
+                __m256 scale[2], offset[2]; /* values 0-15 and 16-31: parts 2j and 2j + 1 */
+                for (int h = 0; h < 2; h++) TS_SIMD(k2_part_scale)(q3, d, neg_dmin, sc, 2 * j + h, &scale[h], &offset[h]);
+                for (int r = 0; r < R; r++) {
+                    const int64_t at = (r0 + r) * a->kb + u * 8 + j;
+                    const int8_t *x = a->q + (r0 + r) * a->k + (u * 8 + j) * TS_QBLOCK;
+                    const __m256 xd = _mm256_set1_ps(a->d[at]);
+                    for (int h = 0; h < 2; h++) {
+                        __m256i dot = q3 ? _mm256_slli_epi32(_mm256_set1_epi32(a->qb[2 * at + h]), 2)
+                                         : _mm256_setzero_si256();
+#if TS_SIMD_VNNI
+                        for (int g = 4 * h; g < 4 * h + 4; g++) {
+                            int32_t four;
+                            memcpy(&four, x + 4 * g, 4);
+                            dot = _mm256_dpbusd_epi32(dot, codes[g], _mm256_set1_epi32(four));
+                        }
+#else
+                        __m256i sums = _mm256_setzero_si256(); /* 4 x 2 x 7 x 127 = 7,112 in int16 */
+                        for (int g = 4 * h; g < 4 * h + 4; g++) {
+                            int32_t four;
+                            memcpy(&four, x + 4 * g, 4);
+                            sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(codes[g], _mm256_set1_epi32(four)));
+                        }
+                        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(sums, ones));
+#endif
+                        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), xd), scale[h], acc[r]);
+                        if (!q3) acc[r] = _mm256_fmadd_ps(offset[h], _mm256_set1_ps(a->s[2 * at + h]), acc[r]);
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(res[r], acc[r]);
+}
+
+/* gemv_group over IQ4_XS (stored as in the file). Per unit the 8 rows' d, scales_h and scales_l are gathered
+ * once; each sub-block of 32 has its 6-bit scale and its 16 bytes of nibbles, looked up in the codebook to
+ * signed codes whose products are Q8_0's (gemv_signed_dots). */
+static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_iq4xs)(const int type, const int x8, const int R,
+                                                                          const uint8_t *rows, int64_t row_bytes,
+                                                                          int64_t kb, const ts_act *a, int64_t r0,
+                                                                          const uint8_t *next, int64_t next_bytes,
+                                                                          float res[TS_GEMV_ROWS][TS_GEMV_GROUP]) {
+    (void)type; /* IQ4_XS */
+    (void)x8;   /* no interleaved layout */
+    const int64_t lines = (next_bytes + 63) / 64;
+    __m256 acc[TS_GEMV_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < kb / 8; u++) {
+        const uint8_t *unit = rows + u * 136;
+        __m256i head[4]; /* head[0] lane c: row c's d | scales_h << 16; head[1]: its scales_l */
+        TS_SIMD(rows8_words4)(unit, row_bytes, head);
+        const __m256 d = TS_SIMD(rows8_f16)(head[0], 0);
+        for (int j = 0; j < 8; j++) {
+            const int64_t b = u * 8 + j;
+            for (int64_t l = b * lines / kb; l < (b + 1) * lines / kb; l++) __builtin_prefetch(next + 64 * l, 0, 3);
+            const __m256 scale = TS_SIMD(iq4xs_scale)(d, head, j);
+            __m256i w[8], dots[TS_GEMV_ROWS];
+            TS_SIMD(rows8_iq4_codes)(unit + 8 + 16 * j, row_bytes, w);
+            TS_SIMD(gemv_signed_dots)(R, w, a, r0, b, dots);
+            for (int r = 0; r < R; r++) {
+                const __m256 xd = _mm256_set1_ps(a->d[(r0 + r) * a->kb + b]);
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dots[r]), xd), scale, acc[r]);
             }
         }
     }
@@ -427,6 +549,8 @@ static void TS_SIMD(gemv_group_any)(int type, int x8, int rows_of_x, const uint8
         if (x8) { TS_GEMV_ROWS_OF_X(KERNEL, T, 1) }                 \
         else { TS_GEMV_ROWS_OF_X(KERNEL, T, 0) }                    \
         break;
+#define TS_GEMV_FORMAT_ROWS(T, KERNEL) /* a format without an interleaved layout */ \
+    case T: TS_GEMV_ROWS_OF_X(KERNEL, T, 0) break;
     switch (type) {
         TS_GEMV_FORMAT(TS_Q4_0, TS_SIMD(gemv_group))
         TS_GEMV_FORMAT(TS_Q4_1, TS_SIMD(gemv_group))
@@ -435,8 +559,13 @@ static void TS_SIMD(gemv_group_any)(int type, int x8, int rows_of_x, const uint8
         TS_GEMV_FORMAT(TS_Q8_0, TS_SIMD(gemv_group))
         TS_GEMV_FORMAT(TS_Q4_K, TS_SIMD(gemv_group_q4k))
         TS_GEMV_FORMAT(TS_Q6_K, TS_SIMD(gemv_group_q6k))
+        TS_GEMV_FORMAT_ROWS(TS_IQ4_NL, TS_SIMD(gemv_group))
+        TS_GEMV_FORMAT_ROWS(TS_Q2_K, TS_SIMD(gemv_group_k2))
+        TS_GEMV_FORMAT_ROWS(TS_Q3_K, TS_SIMD(gemv_group_k2))
+        TS_GEMV_FORMAT_ROWS(TS_IQ4_XS, TS_SIMD(gemv_group_iq4xs))
     default: break; /* gemv_has_format was asked first */
     }
+#undef TS_GEMV_FORMAT_ROWS
 #undef TS_GEMV_FORMAT
 #undef TS_GEMV_ROWS_OF_X
 }

@@ -49,6 +49,26 @@ static inline __attribute__((always_inline)) void TS_SIMD(q6k_unit_scales)(const
     *hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8))));
 }
 
+/* The IQ4 formats' codebook in both 128-bit lanes, for vpshufb: a nibble's byte becomes its int8 value. */
+static inline __m256i TS_SIMD(iq4_table)(void) {
+    const __m128i table = _mm_loadu_si128((const __m128i *)ts_iq4_values);
+    return _mm256_set_m128i(table, table);
+}
+
+/* A Q2_K unit's sixteen scales d x (scales[k] & 15) and offsets -dmin x (scales[k] >> 4): part k in lane k. */
+static inline __attribute__((always_inline)) void TS_SIMD(q2k_unit_scales)(const uint8_t *u, float scale[16],
+                                                                         float offset[16]) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(ts_load_u16(u + 80)));
+    const __m256 neg_dmin = _mm256_set1_ps(-_cvtsh_ss(ts_load_u16(u + 82)));
+    const __m128i packed = _mm_loadu_si128((const __m128i *)u), low4 = _mm_set1_epi8(0x0f);
+    const __m128i sc = _mm_and_si128(packed, low4), mn = _mm_and_si128(_mm_srli_epi16(packed, 4), low4);
+    for (int i = 0; i < 2; i++) {
+        const __m128i sc8 = i ? _mm_srli_si128(sc, 8) : sc, mn8 = i ? _mm_srli_si128(mn, 8) : mn;
+        _mm256_storeu_ps(scale + 8 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc8))));
+        _mm256_storeu_ps(offset + 8 * i, _mm256_mul_ps(neg_dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn8))));
+    }
+}
+
 /* Block b of a row: its 32 codes, and the scale and offset of each 16-value half. For K-quants the unit's
  * scales are decoded when b enters a new unit (sc, mn keep them between calls). */
 static inline __attribute__((always_inline)) __m256i TS_SIMD(decode)(int type, const uint8_t *row, int64_t b,
@@ -126,6 +146,44 @@ static inline __attribute__((always_inline)) __m256i TS_SIMD(decode)(int type, c
         high = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi8(3));
         return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
     }
+    case TS_Q2_K:
+    case TS_Q3_K: {
+        const int q3 = type == TS_Q3_K;
+        const uint8_t *u = row + (b / 8) * (q3 ? 110 : 84);
+        const int j = (int)(b % 8);
+        if (j == 0) {
+            if (q3) { /* sixteen 6-bit scales, once a unit: scalar, as ts_block_decode */
+                const float d = _cvtsh_ss(ts_load_u16(u + 108));
+                for (int i = 0; i < 16; i++) {
+                    unit_s[i] = d * (float)(ts_q3k_scale(u + 96, i) - 32);
+                    unit_o[i] = -4.0f * unit_s[i];
+                }
+            } else {
+                TS_SIMD(q2k_unit_scales)(u, unit_s, unit_o);
+            }
+        }
+        s[0] = unit_s[2 * j];
+        s[1] = unit_s[2 * j + 1];
+        o[0] = unit_o[2 * j];
+        o[1] = unit_o[2 * j + 1];
+        __m256i q = _mm256_loadu_si256((const __m256i *)(u + (q3 ? 32 : 16) + 32 * (j / 4)));
+        q = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * (j % 4))), _mm256_set1_epi8(3));
+        if (q3) { /* bit j of each hmask byte, moved to bit 2 */
+            const __m256i hm = _mm256_loadu_si256((const __m256i *)u);
+            const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(j)), _mm256_set1_epi8(1));
+            q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 2));
+        }
+        return q;
+    }
+    case TS_IQ4_NL:
+    case TS_IQ4_XS: {
+        const uint8_t *u = type == TS_IQ4_NL ? row + b * 18 : row + (b / 8) * 136;
+        const int j = (int)(b % 8);
+        const float d = _cvtsh_ss(ts_load_u16(u));
+        s[0] = s[1] = type == TS_IQ4_NL ? d : d * (float)(ts_iq4xs_scale(u, j) - 32);
+        o[0] = o[1] = 0.0f;
+        return _mm256_shuffle_epi8(TS_SIMD(iq4_table)(), TS_SIMD(nibbles)(type == TS_IQ4_NL ? u + 2 : u + 8 + 16 * j));
+    }
     default:
         s[0] = s[1] = o[0] = o[1] = 0.0f;
         return _mm256_setzero_si256();
@@ -158,18 +216,18 @@ static inline int32_t TS_SIMD(hsum4_epi32)(__m256i v, int hi) {
 static inline __attribute__((always_inline)) void TS_SIMD(dot_rows)(int type, const uint8_t *row, int64_t kb,
                                                                   const ts_act *a, int64_t r0, int rows,
                                                                   float *res) {
-    const int shift = ts_tile_int_offset_shift(type, 0), halves = type == TS_Q6_K ? 2 : 1;
+    const int shift = ts_tile_int_offset_shift(type, 0), halves = ts_qtype_halves(type), sgn = ts_qtype_signed(type);
     float acc[TS_QGEMM_ROWS];
     for (int i = 0; i < rows; i++) acc[i] = 0.0f;
     float unit_s[16], unit_o[16];
     for (int64_t b = 0; b < kb; b++) {
         float s[2], o[2];
         const __m256i w = TS_SIMD(decode)(type, row, b, s, o, unit_s, unit_o);
-        const __m256i w_abs = type == TS_Q8_0 ? _mm256_sign_epi8(w, w) : w;
+        const __m256i w_abs = sgn ? _mm256_sign_epi8(w, w) : w;
         for (int i = 0; i < rows; i++) {
             const int64_t r = r0 + i, at = r * a->kb + b;
             __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + r * a->k + b * TS_QBLOCK));
-            if (type == TS_Q8_0) x = _mm256_sign_epi8(x, w); /* |w| * (x with w's sign): u8 x s8 */
+            if (sgn) x = _mm256_sign_epi8(x, w); /* |w| * (x with w's sign): u8 x s8 */
             const __m256i lanes = TS_SIMD(dot)(w_abs, x);
             int32_t dot[2] = {TS_SIMD(hsum4_epi32)(lanes, 0), TS_SIMD(hsum4_epi32)(lanes, 1)};
             if (shift) {
@@ -183,7 +241,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(dot_rows)(int type, co
                 const int32_t whole = halves == 2 ? dot[h] : dot[0] + dot[1];
                 const float scaled = (float)whole * xd; /* a product of its own, as the tiles' vmulps */
                 acc[i] = fmaf(scaled, s[h], acc[i]);
-                if (!shift && type != TS_Q8_0) acc[i] = fmaf(o[h], halves == 2 ? xs[h] : xs[0] + xs[1], acc[i]);
+                if (!shift && !sgn) acc[i] = fmaf(o[h], halves == 2 ? xs[h] : xs[0] + xs[1], acc[i]);
             }
         }
     }

@@ -29,8 +29,8 @@
 /* One panel, decoded. Block b, step g (values 4g .. 4g + 3 of the block), column half h: 32 bytes whose
  * 4c + i is that value's code in output column 8h + c. */
 typedef struct {
-    uint8_t *codes;  /* [kb][8][2][32]; |code| for Q8_0 */
-    int8_t *signs;   /* Q8_0 on AVX2: the signed codes in the same order (vpmaddubsw multiplies u8 by s8) */
+    uint8_t *codes;  /* [kb][8][2][32]; |code| for the signed formats (Q8_0, IQ4) on AVX2 */
+    int8_t *signs;   /* signed formats on AVX2: the codes in the same order (vpmaddubsw multiplies u8 by s8) */
     float *scale;    /* [kb][halves][16]: per block (per 16-value half for Q6_K: tile_halves), per column */
     float *offset;   /* [kb][halves][16] */
     uint8_t *copies; /* [16][row_bytes] where a layer has interleaved rows: them in the file's layout */
@@ -56,12 +56,13 @@ static inline int TS_SIMD(tile_chain)(int type) {
     case TS_Q4_0: case TS_Q4_1: case TS_Q4_K: return 8; /* 8 x 2 x 15 x 127 = 30,480 */
     case TS_Q5_0: case TS_Q5_1: case TS_Q5_K: return 4; /* 4 x 2 x 31 x 127 = 31,496 */
     case TS_Q6_K: return 2;                              /* 2 x 2 x 63 x 127 = 32,004 */
-    default: return 1;                                   /* Q8_0: 2 x 128 x 127 = 32,512 */
+    case TS_Q2_K: case TS_Q3_K: return 4; /* a 16-value half's 4 steps: 4 x 2 x 7 x 127 = 7,112 */
+    default: return 1;                    /* Q8_0: 2 x 128 x 127 = 32,512; IQ4: 2 x 127 x 127 */
     }
 }
 
-/* Scales per block: Q6_K has one per 16 values, every other format one per 32. */
-static inline int TS_SIMD(tile_halves)(int type) { return type == TS_Q6_K ? 2 : 1; }
+/* Scales per block: Q2_K, Q3_K and Q6_K have one per 16 values, every other format one per 32. */
+static inline int TS_SIMD(tile_halves)(int type) { return ts_qtype_halves(type); }
 
 /* r[c] lane g becomes r[g] lane c (8 x 8 32-bit values). */
 static inline __attribute__((always_inline)) void TS_SIMD(tile_transpose8x8)(__m256i r[8]) {
@@ -270,6 +271,26 @@ static inline __attribute__((always_inline)) void TS_SIMD(rows8_q8_codes)(const 
     }
 }
 
+/* The signed codes of 8 rows' 16 bytes of IQ4 nibbles at p + c * stride (IQ4_NL's block past its d, or one of
+ * IQ4_XS's sub-blocks): w[g] lane c holds codes 4g .. 4g + 3 of row c, each nibble looked up in the codebook. */
+static inline __attribute__((always_inline)) void TS_SIMD(rows8_iq4_codes)(const uint8_t *p, int64_t stride,
+                                                                         __m256i w[8]) {
+    const __m256i table = TS_SIMD(iq4_table)(), low4 = _mm256_set1_epi8(0x0f);
+    __m256i q[4];
+    TS_SIMD(rows8_words4)(p, stride, q);
+    for (int j = 0; j < 4; j++) {
+        w[j] = _mm256_shuffle_epi8(table, _mm256_and_si256(q[j], low4));
+        w[4 + j] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(q[j], 4), low4));
+    }
+}
+
+/* The fp16 values in the low (high 0) or high (high 1) 16 bits of v's 8 lanes, as 8 floats. */
+static inline __attribute__((always_inline)) __m256 TS_SIMD(rows8_f16)(__m256i v, const int high) {
+    const __m256i h16 = high ? _mm256_srli_epi32(v, 16) : _mm256_and_si256(v, _mm256_set1_epi32(0xffff));
+    const __m256i packed = _mm256_packus_epi32(h16, _mm256_setzero_si256()); /* lanes 0-3 | 4-7 per 128 bits */
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+}
+
 /* Each row's offset o (value = s * code + o) from its scale d and Q4_1 / Q5_1's m. */
 static inline __attribute__((always_inline)) __m256 TS_SIMD(rows8_offsets)(const int type, __m256 d, __m256 m) {
     switch (type) {
@@ -280,7 +301,7 @@ static inline __attribute__((always_inline)) __m256 TS_SIMD(rows8_offsets)(const
     }
 }
 
-/* Q8_0's signed codes w (32 bytes at panel offset ``at``) as the micro tile reads them. AVX2's
+/* A signed format's codes w (Q8_0, IQ4: 32 bytes at panel offset ``at``) as the micro tile reads them. AVX2's
  * maddubs sums byte pairs into int16, so w is split into |w| and its sign (|w| * (x, w's sign) = w * x,
  * at most 2 x 128 x 127). VNNI sums four products straight into int32, so w + 128 is stored, an unsigned
  * code like the other formats', and the panel's offset -128 d takes the 128 back out through the
@@ -294,7 +315,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_store_q8)(ts_tile
 #endif
 }
 
-/* Rows [n0, n0 + 16), all present, of a nibble format or Q8_0: 8 rows' blocks are gathered and transposed
+/* Rows [n0, n0 + 16), all present, of a nibble format, Q8_0 or IQ4_NL: 8 rows' blocks are gathered and transposed
  * as stored, before the nibbles are split (rows8_nibble_codes), which costs a third of decoding each row's
  * block on its own and transposing the codes; interleaved rows (x8) are read in that order already. */
 static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel_gathered)(const int type, const int x8,
@@ -309,11 +330,12 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel_gath
             else TS_SIMD(rows8_halves)(block, row_bytes, &d, &m);
             _mm256_storeu_ps(p->scale + b * TS_TILE_COLS + 8 * h, d);
             _mm256_storeu_ps(p->offset + b * TS_TILE_COLS + 8 * h,
-                             type == TS_Q8_0 && TS_SIMD_VNNI ? _mm256_mul_ps(d, _mm256_set1_ps(-128.0f))
-                                                             : TS_SIMD(rows8_offsets)(type, d, m));
-            if (type == TS_Q8_0) {
+                             ts_qtype_signed(type) && TS_SIMD_VNNI ? _mm256_mul_ps(d, _mm256_set1_ps(-128.0f))
+                                                                   : TS_SIMD(rows8_offsets)(type, d, m));
+            if (ts_qtype_signed(type)) {
                 __m256i w[8];
-                TS_SIMD(rows8_q8_codes)(x8, block, row_bytes, w);
+                if (type == TS_Q8_0) TS_SIMD(rows8_q8_codes)(x8, block, row_bytes, w);
+                else TS_SIMD(rows8_iq4_codes)(block + 2, row_bytes, w); /* IQ4_NL: no interleaved layout */
                 for (int g = 0; g < 8; g++) {
                     const int64_t at = ((b * 8 + g) * 2 + h) * 32;
                     TS_SIMD(tile_store_q8)(p, at, w[g]);
@@ -433,17 +455,144 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel_k)(c
     }
 }
 
+/* A Q2_K unit's header for its 8 rows as stored: d, minus dmin, and sc[i] lane c = row c's packed scale bytes
+ * 4i .. 4i + 3 (4-bit scale | 4-bit min << 4). The 16 bytes at 68 end where the unit does (d, dmin at 80). */
+static inline __attribute__((always_inline)) void TS_SIMD(q2k_unit_header)(const uint8_t *unit, int64_t row_bytes,
+                                                                         __m256 *d, __m256 *neg_dmin,
+                                                                         __m256i sc[4]) {
+    __m256i tail[4];
+    TS_SIMD(rows8_words4)(unit + 68, row_bytes, tail);
+    *d = TS_SIMD(rows8_f16)(tail[3], 0);
+    *neg_dmin = _mm256_xor_ps(TS_SIMD(rows8_f16)(tail[3], 1), _mm256_set1_ps(-0.0f)); /* exact negation */
+    TS_SIMD(rows8_words4)(unit, row_bytes, sc);
+}
+
+/* A Q3_K unit's header for its 8 rows as stored: d, and sc[i] lane c = row c's 6-bit scales 4i .. 4i + 3 (before
+ * the -32), one a byte, unpacked from the 12 bytes at 96 with ts_q3k_scale's rule lane by lane. The 16 bytes
+ * read start at 94 so that they end where the unit does (d at 108); words are realigned by shifts. */
+static inline __attribute__((always_inline)) void TS_SIMD(q3k_unit_header)(const uint8_t *unit, int64_t row_bytes,
+                                                                         __m256 *d, __m256i sc[4]) {
+    __m256i v[4], w[3]; /* w[i]: scale bytes 4i .. 4i + 3 */
+    TS_SIMD(rows8_words4)(unit + 94, row_bytes, v);
+    for (int i = 0; i < 3; i++) w[i] = _mm256_or_si256(_mm256_srli_epi32(v[i], 16), _mm256_slli_epi32(v[i + 1], 16));
+    *d = TS_SIMD(rows8_f16)(v[3], 1);
+    const __m256i m4 = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x03030303);
+    for (int i = 0; i < 4; i++) { /* scales 4i ..: low nibbles of w[i % 2] (i < 2) or high ones, bits 2i of w[2] */
+        const __m256i low = i < 2 ? w[i % 2] : _mm256_srli_epi32(w[i % 2], 4);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi32(w[2], 2 * i), m2);
+        sc[i] = _mm256_or_si256(_mm256_and_si256(low, m4), _mm256_slli_epi32(high, 4));
+    }
+}
+
+/* Sub-block j of a Q2_K or Q3_K unit for 8 rows (the 2-bit run t of its half, transposed; Q3_K's third bits
+ * hm, transposed): codes[g] lane c = codes 4g .. 4g + 3 of row c, bits 2s of the run (s = j % 4), Q3_K's bit j
+ * of hm moved to bit 2 (a 32-bit shift by at most 5 keeps every byte's bit within its byte). */
+static inline __attribute__((always_inline)) void TS_SIMD(k2_codes)(const int q3, const __m256i t[8], const __m256i hm[8],
+                                                                  int s, int j, __m256i codes[8]) {
+    const __m256i low2 = _mm256_set1_epi8(3), bit2 = _mm256_set1_epi8(4);
+    for (int g = 0; g < 8; g++) {
+        codes[g] = _mm256_and_si256(_mm256_srli_epi16(t[g], 2 * s), low2);
+        if (q3) codes[g] = _mm256_or_si256(codes[g], _mm256_and_si256(TS_SIMD(rows8_shift)(hm[g], 2 - j), bit2));
+    }
+}
+
+/* The scale and offset of 16-value part k (0 .. 15) of a Q2_K or Q3_K unit's 8 rows, from its header: the
+ * values ts_block_decode gives, by the same float operations (Q3_K's offset: -4 x the scale). */
+static inline __attribute__((always_inline)) void TS_SIMD(k2_part_scale)(const int q3, __m256 d, __m256 neg_dmin,
+                                                                       const __m256i sc[4], int k, __m256 *scale,
+                                                                       __m256 *offset) {
+    const __m256i sk = _mm256_and_si256(_mm256_srl_epi32(sc[k / 4], _mm_cvtsi32_si128(8 * (k % 4))),
+                                        _mm256_set1_epi32(0xff));
+    if (q3) {
+        *scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(sk, _mm256_set1_epi32(32))));
+        *offset = _mm256_mul_ps(*scale, _mm256_set1_ps(-4.0f));
+    } else {
+        *scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(sk, _mm256_set1_epi32(15))));
+        *offset = _mm256_mul_ps(neg_dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(sk, 4)));
+    }
+}
+
+/* The scale d x (ls - 32) of sub-block j of an IQ4_XS unit's 8 rows, from its first two words (head[0] lane c:
+ * row c's d | scales_h << 16, head[1]: its scales_l): ls is 4 bits of scales_l and 2 of scales_h. */
+static inline __attribute__((always_inline)) __m256 TS_SIMD(iq4xs_scale)(__m256 d, const __m256i head[2], int j) {
+    const __m256i low = _mm256_and_si256(_mm256_srl_epi32(head[1], _mm_cvtsi32_si128(4 * j)), _mm256_set1_epi32(15));
+    const __m256i high = _mm256_and_si256(_mm256_srl_epi32(head[0], _mm_cvtsi32_si128(16 + 2 * j)), _mm256_set1_epi32(3));
+    const __m256i ls = _mm256_or_si256(low, _mm256_slli_epi32(high, 4));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
+}
+
+/* Weight rows [n0, n0 + 16), all present, of Q2_K, Q3_K or IQ4_XS (as stored: no interleaved layout): per unit
+ * and 8 rows, the headers are gathered once and each run of codes transposed once (a Q2_K or Q3_K run serves
+ * four sub-blocks), as the matrix-vector kernel reads them; the same codes, scales and offsets as decoding
+ * each row's blocks and transposing (the generic path below), bit for bit, at a fraction of its shuffles. */
+static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel_low)(const int type, const uint8_t *rows,
+                                                                               int64_t row_bytes, int64_t kb,
+                                                                               ts_tile_panel *p) {
+    const int q3 = type == TS_Q3_K;
+    const int64_t unit_bytes = ts_qunit_bytes(type);
+    for (int64_t un = 0; un < kb / 8; un++) {
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *unit = rows + 8 * h * row_bytes + un * unit_bytes;
+            if (type == TS_IQ4_XS) {
+                __m256i head[4];
+                TS_SIMD(rows8_words4)(unit, row_bytes, head);
+                const __m256 d = TS_SIMD(rows8_f16)(head[0], 0);
+                for (int j = 0; j < 8; j++) {
+                    const int64_t b = 8 * un + j;
+                    const __m256 scale = TS_SIMD(iq4xs_scale)(d, head, j);
+                    _mm256_storeu_ps(p->scale + b * TS_TILE_COLS + 8 * h, scale);
+                    _mm256_storeu_ps(p->offset + b * TS_TILE_COLS + 8 * h, /* VNNI stores w + 128 */
+                                     TS_SIMD_VNNI ? _mm256_mul_ps(scale, _mm256_set1_ps(-128.0f)) : _mm256_setzero_ps());
+                    __m256i w[8];
+                    TS_SIMD(rows8_iq4_codes)(unit + 8 + 16 * j, row_bytes, w);
+                    for (int g = 0; g < 8; g++) TS_SIMD(tile_store_q8)(p, ((b * 8 + g) * 2 + h) * 32, w[g]);
+                }
+                continue;
+            }
+            __m256 d, neg_dmin = _mm256_setzero_ps();
+            __m256i sc[4], hm[8];
+            if (q3) {
+                TS_SIMD(q3k_unit_header)(unit, row_bytes, &d, sc);
+                TS_SIMD(rows8_words8)(unit, row_bytes, hm);
+            } else {
+                TS_SIMD(q2k_unit_header)(unit, row_bytes, &d, &neg_dmin, sc);
+            }
+            for (int n = 0; n < 2; n++) {
+                __m256i t[8];
+                TS_SIMD(rows8_words8)(unit + (q3 ? 32 : 16) + 32 * n, row_bytes, t);
+                for (int s = 0; s < 4; s++) {
+                    const int j = 4 * n + s;
+                    const int64_t b = 8 * un + j;
+                    __m256i codes[8];
+                    TS_SIMD(k2_codes)(q3, t, hm, s, j, codes);
+                    for (int g = 0; g < 8; g++) _mm256_storeu_si256((__m256i *)(p->codes + ((b * 8 + g) * 2 + h) * 32), codes[g]);
+                    for (int half = 0; half < 2; half++) {
+                        __m256 scale, offset;
+                        TS_SIMD(k2_part_scale)(q3, d, neg_dmin, sc, 2 * j + half, &scale, &offset);
+                        _mm256_storeu_ps(p->scale + (b * 2 + half) * TS_TILE_COLS + 8 * h, scale);
+                        _mm256_storeu_ps(p->offset + (b * 2 + half) * TS_TILE_COLS + 8 * h, offset);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /* Weight rows [n0, n0 + 16) of a segment (rows past its end decode to zeros) into a panel. */
 static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel)(const int type, const ts_qseg *seg, int64_t n0,
                                                                     int64_t k, ts_tile_panel *p) {
     const int64_t kb = k / TS_QBLOCK, row_bytes = ts_qrow_bytes(type, k);
     const int64_t valid = seg->n - n0 < TS_TILE_COLS ? seg->n - n0 : TS_TILE_COLS;
-    if (valid == TS_TILE_COLS && (TS_SIMD(rows8_nibble_format)(type) || type == TS_Q8_0)) {
+    if (valid == TS_TILE_COLS && (TS_SIMD(rows8_nibble_format)(type) || type == TS_Q8_0 || type == TS_IQ4_NL)) {
         TS_SIMD(tile_decode_panel_gathered)(type, seg->layout == TS_LAYOUT_X8, seg->data + n0 * row_bytes, row_bytes, kb, p);
         return;
     }
     if (valid == TS_TILE_COLS && (type == TS_Q4_K || type == TS_Q5_K || type == TS_Q6_K)) {
         TS_SIMD(tile_decode_panel_k)(type, seg->layout == TS_LAYOUT_X8, seg->data + n0 * row_bytes, row_bytes, kb, p);
+        return;
+    }
+    if (valid == TS_TILE_COLS && (type == TS_Q2_K || type == TS_Q3_K || type == TS_IQ4_XS)) {
+        TS_SIMD(tile_decode_panel_low)(type, seg->data + n0 * row_bytes, row_bytes, kb, p);
         return;
     }
     /* Each row as stored; an interleaved group's rows are copied back to the file's layout first (a panel
@@ -461,7 +610,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel)(con
                 float s[2] = {0.0f, 0.0f}, o[2] = {0.0f, 0.0f};
                 v[c] = col < valid ? TS_SIMD(decode)(type, row_at[col], b, s, o, unit_s[col], unit_o[col])
                                    : _mm256_setzero_si256();
-                if (type == TS_Q8_0 && TS_SIMD_VNNI) o[0] = -128.0f * s[0]; /* codes stored as w + 128 */
+                if (ts_qtype_signed(type) && TS_SIMD_VNNI) o[0] = -128.0f * s[0]; /* codes stored as w + 128 */
                 for (int half = 0; half < halves; half++) {
                     p->scale[(b * halves + half) * TS_TILE_COLS + col] = s[half];
                     p->offset[(b * halves + half) * TS_TILE_COLS + col] = o[half];
@@ -470,7 +619,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel)(con
             TS_SIMD(tile_transpose8x8)(v);
             for (int g = 0; g < 8; g++) {
                 const int64_t at = ((b * 8 + g) * 2 + h) * 32;
-                if (type == TS_Q8_0) TS_SIMD(tile_store_q8)(p, at, v[g]);
+                if (ts_qtype_signed(type)) TS_SIMD(tile_store_q8)(p, at, v[g]);
                 else _mm256_storeu_si256((__m256i *)(p->codes + at), v[g]);
             }
         }
@@ -502,8 +651,8 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int t
     const int8_t *xq = a->tq + group * kb * (8 * 4 * G);
     const float *xd = a->td + group * kb * G, *xs = a->ts + group * kb * (3 * G);
     const int32_t *xb = a->tb != NULL ? a->tb + group * kb * (3 * G) : NULL; /* set where such a format is */
-    /* An offset that is minus a power of two times the scale (Q4_0, Q5_0, Q8_0, Q6_K: ts_tile_int_offset_shift)
-     * enters as an integer: the sums of a block (Q6_K: of a half) start from x's codes' sum there, shifted,
+    /* An offset that is minus a power of two times the scale (Q4_0, Q5_0, the signed formats' 128, Q3_K, Q6_K:
+     * ts_tile_int_offset_shift) enters as an integer: the sums of a block (Q3_K, Q6_K: of a half) start from x's codes' sum there, shifted,
      * and the float epilogue has no offset term (3 vector operations a block, row and panel instead of 4;
      * with the vpdpbusd, the epilogue is what bounds the tiles). */
     const int shift = ts_tile_int_offset_shift(type, 1), integer_offset = shift != 0;
@@ -554,7 +703,7 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_rows)(const int t
     const ts_tile_panel *p = panels[0];
     const int halves = TS_SIMD(tile_halves)(type);
     const int chain = TS_SIMD_VNNI ? 8 / halves : TS_SIMD(tile_chain)(type); /* VNNI: no int16 steps */
-    const int signed_codes = type == TS_Q8_0 && !TS_SIMD_VNNI, has_offset = type != TS_Q8_0 || TS_SIMD_VNNI;
+    const int signed_codes = ts_qtype_signed(type) && !TS_SIMD_VNNI, has_offset = !ts_qtype_signed(type) || TS_SIMD_VNNI;
     /* Q4_0's, Q5_0's and Q6_K's offsets (minus a power of two times the scale) join the integer sums, shifted
      * from x's code sums (a->qb), as in the 512-bit form: no offset FMA in the epilogue. */
     const int shift = ts_tile_int_offset_shift(type, TS_SIMD_VNNI);
@@ -728,7 +877,7 @@ static int TS_SIMD(tiles_matmul_share)(const ts_qmat *w, const ts_act *a, int64_
     int ok = 1;
     for (int j = 0; j < TS_SIMD_TILE_PANELS; j++) {
         p[j].codes = malloc((size_t)(kb * 512));
-        p[j].signs = TS_SIMD_VNNI ? NULL : malloc((size_t)(kb * 512)); /* Q8_0's signs: AVX2 only (tile_store_q8) */
+        p[j].signs = TS_SIMD_VNNI ? NULL : malloc((size_t)(kb * 512)); /* signed codes' signs: AVX2 only (tile_store_q8) */
         p[j].scale = malloc(sizeof(float) * (size_t)(kb * 2 * TS_TILE_COLS));
         p[j].offset = malloc(sizeof(float) * (size_t)(kb * 2 * TS_TILE_COLS));
         p[j].copies = copy_bytes ? malloc((size_t)(TS_TILE_COLS * copy_bytes)) : NULL;

@@ -21,10 +21,12 @@ from tideserve import native
 from tideserve.native.cores import intra_op_threads
 
 # GGUF (ggml) type ids of the formats qgemm.c multiplies, by the names the gguf package uses.
-QTYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+QTYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q2_k": 10, "q3_k": 11, "q4_k": 12, "q5_k": 13,
+          "q6_k": 14, "iq4_nl": 20, "iq4_xs": 23}
 # values per storage unit and bytes per unit (ggml's block sizes)
 QUNITS = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
-          "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
+          "q2_k": (256, 84), "q3_k": (256, 110), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
+          "iq4_nl": (32, 18), "iq4_xs": (256, 136)}
 ISA_NAMES = ("scalar", "avx2", "avx512", "amx")
 MAX_SEGMENTS = 4
 
