@@ -273,25 +273,34 @@ class ModelRunner:
         result = ModelRunnerOutput({}, {})
         if out.is_empty:
             return result
-        # Decodes sorted by context length, so attention can take them in groups of similar length.
+        # Decodes sorted by context length, so attention can take them in groups of similar length; then the
+        # requests verifying proposals, then prefills.
+        spec = out.spec_token_ids
         decode_ids = sorted((rid for rid, n in out.num_scheduled_tokens.items() if n == 1),
                             key=lambda rid: self.requests[rid].num_computed_tokens)
-        prefill_ids = [rid for rid, n in out.num_scheduled_tokens.items() if n > 1]
-        order = decode_ids + prefill_ids
+        spec_ids = [rid for rid in out.num_scheduled_tokens if rid in spec]
+        prefill_ids = [rid for rid, n in out.num_scheduled_tokens.items() if n > 1 and rid not in spec]
+        order = decode_ids + spec_ids + prefill_ids
         pieces = [(rid, self.requests[rid].num_computed_tokens, out.num_scheduled_tokens[rid]) for rid in order]
-        spec = out.spec_token_ids
         for rid, drafts in spec.items():  # the proposals are this step's input after the last token
             self.requests[rid].token_ids.extend(drafts)
         sample_rows, sample_ids = self._sample_rows(pieces, spec)
         pending_mask = self._start_masks(sample_ids, spec)  # may run on a worker thread during the forward pass
 
+        # A request verifying proposals runs as one decode row per token, each attending the keys up to its
+        # own position (every row's key is stored before any row attends): the decode path, and a query
+        # gets the bits it would get in a prefill.
+        num_rows = len(decode_ids) + sum(out.num_scheduled_tokens[rid] for rid in spec_ids)
+        rows = [(rid, start + j, 1) for rid, start, count in pieces[:len(decode_ids) + len(spec_ids)]
+                for j in range(count)]
+        forward_pieces = rows + pieces[len(decode_ids) + len(spec_ids):]
         slab = self.platform.forward_slab_tokens
         if prefill_ids and slab is not None and out.total_num_scheduled_tokens > slab:
-            decodes = set(decode_ids)
+            decodes = set(decode_ids) | set(spec_ids)
             hidden = torch.cat([self._forward(part, sum(1 for rid, _, _ in part if rid in decodes))
-                                for part in self._slabs(pieces, slab)])
+                                for part in self._slabs(forward_pieces, slab)])
         else:
-            hidden = self._forward(pieces, len(decode_ids), graphs=not prefill_ids)
+            hidden = self._forward(forward_pieces, num_rows, graphs=not prefill_ids)
         self._prompt_logprobs(order, out.num_scheduled_tokens, hidden, result)
         self._pool(order, out.num_scheduled_tokens, hidden, result)
         for rid in order:
