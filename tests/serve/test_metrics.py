@@ -98,7 +98,8 @@ def test_dashboard_and_docs_use_exported_names():
 
     root = Path(__file__).resolve().parents[2]
     m = ServerMetrics()
-    m.attach_engine("m", lambda: EngineStats(kv_cache_block_size=16), {"block_size": "16"})
+    m.attach_engine("m", lambda: EngineStats(kv_cache_block_size=16, spec_decode_enabled=True,
+                                             spec_decode_num_accepted_tokens_per_pos=[0, 0]), {"block_size": "16"})
     timer = m.timer()
     for n in (1, 2):  # so every histogram has series
         timer.on_output(output(n))

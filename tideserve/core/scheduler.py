@@ -30,7 +30,7 @@ from tideserve.config import SchedulerConfig
 from tideserve.core.kv_cache.manager import KVCacheManager
 from tideserve.request import Request, RequestStatus
 from tideserve.sampling_params import SamplingParams
-from tideserve.spec_decode.proposals import observe_round
+from tideserve.spec_decode.backoff import observe_round
 from tideserve.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)

@@ -31,6 +31,7 @@ from tideserve.pooling_params import PoolingParams
 from tideserve.request import Request, RequestStatus
 from tideserve.sampling_params import SamplingParams
 from tideserve.spec_decode.proposals import Speculator
+from tideserve.spec_decode.stats import SpecDecodeStats
 from tideserve.structured_output.reasoning_gate import gated
 from tideserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 from tideserve.worker.executor import Method
@@ -84,6 +85,7 @@ class LLMEngine:
         # Speculative decoding: proposals set on the running requests before each schedule (None: off).
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         if spec is not None:
+            self.scheduler.spec_stats = SpecDecodeStats.for_proposals(spec.num_speculative_tokens)
             logger.info("Speculative decoding: %s, %d proposed tokens per step (lookup of the last %d..%d "
                         "tokens), off while %d or more requests run", spec.method, spec.num_speculative_tokens,
                         spec.prompt_lookup_min, spec.prompt_lookup_max, spec.disable_by_batch_size)

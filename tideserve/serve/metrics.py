@@ -81,6 +81,9 @@ _COUNTERS = (
     ("vllm:prompt_tokens", "Number of prefill tokens processed (counted when a request's prefill is done).",
      "prompt_tokens"),
     ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
+)
+# The same, exported only by an engine with speculative decoding on (as vLLM does).
+_SPEC_COUNTERS = (
     ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts (verification rounds).",
      "spec_decode_num_drafts"),
     ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens (proposals verified).",
@@ -101,15 +104,16 @@ class _EngineStatsCollector(Collector):
             g = GaugeMetricFamily(name, help_text, labels=["model_name"])
             g.add_metric([self.model_name], float(getattr(stats, attr)) * scale)
             yield g
-        for name, help_text, attr in _COUNTERS:
+        for name, help_text, attr in _COUNTERS + (_SPEC_COUNTERS if stats.spec_decode_enabled else ()):
             c = CounterMetricFamily(name, help_text, labels=["model_name"])
             c.add_metric([self.model_name], float(getattr(stats, attr)))
             yield c
-        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                      "Accepted tokens per draft position.", labels=["model_name", "position"])
-        for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
-            per_pos.add_metric([self.model_name, str(position)], float(count))
-        yield per_pos
+        if stats.spec_decode_enabled:
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens per draft position.", labels=["model_name", "position"])
+            for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([self.model_name, str(position)], float(count))
+            yield per_pos
         if self.cache_info:
             keys = sorted(self.cache_info)
             info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",

@@ -5,7 +5,7 @@ weights, so that costs little more than one token, and every accepted proposal s
 step is bound by arithmetic, so each proposal costs about what a token costs: there (``disable_by_batch_size``
 running requests or more) nothing is proposed. A request whose proposals keep failing pays for verification
 and gains nothing: after a round that accepts none, it goes without proposals for a number of steps that
-doubles with each such round (up to ``MAX_BACKOFF``) and resets when a round accepts one.
+doubles with each such round (up to ``MAX_BACKOFF``) and resets when a round accepts one (``backoff.py``).
 
 A request that follows a grammar gets the proposals its grammar accepts (each verifying row is masked by
 the grammar after the proposals before it: ``worker/model_runner.py``); one whose grammar waits for the end
@@ -20,8 +20,6 @@ from tideserve.config import SpeculativeConfig
 from tideserve.request import Request
 from tideserve.spec_decode.ngram import NgramProposer
 from tideserve.structured_output.backend import GrammarMatcher
-
-MAX_BACKOFF = 16  # decode steps without proposals after repeated rounds that accepted nothing
 
 
 class Speculator:
@@ -59,13 +57,3 @@ class Speculator:
         if grammar is not None and proposals:  # only what the grammar allows, so every row has a mask
             proposals = proposals[:grammar.valid_prefix(proposals)]
         return proposals
-
-
-def observe_round(request: Request, num_proposed: int, num_accepted: int) -> None:
-    """The back-off: a round that accepted nothing skips the next ``spec_backoff`` steps' proposals and
-    doubles it; a round that accepted any resets it."""
-    if num_accepted == 0:
-        request.spec_skip_steps = request.spec_backoff
-        request.spec_backoff = min(2 * request.spec_backoff, MAX_BACKOFF)
-    else:
-        request.spec_backoff = 1

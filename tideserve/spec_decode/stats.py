@@ -16,6 +16,11 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
 
+    @classmethod
+    def for_proposals(cls, num_speculative_tokens: int) -> SpecDecodeStats:
+        """Counters with every position's series from the start (0 until a round accepts there)."""
+        return cls(accepted_per_pos=[0] * num_speculative_tokens)
+
     def observe(self, num_proposed: int, num_accepted: int) -> None:
         assert 0 <= num_accepted <= num_proposed, (num_accepted, num_proposed)
         self.num_drafts += 1
