@@ -137,9 +137,10 @@ class KVDiskTier:
             start, keys = kv.plan_tier_load(request.request_id, token_ids)
             if not keys:
                 continue
-            short = len(keys) - kv.num_free_blocks
-            if short > 0 and scheduler.on_out_of_blocks is not None:
-                scheduler.on_out_of_blocks(short)
+            grow = scheduler.on_out_of_blocks  # the elastic pool grows for a load as for an allocation
+            while grow is not None and len(keys) > (free := kv.num_free_blocks):
+                if not grow(len(keys) - free) or kv.num_free_blocks <= free:
+                    break
             keys = keys[:kv.num_free_blocks]
             if not keys:
                 return
