@@ -412,4 +412,5 @@ class LLMEngine:
             spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(spec.accepted_per_pos),
+            kv_tiers=[self.kv_disk_tier.snapshot()] if self.kv_disk_tier is not None else [],
         )
