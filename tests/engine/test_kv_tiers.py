@@ -80,6 +80,19 @@ def test_a_restart_on_the_same_directory_serves_the_prefix_with_the_same_tokens(
     second.engine.shutdown()
 
 
+def test_a_prefix_that_left_the_pool_is_loaded_back_from_disk(make_llm, tmp_path, cold):
+    llm = make_llm(kv_cache_dir=str(tmp_path), **SETTINGS)
+    _run(llm, PROMPT)
+    llm.engine.pool.shrink(1, "test")  # the pool gives its cached prefixes up (one block stays)
+    kept = llm.engine.kv_manager.num_cached_blocks()
+    tokens, cached = _run(llm, PROMPT)
+    num_hit = (len(llm.engine.tokenizer.encode(PROMPT)) - 1) // 16
+    assert tokens == cold[PROMPT] and cached == num_hit * 16
+    assert llm.engine.kv_disk_tier.snapshot().hits == num_hit - kept
+    llm.engine.kv_manager.check_invariants()
+    llm.engine.shutdown()
+
+
 def test_corrupted_and_truncated_files_change_nothing_and_are_removed(make_llm, tmp_path, cold):
     first = make_llm(kv_cache_dir=str(tmp_path), **SETTINGS)
     _run(first, PROMPT)

@@ -130,29 +130,35 @@ class KVDiskTier:
             return
         scheduler, kv = self.scheduler, self.kv
         seats = scheduler.config.max_num_seqs - len(scheduler.running)
+        budget = scheduler.config.max_num_batched_tokens  # the requests past it cannot start in this step
         for request in list(scheduler.waiting)[:max(0, seats)]:
+            if budget <= 0:
+                return
             if request.request_id in kv.swapped or request.sampling_params.needs_every_prompt_position:
                 continue
             token_ids = request.all_token_ids
             start, keys = kv.plan_tier_load(request.request_id, token_ids)
+            budget -= len(token_ids) - (start + len(keys)) * kv.block_size
             if not keys:
                 continue
             grow = scheduler.on_out_of_blocks  # the elastic pool grows for a load as for an allocation
-            while grow is not None and len(keys) > (free := kv.num_free_blocks):
-                if not grow(len(keys) - free) or kv.num_free_blocks <= free:
+            while grow is not None and (short := kv.tier_load_shortfall(request.request_id, start, len(keys))):
+                free = kv.num_free_blocks
+                if not grow(short) or kv.num_free_blocks <= free:
                     break
-            keys = keys[:kv.num_free_blocks]
-            if not keys:
+            if not self._load(request.request_id, token_ids, start, keys):
                 return
-            self._load(request.request_id, token_ids, start, keys)
 
-    def _load(self, request_id: str, token_ids: list[int], start: int, keys: list[bytes]) -> None:
+    def _load(self, request_id: str, token_ids: list[int], start: int, keys: list[bytes]) -> int:
+        """Load the tier's ``keys`` after the request's pool hit of ``start`` blocks (as many as there are
+        free blocks for); returns how many blocks were loaded."""
         began = time.perf_counter()
-        blocks = self.kv.begin_tier_load(len(keys))
-        answers = self.executor.collective_rpc(Worker.load_kv_blocks_from_disk,
-                                               [(key, b.block_id) for key, b in zip(keys, blocks)])
-        num = min(a.num_loaded for a in answers)
-        self.kv.finish_tier_load(request_id, token_ids, start, blocks, num)
+        hit, blocks = self.kv.begin_tier_load(request_id, start, len(keys))
+        answers = (self.executor.collective_rpc(Worker.load_kv_blocks_from_disk,
+                                                [(key, b.block_id) for key, b in zip(keys, blocks)])
+                   if blocks else [])
+        num = min((a.num_loaded for a in answers), default=0)
+        self.kv.finish_tier_load(request_id, token_ids, hit, blocks, num)
         for key in keys[:num]:
             self.index.touch(key)
         bad = sorted({key for a in answers for key in a.bad_keys})
@@ -169,6 +175,7 @@ class KVDiskTier:
             stats.load_seconds += time.perf_counter() - began
             logger.debug("KV disk tier: request %s loaded %d blocks (%d..%d) in %.1f ms", request_id, num, start,
                          start + num - 1, 1e3 * (time.perf_counter() - began))
+        return num
 
     def store_published(self) -> None:
         """Write down the full blocks the step that just ran computed and published (module doc)."""

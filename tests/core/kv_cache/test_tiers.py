@@ -94,8 +94,10 @@ def test_a_load_continues_the_pool_hit_and_publishes_cached_prefixes():
     kv.take_events()
     start, planned = kv.plan_tier_load("r", tokens)
     assert (start, planned) == (1, keys[1:3])  # block 3 is in neither: the load stops before it
-    blocks = kv.begin_tier_load(len(planned))
-    kv.finish_tier_load("r", tokens, start, blocks, num_loaded=1)  # block 2 failed its checks
+    assert kv.tier_load_shortfall("r", start, len(planned)) == 0
+    hit, blocks = kv.begin_tier_load("r", start, len(planned))
+    assert len(hit) == 1 and hit[0].ref_cnt == 1 and len(blocks) == 2
+    kv.finish_tier_load("r", tokens, hit, blocks, num_loaded=1)  # block 2 failed its checks
     kv.check_invariants()
     assert len(kv.get_computed_blocks("r", tokens)) == 2
     stored = [e for e in kv.take_events() if isinstance(e, BlockStored)]
@@ -103,6 +105,26 @@ def test_a_load_continues_the_pool_hit_and_publishes_cached_prefixes():
     assert apply_events({external_hash(h) for h in kv.req_hashes["r"][:1]}, stored) == \
         {external_hash(h) for h in kv.pool.cached}
     assert kv.num_free_blocks == kv.num_blocks  # loaded blocks are cached and free until a request takes them
+
+
+def test_a_load_never_evicts_the_pool_hit_it_continues():
+    kv = _manager(num_blocks=4)
+    tokens = list(range(4 * BS + 1))
+    keys = _keys(tokens)
+    kv.allocate_slots("first", tokens[:2 * BS], 0, 2 * BS)  # blocks 0 and 1 cached, the oldest free ones
+    kv.free("first")
+    for key in keys[2:]:
+        kv.tier.add(key, 1)
+    start, planned = kv.plan_tier_load("r", tokens)
+    assert (start, planned) == (2, keys[2:])
+    assert kv.tier_load_shortfall("r", start, len(planned)) == 0
+    hit, blocks = kv.begin_tier_load("r", start, len(planned))
+    assert len(blocks) == 2 and {b.block_id for b in blocks}.isdisjoint(b.block_id for b in hit)
+    kv.finish_tier_load("r", tokens, hit, blocks, num_loaded=2)
+    assert len(kv.get_computed_blocks("r", tokens)) == 4
+    kv.check_invariants()
+    # One more block than the pool holds beside the hit: the load is short by one.
+    assert kv.tier_load_shortfall("r", 2, 3) == 1
 
 
 def test_salted_requests_plan_no_load_of_unsalted_blocks():

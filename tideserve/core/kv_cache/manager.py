@@ -172,18 +172,26 @@ class KVCacheManager:
             found.append(key)
         return start, found
 
-    def begin_tier_load(self, num_blocks: int) -> list[KVBlock] | None:
-        """Blocks to load a tier's KV into (held until ``finish_tier_load``), or None when too few are
-        free (changing nothing)."""
-        if num_blocks > self.pool.num_free_blocks:
-            return None
-        return self.pool.allocate(num_blocks)
+    def tier_load_shortfall(self, request_id: str, start: int, num_blocks: int) -> int:
+        """How many more free blocks loading ``num_blocks`` after the request's pool hit of ``start``
+        blocks needs (``begin_tier_load`` holds the hit, so its free blocks do not count)."""
+        hit_free = sum(1 for h in self.req_hashes[request_id][:start] if self.pool.lookup(h).ref_cnt == 0)
+        return max(0, num_blocks + hit_free - self.pool.num_free_blocks)
 
-    def finish_tier_load(self, request_id: str, token_ids: Sequence[int], start: int, blocks: list[KVBlock],
+    def begin_tier_load(self, request_id: str, start: int, num_blocks: int) -> tuple[list[KVBlock], list[KVBlock]]:
+        """(the request's pool hit, held; up to ``num_blocks`` free blocks to load the tier's KV into),
+        both held until ``finish_tier_load``. The hit is held first: a load must not evict the very prefix
+        it continues (the least recently used cached blocks are the ones an allocation takes)."""
+        hit = [self.pool.lookup(h) for h in self.req_hashes[request_id][:start]]
+        self.pool.touch(hit)
+        return hit, self.pool.allocate(min(num_blocks, self.pool.num_free_blocks))
+
+    def finish_tier_load(self, request_id: str, token_ids: Sequence[int], hit: list[KVBlock], blocks: list[KVBlock],
                          num_loaded: int) -> None:
-        """The first ``num_loaded`` of ``blocks`` now hold the KV of the request's blocks ``start`` ..:
-        publish them as cached prefixes (the request's allocation then hits them like any other) and
-        release every block, tail first, so the loaded run stays cached longest."""
+        """The first ``num_loaded`` of ``blocks`` now hold the KV of the request's blocks after its pool
+        ``hit``: publish them as cached prefixes (the request's allocation then hits them like any other)
+        and release every block held, tail first, so the prefix's head stays cached longest."""
+        start = len(hit)
         hashes = self._full_block_hashes(request_id, token_ids)
         events = self.events
         stored: BlockStored | None = None
@@ -198,7 +206,7 @@ class KVCacheManager:
                     events.append(stored)
                 stored.block_hashes.append(external_hash(hashes[i]))
                 stored.token_ids.extend(token_ids[i * bs:(i + 1) * bs])
-        self.pool.release(blocks[::-1])
+        self.pool.release(blocks[::-1] + hit[::-1])
 
     def take_tier_writes(self) -> list[tuple[int, TierKey]]:
         """(block id, tier key) of the blocks published since the last call that still hold their prefix
