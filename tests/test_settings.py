@@ -63,6 +63,8 @@ SAMPLES = {
     "kv_cache_dtype": ("bfloat16", "bfloat16", "bfloat16"),
     "enable_prefix_caching": (False, None, False),
     "swap_space": ("512MiB", "512MiB", 0.5),
+    "kv_cache_dir": ("/tmp/kv", "/tmp/kv", "/tmp/kv"),
+    "kv_cache_dir_size": ("2GiB", "2GiB", 2 * 2**30),
     "max_num_seqs": (9, "9", 9),
     "max_num_batched_tokens": (4096, "4096", 4096),
     "enable_chunked_prefill": (False, None, False),

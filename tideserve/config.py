@@ -15,6 +15,7 @@ from tideserve.settings import KV_GROUP, config_from_json, setting
 
 VALID_BLOCK_SIZES = (8, 16, 32, 64, 128)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_KV_CACHE_DIR_SIZE = 16 * 2**30  # the disk tier's bound when --kv-cache-dir-size is not given
 
 
 _SIZE_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
@@ -224,6 +225,15 @@ class CacheConfig:
         None, group=KV_GROUP, metavar="JSON",
         help='publish KV cache events in vLLM\'s format, e.g. \'{"enable_kv_cache_events": true, "publisher": '
              '"zmq", "endpoint": "tcp://*:5557"}\' (docs/deployment.md)')
+    kv_cache_dir: str | None = setting(
+        None, group=KV_GROUP, metavar="PATH",
+        help="keep full prefix blocks in files under PATH too (a disk tier below the pool): blocks that leave the "
+             "pool are loaded back instead of recomputed, and a server restarted on the same PATH with the same "
+             "model and settings serves them at once (docs/architecture.md)")
+    kv_cache_dir_size: int | str | None = setting(  # parsed to bytes in __post_init__
+        None, group=KV_GROUP, metavar="SIZE",
+        help=f"the most the disk tier keeps: 64GiB, 500M or bytes (default {DEFAULT_KV_CACHE_DIR_SIZE // 2**30}GiB); "
+             "least recently used blocks go first")
 
     def __post_init__(self) -> None:
         if self.block_size != "auto" and self.block_size not in VALID_BLOCK_SIZES:
@@ -242,6 +252,17 @@ class CacheConfig:
                              f"got {self.kv_cache_dtype!r}.")
         self.swap_space = parse_gib(self.swap_space, "swap_space")
         self.kv_events_config = parse_kv_events_config(self.kv_events_config)
+        self.kv_cache_dir_size = parse_size(self.kv_cache_dir_size, "kv_cache_dir_size")
+        if self.kv_cache_dir_size is not None and self.kv_cache_dir_size <= 0:
+            raise ValueError(f"kv_cache_dir_size must be > 0 bytes, got {self.kv_cache_dir_size!r}.")
+        if self.kv_cache_dir_size is not None and not self.kv_cache_dir:
+            raise ValueError("kv_cache_dir_size is set but kv_cache_dir is not: name the directory of the disk "
+                             "tier (--kv-cache-dir PATH) or drop the size.")
+
+    @property
+    def kv_cache_dir_bytes(self) -> int:
+        """The disk tier's bound in bytes (its default when ``kv_cache_dir_size`` is unset)."""
+        return self.kv_cache_dir_size if self.kv_cache_dir_size is not None else DEFAULT_KV_CACHE_DIR_SIZE
 
     @property
     def auto_block_size(self) -> bool:

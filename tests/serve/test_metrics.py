@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from tideserve.core.kv_cache.tiers import TierStats
 from tideserve.engine.stats import EngineStats
 from tideserve.outputs import CompletionOutput, RequestOutput
 from tideserve.serve.metrics import ServerMetrics
@@ -62,6 +63,22 @@ def test_engine_snapshot_is_exported_under_vllm_names():
     assert value(v, "process_resident_memory_bytes") > 0
 
 
+def test_kv_tiers_are_exported_per_medium():
+    disk = TierStats("DISK", hits=7, bytes_read=700, bytes_written=900, evictions=2, bad_files=1, loads=3,
+                     load_seconds=0.25, used_bytes=500, capacity_bytes=1000)
+    m = ServerMetrics()
+    m.attach_engine("tiny", lambda: EngineStats(kv_tiers=[disk]))
+    v = samples(m)
+    expected = {"vllm:kv_tier_hits_total": 7, "vllm:kv_tier_bytes_read_total": 700,
+                "vllm:kv_tier_bytes_written_total": 900, "vllm:kv_tier_evictions_total": 2,
+                "vllm:kv_tier_bad_files_total": 1, "vllm:kv_tier_loads_total": 3,
+                "vllm:kv_tier_load_seconds_total": 0.25, "vllm:kv_tier_used_bytes": 500,
+                "vllm:kv_tier_capacity_bytes": 1000, "vllm:kv_tier_enabled": 1}
+    for name, want in expected.items():
+        assert value(v, name, model_name="tiny", medium="DISK") == want, name
+    assert value(samples(ServerMetrics()), "vllm:kv_tier_hits_total") == 0  # no tier, no series
+
+
 def test_each_app_has_its_own_registry():
     a, b = ServerMetrics(), ServerMetrics()
     a.attach_engine("m", EngineStats)
@@ -99,7 +116,8 @@ def test_dashboard_and_docs_use_exported_names():
     root = Path(__file__).resolve().parents[2]
     m = ServerMetrics()
     m.attach_engine("m", lambda: EngineStats(kv_cache_block_size=16, spec_decode_enabled=True,
-                                             spec_decode_num_accepted_tokens_per_pos=[0, 0]), {"block_size": "16"})
+                                             spec_decode_num_accepted_tokens_per_pos=[0, 0],
+                                             kv_tiers=[TierStats("DISK")]), {"block_size": "16"})
     timer = m.timer()
     for n in (1, 2):  # so every histogram has series
         timer.on_output(output(n))

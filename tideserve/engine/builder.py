@@ -38,6 +38,7 @@ from tideserve.engine.arg_utils import EngineArgs
 from tideserve.engine.input_processor import InputProcessor
 from tideserve.engine.kv_events import EventPublisher, create_publisher
 from tideserve.engine.kv_sizing import KVPlan, memory_account, plan_kv_cache
+from tideserve.engine.kv_tiers import KVDiskTier, tier_fingerprint
 from tideserve.engine.loaded_model import POST_LOAD_METHODS, match_loaded
 from tideserve.engine.memory_probe import WorkersMemoryProbe
 from tideserve.engine.output_processor import OutputProcessor
@@ -87,6 +88,7 @@ class EngineParts:
     structured_output: StructuredOutputManager
     thread_governor: ThreadGovernor | None
     kv_events: EventPublisher | None
+    kv_disk_tier: KVDiskTier | None = None
 
 
 def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
@@ -131,6 +133,10 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
         if groups.is_hybrid:
             logger.info("KV cache: %s; a block holds one group's layers, sliding groups keep only their window",
                         groups.describe())
+            if cache_config.kv_cache_dir:
+                raise ValueError(f"kv_cache_dir={cache_config.kv_cache_dir!r}: the disk tier does not support models "
+                                 f"that mix sliding-window and global layers yet ({groups.describe()}); leave "
+                                 "kv_cache_dir unset for this model.")
         # A block holds one group's layers (all of them for a single-group model): its bytes count those.
         shape = KVGeometry(groups.group_size, token_bytes, kv_dtype_name, cache_config.initial_block_size, 0)
         plan = _plan(cache_config, sched_config, args.elastic_config(), executor, memory, model, shape,
@@ -156,6 +162,10 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
         # What loading and the profiling pass freed goes back now: the allocator keeps freed activations for
         # the next step (tune_allocator), and a server sharing the machine must see them free at start-up.
         executor.collective_rpc(Worker.release_freed_memory)
+        kv_disk_tier = None
+        if cache_config.kv_cache_dir:
+            fingerprint = tier_fingerprint(loaded, kv_dtype, device, tokenizer, executor.world_size)
+            kv_disk_tier = KVDiskTier.open(cache_config, fingerprint, executor, kv_manager, scheduler)
         processor = InputProcessor(tokenizer, arch, loaded.name, max_model_len, model_config, sched_config,
                                    structured_output)
         # Last, so a failed start-up leaves no socket bound.
@@ -170,7 +180,8 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
         loaded=loaded, model=executor.driver_worker.model, device=device, platform=platform, kv_dtype=kv_dtype,
         tokenizer=tokenizer, max_model_len=max_model_len, executor=executor, memory=memory, kv_manager=kv_manager,
         scheduler=scheduler, pool=pool, input_processor=processor, output_processor=OutputProcessor(tokenizer),
-        structured_output=structured_output, thread_governor=thread_governor, kv_events=kv_events)
+        structured_output=structured_output, thread_governor=thread_governor, kv_events=kv_events,
+        kv_disk_tier=kv_disk_tier)
 
 
 def make_kv_manager(geometry: KVGeometry, groups: KVCacheGroups, enable_prefix_caching: bool,

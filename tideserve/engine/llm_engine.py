@@ -76,6 +76,7 @@ class LLMEngine:
         self.structured_output = parts.structured_output
         self.thread_governor = parts.thread_governor
         self.kv_events = parts.kv_events
+        self.kv_disk_tier = parts.kv_disk_tier  # --kv-cache-dir: full prefix blocks kept on disk too
         self._ids = itertools.count()
         self._sampled_last_step: dict[str, list[int]] = {}
         self.sleep_level = 0  # sleep mode: 0 awake, else the level the engine was put to sleep at
@@ -272,12 +273,17 @@ class LLMEngine:
         it shares with other engines; idempotent."""
         if self.kv_events is not None:
             self.kv_events.shutdown()
+        if self.kv_disk_tier is not None:
+            self.kv_disk_tier.close()
         if self.pool.ledger is not None:
             self.pool.ledger.close()
 
     def shutdown(self) -> None:
         """Stop the workers' processes (tensor-parallel ranks; bounded) and withdraw the engine's memory
-        claim. The engine is unusable afterwards. Garbage collection and interpreter exit do the same."""
+        claim; the disk tier's writes under way finish first. The engine is unusable afterwards. Garbage
+        collection and interpreter exit do the same."""
+        if self.kv_disk_tier is not None:
+            self.kv_disk_tier.close()
         if self.pool.ledger is not None:
             self.pool.ledger.close()
         self.executor.shutdown()
@@ -294,9 +300,13 @@ class LLMEngine:
                 touched[parent_id] = None
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, len(self.scheduler.running))
+        if self.kv_disk_tier is not None and self.scheduler.waiting:
+            self.kv_disk_tier.load_for_waiting()
         sched_out = self.scheduler.schedule()
         if not sched_out.is_empty:
             runner_out = self._execute(sched_out)
+            if self.kv_disk_tier is not None:
+                self.kv_disk_tier.store_published()
             now = time.monotonic()  # when this step's tokens exist
             sampled = runner_out.sampled
             for rid, (first, entries) in runner_out.prompt_logprobs.items():
@@ -404,4 +414,5 @@ class LLMEngine:
             spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(spec.accepted_per_pos),
+            kv_tiers=[self.kv_disk_tier.snapshot()] if self.kv_disk_tier is not None else [],
         )

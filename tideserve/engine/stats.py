@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tideserve.core.kv_cache.tiers import TierStats
+
 
 @dataclass
 class EngineStats:
@@ -43,3 +45,5 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # The KV tiers below the pool (--kv-cache-dir), one entry per tier in use, each named by its medium.
+    kv_tiers: list[TierStats] = field(default_factory=list)

@@ -91,6 +91,23 @@ _SPEC_COUNTERS = (
     ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_decode_num_accepted_tokens"),
 )
 
+# (name, help, TierStats field, is a counter) of the KV tiers' metrics, one series per tier (label medium).
+_TIER_METRICS = (
+    ("vllm:kv_tier_hits", "KV blocks loaded back into the pool from a tier below it.", "hits", True),
+    ("vllm:kv_tier_bytes_read", "Bytes read from a KV tier.", "bytes_read", True),
+    ("vllm:kv_tier_bytes_written", "Bytes written to a KV tier.", "bytes_written", True),
+    ("vllm:kv_tier_evictions", "KV blocks a tier dropped to stay within its size (least recently used first).",
+     "evictions", True),
+    ("vllm:kv_tier_bad_files", "Tier files skipped and removed: truncated, corrupted or foreign.", "bad_files", True),
+    ("vllm:kv_tier_loads", "Loads from a KV tier (one per request that hit it).", "loads", True),
+    ("vllm:kv_tier_load_seconds", "Time spent loading from a KV tier, in seconds (over vllm:kv_tier_loads: the "
+     "mean load latency).", "load_seconds", True),
+    ("vllm:kv_tier_used_bytes", "Bytes a KV tier holds now.", "used_bytes", False),
+    ("vllm:kv_tier_capacity_bytes", "Bytes a KV tier may hold.", "capacity_bytes", False),
+    ("vllm:kv_tier_enabled", "1 while a KV tier works, 0 once it turned itself off (unwritable storage).",
+     "enabled", False),
+)
+
 
 class _EngineStatsCollector(Collector):
     def __init__(self, model_name: str, stats: Callable[[], EngineStats], cache_info: dict[str, str]) -> None:
@@ -114,6 +131,12 @@ class _EngineStatsCollector(Collector):
             for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
                 per_pos.add_metric([self.model_name, str(position)], float(count))
             yield per_pos
+        for name, help_text, attr, is_counter in _TIER_METRICS:
+            family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(
+                name, help_text, labels=["model_name", "medium"])
+            for tier in stats.kv_tiers:
+                family.add_metric([self.model_name, tier.medium], float(getattr(tier, attr)))
+            yield family
         if self.cache_info:
             keys = sorted(self.cache_info)
             info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",

@@ -679,6 +679,29 @@ class KVCacheStorage:
         if pairs:
             copy_between(self.swap_store, self.device_store, pairs)
 
+    # ----------------------------------------------------------------- a block's bytes (the KV tiers)
+    def read_blocks(self, block_ids: list[int]) -> np.ndarray:
+        """The bytes of each block, one row per block: every layer's K then V, as the pool holds them (the
+        payload a KV tier keeps; ``write_blocks`` puts it back)."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        rows = [t.view(torch.uint8).index_select(0, ids).reshape(len(block_ids), -1)
+                for k, v in self.caches for t in (k, v)]
+        return torch.cat(rows, dim=1).cpu().numpy()
+
+    def write_blocks(self, block_ids: list[int], payloads: list) -> None:
+        """Fill each block with a payload ``read_blocks`` produced (at this block size and layout)."""
+        if not block_ids:
+            return
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        data = torch.from_numpy(np.stack([np.frombuffer(p, dtype=np.uint8) for p in payloads])).to(self.device)
+        offset = 0
+        for k, v in self.caches:
+            for t in (k, v):
+                raw = t.view(torch.uint8)
+                width = raw[0].numel()
+                raw.index_copy_(0, ids, data[:, offset:offset + width].reshape(len(block_ids), *raw.shape[1:]))
+                offset += width
+
     # ----------------------------------------------------------------- slots nobody wrote
     def zero_block(self, block_id: int) -> None:
         """Zero one block in every layer slot, once per store layout: the null block of a model with

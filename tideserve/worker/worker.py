@@ -30,6 +30,7 @@ from tideserve.core.kv_cache.memory import MemoryProbe
 from tideserve.core.scheduler import SchedulerOutput
 from tideserve.native.cores import intra_op_threads, lend_core
 from tideserve.platform import platform_for
+from tideserve.worker.kv_disk_tier import DiskTier, TierFile
 from tideserve.worker.kv_store import KVCacheStorage, KVLayout
 from tideserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -49,6 +50,16 @@ class MemoryReport:
     kv_token_bytes: int
     description: str = ""
     scope: str | None = None  # what the probe's memory is shared with (Platform.memory_scope); None: nothing
+
+
+@dataclass(frozen=True)
+class DiskTierLoad:
+    """One rank's part of a load from the disk tier: how many leading blocks it filled, the keys whose
+    files were bad (removed) and the bytes it read."""
+
+    num_loaded: int
+    bad_keys: list[bytes]
+    bytes_read: int
 
 
 @dataclass(frozen=True)
@@ -129,6 +140,7 @@ class Worker:
         self._graphs: tuple[int, int] | None = None  # (max_num_seqs, max_model_len) of enable_cuda_graphs
         self._host_weights: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # sleep level 1 on a GPU
         self.runner: ModelRunner | None = None
+        self.disk_tier: DiskTier | None = None  # this rank's files of the KV disk tier (open_kv_disk_tier)
         self._build_runner()
 
     def _build_runner(self) -> None:
@@ -215,6 +227,55 @@ class Worker:
     def release_freed_memory(self) -> None:
         """Hand memory the process freed back to the system or the device (the platform's way)."""
         self.platform.release_freed_memory()
+
+    # ----------------------------------------------------------------- the KV disk tier
+    def open_kv_disk_tier(self, root: str, fingerprint: dict[str, str]
+                          ) -> tuple[list[TierFile], list[str], str | None]:
+        """Open this rank's files of the disk tier of ``fingerprint`` under ``root`` (each rank keeps its own
+        shard); returns the block files it holds, least recently used first, the other fingerprints'
+        directories there, and why the directory cannot be used (None when it can)."""
+        tier = DiskTier(root, fingerprint, self.rank)
+        try:
+            tier.open()
+            files = tier.scan()
+        except OSError as exc:
+            tier.close()
+            return [], [], str(exc)
+        self.disk_tier = tier
+        return files, tier.other_fingerprints(), None
+
+    def save_kv_blocks_to_disk(self, items: list[tuple[int, bytes]]) -> tuple[int, str | None]:
+        """Write these (block id, tier key) blocks down: their bytes are copied out now (the blocks may be
+        reused after this call), the files written on the tier's own thread. Returns the bytes of one
+        block's file and why the tier stopped writing (None while it works)."""
+        tier = self.disk_tier
+        if tier is None:
+            return 0, "the disk tier is closed"
+        if items and tier.error is None:
+            rows = self.kv_storage.read_blocks([block_id for block_id, _ in items])
+            for (_, key), row in zip(items, rows):
+                tier.save(key, row)
+        return tier.file_bytes(self.kv_storage.bytes_per_block()), tier.error
+
+    def load_kv_blocks_from_disk(self, items: list[tuple[bytes, int]]) -> DiskTierLoad:
+        """Fill each (tier key, block id) from its file, in order, up to the first missing or bad one."""
+        if self.disk_tier is None:
+            return DiskTierLoad(0, [], 0)
+        result = self.disk_tier.load([key for key, _ in items], self.kv_storage.bytes_per_block())
+        num = len(result.payloads)
+        self.kv_storage.write_blocks([block_id for _, block_id in items[:num]], result.payloads)
+        return DiskTierLoad(num, result.bad_keys, result.bytes_read)
+
+    def remove_kv_blocks_from_disk(self, keys: list[bytes]) -> None:
+        """Drop these blocks' files (evicted from the tier, or found on some ranks only)."""
+        if self.disk_tier is not None:
+            self.disk_tier.remove(keys)
+
+    def close_kv_disk_tier(self) -> None:
+        """Finish the queued writes (shutdown: every published block is on disk) and stop the writer."""
+        if self.disk_tier is not None:
+            self.disk_tier.close()
+            self.disk_tier = None
 
     # ----------------------------------------------------------------- requests
     def execute_model(self, scheduler_output: SchedulerOutput,

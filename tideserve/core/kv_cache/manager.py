@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tideserve.core.kv_cache.block_pool import BlockHash, BlockPool, KVBlock
 from tideserve.core.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, external_hash
+from tideserve.core.kv_cache.tiers import TierIndex, TierKey, tier_block_key, tier_root_key
 
 _ROOT_HASH: BlockHash = hash(("tideserve-root",)) & 0xFFFFFFFFFFFF
 
@@ -72,6 +73,11 @@ class KVCacheManager:
         self.swap: SwapSpace | None = None
         self.swapped: dict[str, list[int]] = {}  # request id -> swap block ids, in table order
         self.events: list[KVCacheEvent] | None = None  # see enable_events
+        # A KV tier below the pool (core/kv_cache/tiers.py; None: off). Its keys are a second, stable hash
+        # chain per request; blocks published since the last take_tier_writes wait in _tier_writes.
+        self.tier: TierIndex | None = None
+        self.tier_keys: dict[str, list[TierKey]] = {}
+        self._tier_writes: list[tuple[KVBlock, BlockHash, TierKey]] = []
 
     # ----------------------------------------------------------------- KV cache events
     def enable_events(self) -> None:
@@ -128,6 +134,94 @@ class KVCacheManager:
     def drop_swapped(self, request_id: str) -> None:
         if request_id in self.swapped and self.swap is not None:
             self.swap.release(self.swapped.pop(request_id))
+
+    # ----------------------------------------------------------------- KV tiers below the pool
+    def enable_tier(self, index: TierIndex | None) -> None:
+        """Keep full prefix blocks in a tier below the pool too (``index``: the keys it holds; None: off).
+        Off, nothing per block is computed."""
+        self.tier = index if self.enable_prefix_caching else None
+        self.tier_keys.clear()
+        self._tier_writes.clear()
+
+    def _tier_block_keys(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[TierKey]:
+        """Tier keys of the first ``num_blocks`` full blocks of token_ids, extending what was computed."""
+        keys = self.tier_keys.setdefault(request_id, [])
+        bs = self.block_size
+        parent = keys[-1] if keys else tier_root_key(bs, self.cache_salts.get(request_id))
+        for i in range(len(keys), num_blocks):
+            parent = tier_block_key(parent, token_ids[i * bs:(i + 1) * bs])
+            keys.append(parent)
+        return keys
+
+    def plan_tier_load(self, request_id: str, token_ids: Sequence[int]) -> tuple[int, list[TierKey]]:
+        """Where a waiting request's prefix hit in the pool ends, and the tier keys of the blocks right
+        after it that the tier holds, in order: what loading them back would add to its hit. Capped as
+        ``get_computed_blocks`` is (the last token is always computed). Nothing is allocated."""
+        if self.tier is None:
+            return 0, []
+        hashes = self._full_block_hashes(request_id, token_ids)
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        start = 0
+        while start < max_blocks and self.pool.lookup(hashes[start]) is not None:
+            start += 1
+        found: list[TierKey] = []
+        for i in range(start, max_blocks):
+            key = self._tier_block_keys(request_id, token_ids, i + 1)[i]
+            if key not in self.tier:
+                break
+            found.append(key)
+        return start, found
+
+    def tier_load_shortfall(self, request_id: str, start: int, num_blocks: int) -> int:
+        """How many more free blocks loading ``num_blocks`` after the request's pool hit of ``start``
+        blocks needs (``begin_tier_load`` holds the hit, so its free blocks do not count)."""
+        hit_free = sum(1 for h in self.req_hashes[request_id][:start] if self.pool.lookup(h).ref_cnt == 0)
+        return max(0, num_blocks + hit_free - self.pool.num_free_blocks)
+
+    def begin_tier_load(self, request_id: str, start: int, num_blocks: int) -> tuple[list[KVBlock], list[KVBlock]]:
+        """(the request's pool hit, held; up to ``num_blocks`` free blocks to load the tier's KV into),
+        both held until ``finish_tier_load``. The hit is held first: a load must not evict the very prefix
+        it continues (the least recently used cached blocks are the ones an allocation takes)."""
+        hit = [self.pool.lookup(h) for h in self.req_hashes[request_id][:start]]
+        self.pool.touch(hit)
+        return hit, self.pool.allocate(min(num_blocks, self.pool.num_free_blocks))
+
+    def finish_tier_load(self, request_id: str, token_ids: Sequence[int], hit: list[KVBlock], blocks: list[KVBlock],
+                         num_loaded: int) -> None:
+        """The first ``num_loaded`` of ``blocks`` now hold the KV of the request's blocks after its pool
+        ``hit``: publish them as cached prefixes (the request's allocation then hits them like any other)
+        and release every block held, tail first, so the prefix's head stays cached longest."""
+        start = len(hit)
+        hashes = self._full_block_hashes(request_id, token_ids)
+        events = self.events
+        stored: BlockStored | None = None
+        bs = self.block_size
+        for j, block in enumerate(blocks[:num_loaded]):
+            i = start + j
+            if not self.pool.publish(block, hashes[i]):
+                break
+            if events is not None:
+                if stored is None:
+                    stored = BlockStored([], external_hash(hashes[i - 1]) if i else None, [], bs)
+                    events.append(stored)
+                stored.block_hashes.append(external_hash(hashes[i]))
+                stored.token_ids.extend(token_ids[i * bs:(i + 1) * bs])
+        self.pool.release(blocks[::-1] + hit[::-1])
+
+    def take_tier_writes(self) -> list[tuple[int, TierKey]]:
+        """(block id, tier key) of the blocks published since the last call that still hold their prefix
+        and that the tier lacks: what to write down once the step that computed them has run."""
+        out: list[tuple[int, TierKey]] = []
+        if self.tier is None:
+            self._tier_writes.clear()
+            return out
+        seen: set[TierKey] = set()
+        for block, block_hash, key in self._tier_writes:
+            if block.block_hash == block_hash and key not in self.tier and key not in seen:
+                seen.add(key)
+                out.append((block.block_id, key))
+        self._tier_writes.clear()
+        return out
 
     # ----------------------------------------------------------------- queries
     @property
@@ -239,10 +333,13 @@ class KVCacheManager:
         events = self.events
         stored: BlockStored | None = None  # the run of consecutive blocks published by this call
         bs = self.block_size
+        tier_keys = self._tier_block_keys(request_id, token_ids, num_tokens // bs) if self.tier is not None else None
         for i in range(num_tokens // bs):
             if table[i].block_hash is not None or not self.pool.publish(table[i], hashes[i]):
                 stored = None
                 continue
+            if tier_keys is not None and tier_keys[i] not in self.tier:
+                self._tier_writes.append((table[i], hashes[i], tier_keys[i]))
             if events is None:
                 continue
             if stored is None:
@@ -268,6 +365,7 @@ class KVCacheManager:
         """Release a request's blocks at once, tail first so shared prefix roots live longest."""
         table = self.req_blocks.pop(request_id, None)
         self.req_hashes.pop(request_id, None)
+        self.tier_keys.pop(request_id, None)
         if table:
             self.pool.release(table[::-1])
 
@@ -379,6 +477,8 @@ class KVCacheManager:
             self.events.append(AllBlocksCleared())
         self.req_blocks = {}
         self.req_hashes = {}
+        self.tier_keys = {}  # the tier's keys are rooted in the block size
+        self._tier_writes = []
         tables = {}
         for request_id, num_tokens in live.items():
             blocks = self.pool.allocate(-(-num_tokens // new_block_size))

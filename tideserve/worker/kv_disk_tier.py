@@ -1,0 +1,266 @@
+"""One rank's disk tier: a directory of checksummed block files, written atomically off the engine thread.
+
+Layout: ``<kv_cache_dir>/<fingerprint>/rank<r>/<key[:2]>/<key>.kv``, one file per full prefix block, named by its
+tier key (core/kv_cache/tiers.py: a stable hash chain over the prefix, rooted in the block size and the
+cache salt). The fingerprint names everything else that changes a block's bytes: the model file (path,
+size, mtime), dtype, KV dtype, quantization, the architecture's configuration, the tokenizer and the
+tensor-parallel size; each rank keeps its own shard's files in ``rank<r>``. A ``fingerprint.json``
+beside the files says what it stands for; directories of other fingerprints are left alone (another
+model, another dtype: one log line says they are ignored).
+
+A file is a fixed header (magic, format version, fingerprint digest, key, payload length,
+CRC-32 of the payload) and the payload: the block's K and V of every layer, as the pool holds them.
+Why so careful: storage fails in ways memory does not. A file that is truncated, corrupted, written for
+another fingerprint or under another key fails its checks on load; it is skipped (the prefix is
+recomputed: the same output) and removed. Files are written to a temporary name in the same directory
+and renamed into place, so a reader never sees a partly written block, and a server killed mid-write
+leaves only a temporary file (removed by the next scan once it is a minute old).
+
+Writes run on a thread of their own (file I/O and hashing release the GIL): ``save`` keeps the bytes in
+``_pending`` until the file is in place, and a load finds them there meanwhile. A write that fails (a
+full disk, a read-only one) turns the tier off: ``error`` says why, the engine logs it once and stops
+using the tier; no request fails for it.
+
+Several servers may share a directory: names are unique per process and renames are atomic, so they
+never corrupt each other, and a server with the same fingerprint serves the others' blocks that it found
+when it started. Each bounds only what it indexed, so together they may hold up to the sum of their sizes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"TSKV"
+VERSION = 1
+_HEADER = struct.Struct("<4sH16s16sQI")  # magic, version, fingerprint, key, payload bytes, CRC-32 of the payload
+HEADER_BYTES = _HEADER.size
+SUFFIX = ".kv"
+STALE_TMP_S = 60.0  # a temporary file this old belongs to a write that will never finish
+
+
+def checksum(payload: bytes | memoryview) -> int:
+    """CRC-32 of a payload: it catches every burst of flipped bits up to 32 long and almost any other damage,
+    at several GB/s (a cryptographic hash here would cost a restart's load more than the read itself); the
+    header's key, fingerprint and length catch a file that is whole but not this block's."""
+    return zlib.crc32(payload)
+
+
+def fingerprint_digest(fingerprint: dict[str, str]) -> bytes:
+    """A fingerprint's 16-byte digest (its directory's name in hex)."""
+    text = json.dumps(fingerprint, sort_keys=True)
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class TierFile:
+    """A block file found by a scan: its key, bytes on disk and last use (mtime)."""
+
+    key: bytes
+    num_bytes: int
+    mtime: float
+
+
+@dataclass
+class TierLoadResult:
+    """What a load found: the payloads of the leading blocks that passed every check (None past the
+    first that did not), the keys whose files were bad (removed), and the bytes read."""
+
+    payloads: list[memoryview]
+    bad_keys: list[bytes]
+    bytes_read: int
+
+
+class DiskTier:
+    """This rank's files of one fingerprint under ``root``. ``open`` creates the directory and proves it
+    writable; a failure there raises OSError (the engine leaves the tier off)."""
+
+    def __init__(self, root: str | os.PathLike, fingerprint: dict[str, str], rank: int = 0) -> None:
+        self.fingerprint = fingerprint
+        self.root = Path(root)
+        self.home = self.root / fingerprint_digest(fingerprint).hex()  # this fingerprint's directory
+        self.dir = self.home / f"rank{rank}"
+        self.digest = fingerprint_digest({**fingerprint, "tp_rank": str(rank)})  # what each file's header carries
+        self.error: str | None = None  # why writing stopped (the tier is off), once a write failed
+        # key -> (header, payload) of a file not yet renamed into place
+        self._pending: dict[bytes, tuple[bytes, memoryview]] = {}
+        self._lock = threading.Lock()  # orders a rename against a removal of the same key
+        self._queue: queue.Queue[bytes | None] = queue.Queue()
+        self._writer: threading.Thread | None = None
+        self._tmp_seq = 0
+
+    def open(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        meta = self.home / "fingerprint.json"
+        if not meta.exists():
+            self._write_atomic(meta, json.dumps(self.fingerprint, sort_keys=True, indent=1).encode())
+        probe = self.dir / f".probe.{os.getpid()}"
+        probe.write_bytes(b"ok")  # a read-only directory fails here, before any request relies on it
+        probe.unlink()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-tier", daemon=True)
+        self._writer.start()
+
+    def other_fingerprints(self) -> list[str]:
+        """Fingerprint directories under the root other than this one (another model, dtype, TP size)."""
+        try:
+            return sorted(p.name for p in self.root.iterdir()
+                          if p.is_dir() and p.name != self.home.name and (p / "fingerprint.json").exists())
+        except OSError:
+            return []
+
+    def path_of(self, key: bytes) -> Path:
+        name = key.hex()
+        return self.dir / name[:2] / (name + SUFFIX)
+
+    # ----------------------------------------------------------------- scan (a restart)
+    def scan(self) -> list[TierFile]:
+        """Every block file of this fingerprint, least recently used first; stale temporary files go."""
+        found = []
+        now = time.time()
+        for sub in self.dir.iterdir() if self.dir.is_dir() else ():
+            if not sub.is_dir():
+                continue
+            for path in sub.iterdir():
+                try:
+                    stat = path.stat()
+                    if path.name.endswith(SUFFIX):
+                        key = bytes.fromhex(path.name[:-len(SUFFIX)])
+                        found.append(TierFile(key, stat.st_size, stat.st_mtime))
+                    elif path.name.endswith(".tmp") and now - stat.st_mtime > STALE_TMP_S:
+                        path.unlink()
+                except (OSError, ValueError):
+                    continue
+        found.sort(key=lambda f: f.mtime)
+        return found
+
+    # ----------------------------------------------------------------- writes
+    def file_bytes(self, payload_bytes: int) -> int:
+        return HEADER_BYTES + payload_bytes
+
+    def save(self, key: bytes, payload: bytes | memoryview) -> None:
+        """Write a block's payload under ``key`` (on the writer thread); a load finds it at once."""
+        if self.error is not None or self._writer is None:
+            return
+        payload = memoryview(payload).cast("B")
+        with self._lock:
+            self._pending[key] = (_HEADER.pack(MAGIC, VERSION, self.digest, key, len(payload), 0), payload)
+        self._queue.put(key)
+
+    def _write_loop(self) -> None:
+        while True:
+            key = self._queue.get()
+            if key is None:
+                return
+            with self._lock:
+                data = self._pending.get(key)
+            if data is None or self.error is not None:  # removed meanwhile, or the tier is off
+                continue
+            path = self.path_of(key)
+            header, payload = data
+            try:
+                path.parent.mkdir(exist_ok=True)
+                tmp = self._tmp_path(path)
+                with open(tmp, "wb") as f:  # the checksum here, off the engine thread (zlib releases the GIL)
+                    f.write(header[:-4] + checksum(payload).to_bytes(4, "little"))
+                    f.write(payload)
+                with self._lock:
+                    if self._pending.get(key) is data:
+                        os.replace(tmp, path)
+                        del self._pending[key]
+                    else:
+                        tmp.unlink()
+            except OSError as exc:
+                self.error = f"writing {path} failed: {exc}"
+                with self._lock:
+                    self._pending.clear()
+                try:
+                    tmp.unlink()
+                except (OSError, UnboundLocalError):
+                    pass
+
+    def _tmp_path(self, path: Path) -> Path:
+        self._tmp_seq += 1
+        return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{self._tmp_seq}.tmp")
+
+    def _write_atomic(self, path: Path, data: bytes) -> None:
+        tmp = self._tmp_path(path)
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+
+    def flush(self) -> None:
+        """Wait until every write queued so far is on disk (or failed)."""
+        if self._writer is None:
+            return
+        self._queue.put(None)
+        self._writer.join()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-tier", daemon=True)
+        self._writer.start()
+
+    def close(self) -> None:
+        """Finish the queued writes and stop the writer thread."""
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join()
+            self._writer = None
+
+    # ----------------------------------------------------------------- reads and removals
+    def load(self, keys: list[bytes], payload_bytes: int) -> TierLoadResult:
+        """The payloads of ``keys`` in order, stopping at the first missing or bad one (a bad file, one
+        whose header, length or checksum is wrong, is removed); each file read is marked recently used."""
+        result = TierLoadResult([], [], 0)
+        for key in keys:
+            with self._lock:
+                pending = self._pending.get(key)
+            path = self.path_of(key)
+            if pending is not None:  # not on disk yet: the bytes are right here
+                result.payloads.append(pending[1])
+                continue
+            try:
+                data = path.read_bytes()
+            except OSError:
+                break  # gone (another server evicted it) or unreadable: a miss
+            result.bytes_read += len(data)
+            payload = self._check(key, data, payload_bytes)
+            if payload is None:
+                logger.warning("KV disk tier: %s failed its checks (truncated, corrupted or foreign): removed, "
+                               "its prefix is recomputed", path)
+                self.remove([key])
+                result.bad_keys.append(key)
+                break
+            try:
+                os.utime(path)
+            except OSError:
+                pass
+            result.payloads.append(payload)
+        return result
+
+    def _check(self, key: bytes, data: bytes, payload_bytes: int) -> memoryview | None:
+        if len(data) != HEADER_BYTES + payload_bytes:
+            return None
+        magic, version, digest, file_key, length, check = _HEADER.unpack_from(data)
+        payload = memoryview(data)[HEADER_BYTES:]
+        if (magic != MAGIC or version != VERSION or digest != self.digest or file_key != key
+                or length != payload_bytes or checksum(payload) != check):
+            return None
+        return payload
+
+    def remove(self, keys: list[bytes]) -> None:
+        """Drop these blocks (evicted by the index, or bad): pending writes are cancelled, files unlinked."""
+        for key in keys:
+            with self._lock:
+                self._pending.pop(key, None)
+                try:
+                    self.path_of(key).unlink()
+                except OSError:
+                    pass
