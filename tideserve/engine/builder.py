@@ -127,8 +127,10 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
         token_bytes = executor.collective_rpc(Worker.kv_token_bytes)[0]
         kv_dtype_name = str(kv_dtype).removeprefix("torch.")
         groups = arch.kv_cache_groups()
-        logger.info("KV cache dtype %s (%d bytes per token and layer group); decode attention: %s", kv_dtype_name,
-                    2 * groups.group_size * token_bytes,
+        per_token = (f"{2 * groups.group_size * token_bytes} bytes per token" if not groups.is_hybrid else
+                     f"{2 * groups.group_size * token_bytes} bytes per token in each of {groups.num_groups} layer "
+                     f"groups")
+        logger.info("KV cache dtype %s (%s); decode attention: %s", kv_dtype_name, per_token,
                     executor.collective_rpc(Worker.describe_attention, unique_reply_rank=0))
         if groups.is_hybrid:
             logger.info("KV cache: %s; a block holds one group's layers, sliding groups keep only their window",
