@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tideserve.core.kv_cache.block_pool import BlockHash, BlockPool, KVBlock
-from tideserve.core.kv_cache.events import AllBlocksCleared, BlockStored, external_hash
+from tideserve.core.kv_cache.block_pool import BlockHash, KVBlock
+from tideserve.core.kv_cache.events import BlockStored, external_hash
 from tideserve.core.kv_cache.groups import NULL_BLOCK_ID, KVCacheGroups, first_live_block
 from tideserve.core.kv_cache.manager import KVCacheManager
 
@@ -318,11 +318,7 @@ class HybridKVCacheManager(KVCacheManager):
             needed += sum(nb - first_live_block(n, w, new_block_size) for w in self.groups.windows)
         if needed > num_blocks:
             raise ValueError(f"relayout needs {needed} blocks of {new_block_size}, pool has {num_blocks}")
-        self.block_size = new_block_size
-        self.pool = BlockPool(num_blocks)
-        if self.events is not None:
-            self.pool.events = self.events
-            self.events.append(AllBlocksCleared())
+        self._fresh_pool(new_block_size, num_blocks)
         self.null_block = self._reserve_null()
         self.req_hashes, self.req_computed, self._published = {}, {}, {}
         for request_id, n in live.items():

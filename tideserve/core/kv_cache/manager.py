@@ -470,11 +470,7 @@ class KVCacheManager:
         needed = sum(-(-n // new_block_size) for n in live.values())
         if needed > num_blocks:
             raise ValueError(f"relayout needs {needed} blocks of {new_block_size}, pool has {num_blocks}")
-        self.block_size = new_block_size
-        self.pool = BlockPool(num_blocks)
-        if self.events is not None:
-            self.pool.events = self.events
-            self.events.append(AllBlocksCleared())
+        self._fresh_pool(new_block_size, num_blocks)
         self.req_blocks = {}
         self.req_hashes = {}
         self.tier_keys = {}  # the tier's keys are rooted in the block size
@@ -485,6 +481,14 @@ class KVCacheManager:
             self.req_blocks[request_id] = blocks
             tables[request_id] = [b.block_id for b in blocks]
         return tables
+
+    def _fresh_pool(self, block_size: int, num_blocks: int) -> None:
+        """An empty pool of another block size: no prefix survives (hashes depend on the block size)."""
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        if self.events is not None:
+            self.pool.events = self.events
+            self.events.append(AllBlocksCleared())
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
