@@ -156,14 +156,9 @@ static inline __attribute__((always_inline)) void TS_SIMD(gemv_group_k2)(const i
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t u = 0; u < kb / 8; u++) {
         const uint8_t *unit = rows + u * unit_bytes;
-        __m256 d, neg_dmin = _mm256_setzero_ps();
+        __m256 d, neg_dmin;
         __m256i sc[4], hm[8];
-        if (q3) {
-            TS_SIMD(q3k_unit_header)(unit, row_bytes, &d, sc);
-            TS_SIMD(rows8_words8)(unit, row_bytes, hm);
-        } else {
-            TS_SIMD(q2k_unit_header)(unit, row_bytes, &d, &neg_dmin, sc);
-        }
+        TS_SIMD(k23_unit_header)(q3, unit, row_bytes, &d, &neg_dmin, sc, hm);
         for (int n = 0; n < 2; n++) {
             const int64_t half = u * 2 + n;
             for (int64_t l = half * lines / halves; l < (half + 1) * lines / halves; l++)

@@ -484,6 +484,21 @@ static inline __attribute__((always_inline)) void TS_SIMD(q3k_unit_header)(const
     }
 }
 
+/* A Q2_K or Q3_K unit's header for 8 rows: scale d, sub-block scales sc, and the float minimum -dmin (Q2_K) or
+ * the third bits hm (Q3_K; -dmin stays 0). */
+static inline __attribute__((always_inline)) void TS_SIMD(k23_unit_header)(const int q3, const uint8_t *unit,
+                                                                          int64_t row_bytes, __m256 *d,
+                                                                          __m256 *neg_dmin, __m256i sc[4],
+                                                                          __m256i hm[8]) {
+    *neg_dmin = _mm256_setzero_ps();
+    if (q3) {
+        TS_SIMD(q3k_unit_header)(unit, row_bytes, d, sc);
+        TS_SIMD(rows8_words8)(unit, row_bytes, hm);
+    } else {
+        TS_SIMD(q2k_unit_header)(unit, row_bytes, d, neg_dmin, sc);
+    }
+}
+
 /* Sub-block j of a Q2_K or Q3_K unit for 8 rows (the 2-bit run t of its half, transposed; Q3_K's third bits
  * hm, transposed): codes[g] lane c = codes 4g .. 4g + 3 of row c, bits 2s of the run (s = j % 4), Q3_K's bit j
  * of hm moved to bit 2 (a 32-bit shift by at most 5 keeps every byte's bit within its byte). */
@@ -549,14 +564,9 @@ static inline __attribute__((always_inline)) void TS_SIMD(tile_decode_panel_low)
                 }
                 continue;
             }
-            __m256 d, neg_dmin = _mm256_setzero_ps();
+            __m256 d, neg_dmin;
             __m256i sc[4], hm[8];
-            if (q3) {
-                TS_SIMD(q3k_unit_header)(unit, row_bytes, &d, sc);
-                TS_SIMD(rows8_words8)(unit, row_bytes, hm);
-            } else {
-                TS_SIMD(q2k_unit_header)(unit, row_bytes, &d, &neg_dmin, sc);
-            }
+            TS_SIMD(k23_unit_header)(q3, unit, row_bytes, &d, &neg_dmin, sc, hm);
             for (int n = 0; n < 2; n++) {
                 __m256i t[8];
                 TS_SIMD(rows8_words8)(unit + (q3 ? 32 : 16) + 32 * n, row_bytes, t);
