@@ -4,7 +4,8 @@ size, across preemption (recompute and swap) and pool resizes, and with speculat
 steps. The real SmolLM2 file as a user gets it by default: its own Q4_1 and Q8_0 blocks on the native kernels,
 a bfloat16 KV cache. A seeded sampled request
 (one sample, or n of them, each child seeded from the request's seed) draws the same tokens in the same
-conditions: its logits are the same bits, and its generator is its own."""
+conditions: its logits are the same bits, and its generator is its own. The targets ask for their tokens'
+logprobs, compared as floats with ==, so a rounding that does not flip a token still fails."""
 
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ QUESTIONS = ["What is the most common color in the world?", "Why is the sky blue
 MATES = ["Write a haiku about the sea.", "List five fruits and their colors.", "def fibonacci(n):",
          "Tell me a short story about a robot who learns to paint."]
 MAX_TOKENS = 16
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
 TARGETS = {
     "greedy": GREEDY,
-    "seeded": SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=MAX_TOKENS, ignore_eos=True),
-    "seeded n=2": SamplingParams(n=2, temperature=1.0, seed=99, max_tokens=MAX_TOKENS, ignore_eos=True),
+    "seeded": SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=MAX_TOKENS, ignore_eos=True,
+                             logprobs=0),
+    "seeded n=2": SamplingParams(n=2, temperature=1.0, seed=99, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0),
 }
 
 
@@ -35,9 +37,10 @@ def chat(llm, text: str, system: bool = True) -> list[int]:
     return llm.tokenizer.encode_chat(messages)
 
 
-def samples(output) -> list[list[int]]:
-    """Each sample's tokens, in the order of its index."""
-    return [list(o.token_ids) for o in sorted(output.outputs, key=lambda o: o.index)]
+def samples(output) -> list[tuple[list[int], list[float]]]:
+    """Each sample's tokens and their logprobs (none where not asked for), in the order of its index."""
+    return [(list(o.token_ids), [step[t].logprob for step, t in zip(o.logprobs or [], o.token_ids, strict=False)])
+            for o in sorted(output.outputs, key=lambda o: o.index)]
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,9 @@ attends keys p - window + 1 .. p only, each score s capped to c * tanh(s / c).
 Checked against a float64 reference, and for the property attn_rows.h promises for every attention: a
 token's output has the same bits however its step was cut (whole prompt, a tail after a cached prefix of
 any length, chunks, decode steps alone, split across threads, or in a batch), with windows that start
-inside a key tile, on a tile or part edge, and that span several parts. Above native.BATCH_INVARIANT_CEILING
-(AVX-512 forms, AMX tiles) prefill and decode round differently by design: there they must agree within
-the reference's tolerance instead."""
+inside a key tile, on a tile or part edge, and that span several parts. Above
+native.ATTENTION_INVARIANT_CEILING (the AVX-512 forms, which batch invariance does not use) prefill and
+decode round differently by design: there they must agree within the reference's tolerance instead."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def pools():
 def test_windowed_attention_is_exact_and_cut_invariant(isa, pools, case, window, softcap):
     pool = pools(case)
     levels = native.ISA_LEVELS
-    if levels.index(isa) > levels.index(native.BATCH_INVARIANT_CEILING):
+    if levels.index(isa) > levels.index(native.ATTENTION_INVARIANT_CEILING):
         def assert_same_bits(got, want, what):  # noqa: ARG001 - the promise below the ceiling only
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     else:

@@ -102,11 +102,19 @@ def test_batch_invariance_keeps_the_kernels_at_its_ceiling_and_the_flag_lifts_it
         with caplog.at_level("INFO", logger="tideserve.native"):
             make_llm(dtype="float32")
         assert native.isa() == "scalar"
+        assert native.attention_isa() == "scalar"
         assert any("batch invariance: native kernels on scalar" in r.message for r in caplog.records)
         make_llm(dtype="float32", batch_invariant=False)
         assert native.isa() == best
+        assert native.attention_isa() == best
+        monkeypatch.setattr(native, "BATCH_INVARIANT_CEILING", best)  # the products keep the best path,
+        make_llm(dtype="float32")  # attention its own ceiling
+        assert native.isa() == best
+        levels = native.ISA_LEVELS
+        assert native.attention_isa() == levels[min(levels.index(best), levels.index(native.ATTENTION_INVARIANT_CEILING))]
         monkeypatch.setenv("TIDESERVE_ISA", "avx2" if "avx2" in native.supported_isas() else "scalar")
         native.set_isa("auto")
         assert native.apply_batch_invariance(True) == best  # the user's choice is left alone
     finally:
         native.set_isa("auto")
+        native.set_attention_cap(None)

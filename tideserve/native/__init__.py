@@ -185,6 +185,8 @@ def _declare_isa_exports(lib: ctypes.CDLL) -> None:
         "ts_isa_best": (cint, []),
         "ts_isa_level": (cint, []),
         "ts_set_isa_level": (cint, [cint]),
+        "ts_attn_isa_level": (cint, []),
+        "ts_set_attn_isa_cap": (cint, [cint]),
         "ts_cpu_features": (ctypes.c_uint32, []),
         "ts_amx_probe": (cint, []),
         "ts_paged_decode": (cint, [ptr, i64, cint, ptr, ptr, cint, ptr, i64, ptr, ptr, i64, cint, i64, i64, i64, i64,
@@ -224,29 +226,53 @@ def _select_isa(lib: ctypes.CDLL) -> None:
                 " ".join(name for bit, name in enumerate(CPU_FEATURES) if features >> bit & 1) or "none")
 
 
-# The highest path whose kernels compute a row with the same operations whatever its batch, chunk or cached
-# prefix (qgemm's row, matrix-vector and tile kernels; decode and prefill attention): above it, the AVX-512
-# attention forms and AMX's bfloat16 tiles round differently from the paths below their thresholds.
-BATCH_INVARIANT_CEILING = "avx2"
+# The highest path whose products (qgemm's row, matrix-vector and tile kernels) and row kernels (norms,
+# rotary) compute a row with the same operations whatever its batch, chunk or cached prefix: AMX's bfloat16
+# tiles round differently from the paths below their thresholds.
+BATCH_INVARIANT_CEILING = "avx512bf16"
+# Attention's: attn_rows.h's scalar and AVX2 forms are the arithmetic decode and prefill share; the AVX-512
+# forms sum a score's products in 16 lanes in decode and in column order in prefill, so a token's output would
+# depend on how its step was cut. Reading the cache bounds decode attention, so the narrower form costs little
+# (docs/benchmarks.md).
+ATTENTION_INVARIANT_CEILING = "avx2"
 _invariance_logged: bool | None = None
 
 
 def apply_batch_invariance(enabled: bool) -> str | None:
-    """Keep the kernels at or below BATCH_INVARIANT_CEILING (``enabled``) or let them take the CPU's best
-    path, unless TIDESERVE_ISA chose the path; returns the path in effect (None without the library).
+    """Keep the kernels at or below BATCH_INVARIANT_CEILING and attention at or below
+    ATTENTION_INVARIANT_CEILING (``enabled``), or let both take the CPU's best path; TIDESERVE_ISA, when set,
+    stays the ceiling of the whole level. Returns the level in effect (None without the library).
     Process-wide, as the path is: engines in one process should agree."""
     global _invariance_logged
     lib = load_library()
-    if lib is None or os.environ.get("TIDESERVE_ISA", "auto").strip().lower() not in ("", "auto"):
+    if lib is None:
+        return None
+    set_attention_cap(ATTENTION_INVARIANT_CEILING if enabled else None)
+    if os.environ.get("TIDESERVE_ISA", "auto").strip().lower() not in ("", "auto"):
         return isa()
     best = ISA_LEVELS[lib.ts_isa_best()]
     capped = enabled and ISA_LEVELS.index(best) > ISA_LEVELS.index(BATCH_INVARIANT_CEILING)
     level = set_isa(BATCH_INVARIANT_CEILING if capped else "auto")
-    if capped and _invariance_logged is not True:
-        logger.info("batch invariance: native kernels on %s (best here: %s; --no-batch-invariant takes it, and a "
-                    "request's tokens may then depend on its batch)", level, best)
-    _invariance_logged = capped
+    if enabled and _invariance_logged is not True:
+        logger.info("batch invariance: native kernels on %s, attention on %s (best here: %s; --no-batch-invariant "
+                    "takes it, and a request's tokens may then depend on its batch)", level, attention_isa(), best)
+    _invariance_logged = enabled
     return level
+
+
+def set_attention_cap(name: str | None) -> str:
+    """Cap decode and prefill attention at ``name`` (one of ISA_LEVELS) below the level everything else
+    runs, or lift that cap (None); returns attention's level now."""
+    lib = load_library()
+    if lib is None:
+        raise ValueError("set_attention_cap: the native kernels are not available (no compiler, or TIDESERVE_NATIVE=0)")
+    return ISA_LEVELS[lib.ts_set_attn_isa_cap(-1 if name is None else ISA_LEVELS.index(name))]
+
+
+def attention_isa() -> str | None:
+    """The path decode and prefill attention take now (ISA_LEVELS), or None without the library."""
+    lib = load_library()
+    return None if lib is None else ISA_LEVELS[lib.ts_attn_isa_level()]
 
 
 def kernel_isa(level: str) -> str:

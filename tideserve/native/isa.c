@@ -31,6 +31,7 @@ static int ts_detected;        /* 0 until ts_detect has filled the two below */
 static uint32_t ts_features;   /* TS_CPU_* this CPU has and this build can use */
 static int ts_best;            /* the best TS_ISA_* they allow */
 static int ts_cap = -1;        /* the requested ceiling, -1 for none */
+static int ts_attn_cap = -1;   /* attention's own ceiling below it, -1 for none (ts_set_attn_isa_cap) */
 
 #ifdef TS_HAVE_AMX
 static int ts_request_amx(void) {
@@ -104,6 +105,16 @@ int ts_isa_level(void) {
 int ts_set_isa_level(int level) {
     __atomic_store_n(&ts_cap, level < 0 ? -1 : level, __ATOMIC_RELAXED);
     return ts_isa_level();
+}
+
+int ts_attn_isa_level(void) {
+    const int level = ts_isa_level(), cap = __atomic_load_n(&ts_attn_cap, __ATOMIC_RELAXED);
+    return cap >= 0 && cap < level ? cap : level;
+}
+
+int ts_set_attn_isa_cap(int level) {
+    __atomic_store_n(&ts_attn_cap, level < 0 ? -1 : level, __ATOMIC_RELAXED);
+    return ts_attn_isa_level();
 }
 
 uint32_t ts_cpu_features(void) {

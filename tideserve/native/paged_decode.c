@@ -16,7 +16,7 @@
  * the end). Keys go in tiles and parts at fixed absolute positions with an online softmax (attn_rows.h); at
  * the scalar and AVX2 levels every step is the arithmetic prefill attention (paged_prefill.c) computes, so
  * a decode step's output has the bits the same token gets in any prefill, in any batch, on any number of
- * threads. Paths (ts_isa_level): scalar reference; AVX2 + FMA; AVX-512; AVX-512 BF16, which takes the
+ * threads. Paths (ts_attn_isa_level): scalar reference; AVX2 + FMA; AVX-512; AVX-512 BF16, which takes the
  * q . k products of a bfloat16 q and cache with vdpbf16ps (exact products of bfloat16 pairs, summed in
  * float32). From AVX-512 up, the scores are summed in 16 lanes (or by vdpbf16ps), where prefill's AVX-512
  * form sums each in column order, so there the two kernels agree to rounding, not to the bit. AMX is not

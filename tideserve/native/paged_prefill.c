@@ -795,7 +795,7 @@ static inline int64_t packed_keys(const prefill_args *a, int64_t s) {
 int ts_paged_prefill_tiles(int kv_dtype, int64_t head_dim) {
 #ifdef TS_PREFILL_PAIRS
     const prefill_args probe = {.kv_dtype = kv_dtype, .head_dim = head_dim};
-    return head_dim > 0 ? pairs_form(&probe, ts_isa_level()) : 0;
+    return head_dim > 0 ? pairs_form(&probe, ts_attn_isa_level()) : 0;
 #else
     (void)kv_dtype;
     (void)head_dim;
@@ -841,7 +841,7 @@ int ts_paged_prefill_window(const void *q, int64_t q_stride, int q_dtype, const 
         items_before[s + 1] = items_before[s] + num_kv_heads * ((len + tokens_per_item - 1) / tokens_per_item);
     }
     const int64_t total = items_before[num_spans];
-    const int isa = ts_isa_level();
+    const int isa = ts_attn_isa_level();
     const int64_t rows = tokens_per_item * group;
     int failed = 0;
     /* The bfloat16 forms: every span's keys and values packed once per call (TS_PREFILL_PACK_MAX_BYTES). */

@@ -45,6 +45,14 @@ int ts_isa_level(void);
 /* Cap the level (a negative value removes the cap); returns the level now in use. Not for use while
  * kernels run on other threads: tests and start-up only. */
 int ts_set_isa_level(int level);
+/* The level decode and prefill attention use: ts_isa_level, or lower when capped by ts_set_attn_isa_cap.
+ * Attention is invariant to how a step is cut only in attn_rows.h's scalar and AVX2 forms (its AVX-512
+ * forms sum a score's products in other orders in decode and prefill), so batch invariance caps attention
+ * at AVX2 while the products (qgemm) and row kernels keep the CPU's wider paths. */
+int ts_attn_isa_level(void);
+/* Cap attention's level (negative: no cap of its own); returns attention's level now. Start-up and tests
+ * only, as ts_set_isa_level. */
+int ts_set_attn_isa_cap(int level);
 /* TS_CPU_* bits of this CPU that this build can use. */
 uint32_t ts_cpu_features(void);
 /* Runs one AMX bf16 tile product and checks it: 1 when AMX works in this process, 0 when it is not there. */
