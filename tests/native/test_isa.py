@@ -111,7 +111,8 @@ def test_batch_invariance_keeps_the_kernels_at_its_ceiling_and_the_flag_lifts_it
         make_llm(dtype="float32")  # attention its own ceiling
         assert native.isa() == best
         levels = native.ISA_LEVELS
-        assert native.attention_isa() == levels[min(levels.index(best), levels.index(native.ATTENTION_INVARIANT_CEILING))]
+        ceiling = levels.index(native.ATTENTION_INVARIANT_CEILING)
+        assert native.attention_isa() == levels[min(levels.index(best), ceiling)]
         monkeypatch.setenv("TIDESERVE_ISA", "avx2" if "avx2" in native.supported_isas() else "scalar")
         native.set_isa("auto")
         assert native.apply_batch_invariance(True) == best  # the user's choice is left alone
