@@ -366,12 +366,12 @@ class ModelConfig:
         help="auto: cpu-native on the CPU when the native kernels build and the dtypes fit, triton on CUDA when "
              "triton is installed, else torch (SDPA over gathered blocks, runs anywhere)")
     # The same request gives the same answer whatever shares its steps (docs/architecture.md, "Batch
-    # invariance"): on by default. Off only lifts the CPU kernels' ceiling on AVX-512 and AMX CPUs, whose
-    # wider kernels do not share the AVX2 kernels' per-row arithmetic yet; on AVX2 CPUs it changes nothing.
+    # invariance"): on by default. Off only frees attention's unshared AVX-512 forms and AMX's tiles, which do
+    # not compute a row the same way in every cut of a step; on AVX2 CPUs it changes nothing.
     batch_invariant: bool = setting(
-        True, help="a request's tokens do not depend on its batch-mates, prefix-cache hits or chunking (CPU: the "
-                   "native kernels stay on their AVX2 path, whose kernels share one per-row arithmetic; "
-                   "--no-batch-invariant lets AVX-512 and AMX CPUs take their faster, batch-dependent kernels)")
+        True, help="a request's tokens do not depend on its batch-mates, prefix-cache hits or chunking (CPU: "
+                   "attention takes only the forms decode and prefill share, the products stay below AMX; "
+                   "--no-batch-invariant lets AVX-512 and AMX CPUs take their faster, batch-dependent forms)")
     # How /v1/embeddings (and LLM.embed) pool a prompt's hidden states (tideserve/pooling_params.py).
     pooler_config: PoolerConfig | dict | str | None = setting(
         None, metavar="JSON", aliases=("--override-pooler-config",),
