@@ -8,7 +8,8 @@ block tables (spec_decode/draft.py). After the target has sampled and verified a
    proposals are left out: their positions now belong to the new token and what follows it). This writes
    the draft's KV wherever the target's was written for tokens the request keeps, so draft KV below
    ``num_computed_tokens`` is always the draft's KV of the request's own tokens, as the target's is; and the
-   new token's row gives the first proposal.
+   new token's row gives the first proposal. A decode's rows run as single-token rows, as the target runs a
+   verification (each row's key is stored before any row attends): the decode kernels, not a prefill's.
 2. For each request with lookahead (``SchedulerOutput.num_lookahead_tokens``), single-token draft steps, each
    fed the previous proposal at the next position, until it has that many proposals. These write draft KV
    up to lookahead - 1 positions past its new token: slots the scheduler allocated for this step only and
@@ -49,7 +50,9 @@ def propose_with_draft(runner: ModelRunner, out: SchedulerOutput,
                 drafting.append(rid)
             else:
                 end -= 1
-        if end > start:
+        if rid in out.spec_token_ids or count == 1:  # a decode: one row per token, as the target ran them
+            pieces.extend((rid, pos, 1) for pos in range(start, end))
+        elif end > start:
             pieces.append((rid, start, end - start))
     pieces.sort(key=lambda piece: piece[2] > 1)  # single-token rows first, as the attention layout wants
     num_decodes = sum(1 for piece in pieces if piece[2] == 1)
