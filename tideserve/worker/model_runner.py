@@ -139,7 +139,8 @@ class ModelRunner:
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's (K, V): its own, or with several KV cache groups its group's layer slot."""
-        return self._layer_caches(self.kv_storage.caches[:self.num_target_slots])
+        slots = self.kv_storage.caches
+        return self._layer_caches(slots if self.draft_model is None else slots[:self.num_target_slots])
 
     @property
     def draft_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -492,8 +493,10 @@ class ModelRunner:
         positions = torch.from_numpy(layout.positions).to(self.device)
         hidden = None
         if graphs and self.graphs is not None:
-            hidden = self.graphs.run(ids, positions, meta, self.kv_storage.graph_caches[:self.num_target_slots],
-                                     self.block_size)
+            caches = self.kv_storage.graph_caches  # the same list each step unless the store changes
+            if self.draft_model is not None:
+                caches = caches[:self.num_target_slots]
+            hidden = self.graphs.run(ids, positions, meta, caches, self.block_size)
         if hidden is None and draft:
             hidden = self.draft_model(ids, positions, self.draft_kv_caches, meta)
         elif hidden is None:
