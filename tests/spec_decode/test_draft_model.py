@@ -164,7 +164,7 @@ def test_pool_resizes_mid_generation_keep_the_tokens(target, tokenizer, tiny, re
     assert engine.scheduler.spec_stats.num_accepted_tokens > 0
 
 
-def test_grammar_stop_and_max_tokens_land_as_without_proposals(target, tokenizer, tiny):
+def test_max_tokens_and_logprobs_land_as_without_proposals(target, tokenizer, tiny):
     plain = LLM.from_loaded(target, tokenizer, max_model_len=256)
     llm = spec_llm(target, tokenizer, tiny["copy"])
     for params in (SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
@@ -213,6 +213,10 @@ def test_settings_that_do_not_fit_the_method_are_refused(target, tokenizer, tiny
 
 @pytest.mark.slow  # the embedded model end to end, twice
 def test_the_embedded_model_as_its_own_draft(make_llm, smollm2_gguf_path):
+    """Nearly every proposal accepted (the draft is the target; its passes differ only in rounding), the
+    output the target's own, a JSON schema's output too (proposals cut to what the grammar allows)."""
+    import json
+
     plain = make_llm(max_model_len=1024)
     spec = make_llm(max_model_len=1024, speculative_config={"model": str(smollm2_gguf_path),
                                                               "num_speculative_tokens": 4})
@@ -223,3 +227,27 @@ def test_the_embedded_model_as_its_own_draft(make_llm, smollm2_gguf_path):
                 == plain.generate(chat, params)[0].outputs[0].token_ids), text
     stats = spec.engine.scheduler.spec_stats
     assert stats.num_draft_tokens > 50 and stats.acceptance_rate > 0.9, vars(stats)
+    record = {"name": "Ada Lovelace", "born": 1815}
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"}},
+              "required": list(record), "additionalProperties": False}
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={"json": schema})
+    chat = {"prompt_token_ids": plain.tokenizer.encode_chat(
+        [{"role": "user", "content": f"Copy this record as JSON: {json.dumps(record)}"}])}
+    before = stats.num_accepted_tokens
+    got = spec.generate(chat, params)[0].outputs[0]
+    assert got.token_ids == plain.generate(chat, params)[0].outputs[0].token_ids
+    assert set(json.loads(got.text)) == set(record) and stats.num_accepted_tokens - before > 5
+
+
+@pytest.mark.slow  # its own load of the embedded model: sleeping drops the weights this engine alone holds
+def test_sleep_and_wake_with_the_target_as_its_own_draft(smollm2_gguf_path):
+    llm = LLM(max_model_len=512, enable_sleep_mode=True,
+              speculative_config={"model": str(smollm2_gguf_path), "num_speculative_tokens": 3})
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = llm.generate("Tell me about the harbour.", params)[0].outputs[0].token_ids
+    worker = llm.engine.executor.driver_worker
+    llm.sleep(2)
+    assert worker.model is None and worker.draft_model is None  # the shared weights are dropped too
+    llm.wake_up()
+    assert worker.draft_model is worker.model is not None
+    assert llm.generate("Tell me about the harbour.", params)[0].outputs[0].token_ids == want

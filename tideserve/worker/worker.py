@@ -123,8 +123,9 @@ class Worker:
         ``batch_invariant`` keeps the CPU kernels on the paths whose rows do not depend on their batch
         (native.apply_batch_invariance), in this rank's process. ``draft_model``: the draft-model method's
         proposer (spec_decode/draft.py checked that its KV has the target's shape): its layers are extra layer
-        slots of the same store, after the target's, so every move of the pool carries its KV too. It stays
-        loaded through sleep (it is small beside the target)."""
+        slots of the same store, after the target's, so every move of the pool carries its KV too. A separate
+        draft stays loaded through sleep (it is small beside the target); the target's own weights as the
+        draft sleep and wake with the target."""
         if device.type == "cpu":
             native.apply_batch_invariance(batch_invariant)
         self.rank = rank
@@ -134,6 +135,7 @@ class Worker:
         self.memory_probe: MemoryProbe = memory_probe if memory_probe is not None else self.platform
         arch = model.arch
         self.draft_model = draft_model
+        self._draft_is_target = draft_model is model
         # One K and one V region per layer slot: every layer, or with local and global layers mixed one per
         # layer of a KV cache group (a block then holds one group's layers; core/kv_cache/groups.py); then
         # the draft model's layers.
@@ -330,6 +332,8 @@ class Worker:
                 raise ValueError("this engine's weights cannot be released: it was built without the model file "
                                  "to reload them from.")
             self.model = self.runner = None
+            if self._draft_is_target:
+                self.draft_model = None
         gc.collect()
         self.platform.release_freed_memory()
 
@@ -343,6 +347,8 @@ class Worker:
                 self._build_runner()  # graphs and kernels bound to the old addresses go with the old runner
             elif self.model is None:
                 self.model = self._reload()
+                if self._draft_is_target:
+                    self.draft_model = self.model
                 self._build_runner()
         if "kv_cache" in tags:
             self.kv_storage.restore_pages()
