@@ -251,3 +251,31 @@ def test_sleep_and_wake_with_the_target_as_its_own_draft(smollm2_gguf_path):
     llm.wake_up()
     assert worker.draft_model is worker.model is not None
     assert llm.generate("Tell me about the harbour.", params)[0].outputs[0].token_ids == want
+
+
+def _arch(**over):
+    from types import SimpleNamespace
+
+    from tideserve.core.kv_cache.groups import KVCacheGroups
+
+    groups = over.pop("groups", KVCacheGroups.single(2))
+    values = {"generates": True, "vocab_size": 256, "num_key_value_heads": 2, "head_dim": 16,
+              "max_position_embeddings": 512, **over}
+    return SimpleNamespace(kv_cache_groups=lambda: groups, **values)
+
+
+def test_sliding_window_models_and_short_drafts_are_refused():
+    from tideserve.core.kv_cache.groups import KVCacheGroups
+    from tideserve.spec_decode.draft import check_draft_model
+
+    check_draft_model(_arch(), _arch(), "t", "d", 512, 1)  # the same shape: accepted
+    hybrid = _arch(groups=KVCacheGroups.from_windows([0, 8, 8, 8]))
+    with pytest.raises(ValueError, match=r"the target mixes sliding-window and global layers \(4 KV cache groups"):
+        check_draft_model(hybrid, _arch(), "t", "d", 512, 1)
+    with pytest.raises(ValueError, match="the draft mixes sliding-window and global layers"):
+        check_draft_model(_arch(), hybrid, "t", "d", 512, 1)
+    with pytest.raises(ValueError, match=r"the draft reaches 256 positions, fewer than max_model_len \(512\)"):
+        check_draft_model(_arch(), _arch(max_position_embeddings=256), "t", "d", 512, 1)
+    with pytest.raises(ValueError, match=r"KV geometry differs \(target 2 KV heads of size 16, draft 2 KV heads of "
+                                         r"size 32\)"):
+        check_draft_model(_arch(), _arch(head_dim=32), "t", "d", 512, 1)
