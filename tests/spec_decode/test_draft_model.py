@@ -164,6 +164,22 @@ def test_pool_resizes_mid_generation_keep_the_tokens(target, tokenizer, tiny, re
     assert engine.scheduler.spec_stats.num_accepted_tokens > 0
 
 
+def test_prefix_cache_hits_carry_the_drafts_kv(target, tokenizer, tiny, reference):
+    """A request whose prompt starts with another's reuses its blocks, the draft layers' KV included: with
+    the target's own weights as the draft, every proposal is still accepted after the hit."""
+    llm = spec_llm(target, tokenizer, tiny["copy"], block_size=16)
+    first = prompts()[3]["prompt_token_ids"]  # 44 tokens: two full blocks to share
+    assert token_ids(llm, GREEDY, [{"prompt_token_ids": first}]) == [reference[3]]
+    stats = llm.engine.scheduler.spec_stats
+    before = stats.num_draft_tokens
+    again = {"prompt_token_ids": first[:32] + [7, 9, 11]}
+    out = llm.generate([again], GREEDY)[0]
+    assert out.num_cached_tokens == 32
+    want = token_ids(LLM.from_loaded(target, tokenizer, max_model_len=256), GREEDY, [again])
+    assert [out.outputs[0].token_ids] == want
+    assert stats.num_draft_tokens > before and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
 def test_max_tokens_and_logprobs_land_as_without_proposals(target, tokenizer, tiny):
     plain = LLM.from_loaded(target, tokenizer, max_model_len=256)
     llm = spec_llm(target, tokenizer, tiny["copy"])
