@@ -29,16 +29,12 @@ typedef struct {
     float *m, *l;   /* [group] */
     float *alpha;   /* [group], this tile's rescale */
     uint32_t *pv;   /* [group][ATTN_KEY_TILE / 2] */
+    uint32_t *kt;   /* [head_dim / 2][ATTN_KEY_TILE], a tile's keys as pairs x keys */
     uint16_t *zero; /* [head_dim], the row read past the context */
 } pairs_scratch;
 
-#define PAIRS_ROWS 4 /* query rows whose accumulators share each key (and value) vector */
-
-/* Key or value row at position p of KV head g. */
-static inline const uint16_t *pairs_row(const uint16_t *cache, const int64_t *table, int64_t p, int64_t block_size,
-                                        int64_t token_stride, int64_t g, int64_t head_dim) {
-    return cache + (table[p / block_size] * block_size + p % block_size) * token_stride + g * head_dim;
-}
+#define PAIRS_ROWS 4   /* query rows whose accumulators share each key (and value) vector */
+#define PAIRS_CHUNKS 4 /* 16-column chunks of the values accumulated side by side */
 
 /* t[i] lane j = the pair (32 bits) at column 2 (c + i) of row j: sixteen rows' pairs c .. c + 15 transposed in
  * registers (ts_transpose16x16's shuffles, read from row pointers). */
@@ -112,59 +108,80 @@ static void pairs_start(pairs_scratch *w, const void *q, int q_dtype, int64_t q_
 static void pairs_tile(pairs_scratch *w, const uint16_t *const *krows, const uint16_t *const *vrows, int64_t nk,
                        int64_t lo, int64_t group, int64_t head_dim, float softcap) {
     const int64_t half = head_dim / 2, chunks = head_dim / 16;
-    /* scores: per (row, key) a chain of vdpbf16ps over the pairs in column order; each transposed block
-     * of 16 keys x 16 pairs serves PAIRS_ROWS rows */
+    /* the tile's keys as pairs x keys: kt[pr][j] = key j's pair pr */
+    for (int64_t h = 0; h < ATTN_KEY_TILE; h += 16)
+        for (int64_t c = 0; c < half; c += 16) {
+            __m512 t[16];
+            pairs_transpose(krows + h, c, t);
+            for (int i = 0; i < 16; i++) _mm512_storeu_ps((float *)(w->kt + (c + i) * ATTN_KEY_TILE + h), t[i]);
+        }
+    /* scores: per (row, key) a chain of vdpbf16ps over the pairs in column order; PAIRS_ROWS rows times both
+     * halves of the tile run side by side */
     for (int64_t r0 = 0; r0 < group; r0 += PAIRS_ROWS) {
         const int64_t nr = group - r0 < PAIRS_ROWS ? group - r0 : PAIRS_ROWS;
-        for (int64_t h = 0; h < ATTN_KEY_TILE; h += 16) {
-            __m512 acc[PAIRS_ROWS];
-            for (int r = 0; r < PAIRS_ROWS; r++) acc[r] = _mm512_setzero_ps();
-            for (int64_t c = 0; c < half; c += 16) {
-                __m512 t[16];
-                pairs_transpose(krows + h, c, t);
-                for (int i = 0; i < 16; i++)
-                    for (int r = 0; r < nr; r++)
-                        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int32_t)w->qp[(r0 + r) * half + c + i]),
-                                                  (__m512bh)t[i]);
+        __m512 acc[PAIRS_ROWS][2];
+        for (int r = 0; r < PAIRS_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int64_t pr = 0; pr < half; pr++) {
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(w->kt + pr * ATTN_KEY_TILE);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(w->kt + pr * ATTN_KEY_TILE + 16);
+            for (int r = 0; r < nr; r++) {
+                const __m512bh qv = (__m512bh)_mm512_set1_epi32((int32_t)w->qp[(r0 + r) * half + pr]);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qv, k0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qv, k1);
             }
-            for (int r = 0; r < nr; r++) _mm512_storeu_ps(w->s + (r0 + r) * ATTN_KEY_TILE + h, acc[r]);
+        }
+        for (int r = 0; r < nr; r++) {
+            _mm512_storeu_ps(w->s + (r0 + r) * ATTN_KEY_TILE, acc[r][0]);
+            _mm512_storeu_ps(w->s + (r0 + r) * ATTN_KEY_TILE + 16, acc[r][1]);
         }
     }
     const __mmask32 seen = (__mmask32)((nk == 32 ? 0xffffffffu : ((1u << nk) - 1u)) & ~((1u << lo) - 1u));
+    const __m512 floor = _mm512_set1_ps(-FLT_MAX);
     for (int64_t r = 0; r < group; r++) { /* the online softmax, row by row */
         float *sr = w->s + r * ATTN_KEY_TILE;
         attn_softcap(sr, nk, softcap);
-        float mx = w->m[r];
-        for (int64_t j = lo; j < nk; j++) mx = sr[j] > mx ? sr[j] : mx;
+        const __m512 s0 = _mm512_loadu_ps(sr), s1 = _mm512_loadu_ps(sr + 16);
+        /* the max over the keys it sees (exact in any order) */
+        const float seen_max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(floor, (__mmask16)seen, s0),
+                                                                  _mm512_mask_mov_ps(floor, (__mmask16)(seen >> 16), s1)));
+        const float mx = seen_max > w->m[r] ? seen_max : w->m[r];
         const float alpha = _mm512_cvtss_f32(ts_exp512(_mm512_set1_ps(w->m[r] - mx)));
         const __m512 vmx = _mm512_set1_ps(mx);
-        const __m512 p0 = _mm512_maskz_mov_ps((__mmask16)seen, ts_exp512(_mm512_sub_ps(_mm512_loadu_ps(sr), vmx)));
-        const __m512 p1 =
-            _mm512_maskz_mov_ps((__mmask16)(seen >> 16), ts_exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + 16), vmx)));
+        const __m512 p0 = _mm512_maskz_mov_ps((__mmask16)seen, ts_exp512(_mm512_sub_ps(s0, vmx)));
+        const __m512 p1 = _mm512_maskz_mov_ps((__mmask16)(seen >> 16), ts_exp512(_mm512_sub_ps(s1, vmx)));
         w->l[r] = w->l[r] * alpha + attn_tile_sum_keys512(p0, p1);
         w->m[r] = mx;
         w->alpha[r] = alpha;
         /* pair rp = the probabilities of keys 2 rp, 2 rp + 1, rounded to bfloat16 */
         _mm512_storeu_si512(w->pv + r * (ATTN_KEY_TILE / 2), (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
     }
-    /* values: o = o * alpha, then per column a chain of vdpbf16ps over the key pairs in key order; each
-     * pair of value rows, interleaved, serves PAIRS_ROWS rows */
+    /* values: o = o * alpha, then per column a chain of vdpbf16ps over the key pairs in key order; PAIRS_ROWS
+     * rows times PAIRS_CHUNKS column chunks run side by side, each pair of value rows interleaved once */
     const int64_t pairs = (nk + 1) / 2;
     for (int64_t r0 = 0; r0 < group; r0 += PAIRS_ROWS) {
         const int64_t nr = group - r0 < PAIRS_ROWS ? group - r0 : PAIRS_ROWS;
-        for (int64_t c = 0; c < chunks; c++) {
-            __m512 acc[PAIRS_ROWS];
+        for (int64_t c0 = 0; c0 < chunks; c0 += PAIRS_CHUNKS) {
+            const int64_t nc = chunks - c0 < PAIRS_CHUNKS ? chunks - c0 : PAIRS_CHUNKS;
+            __m512 acc[PAIRS_ROWS][PAIRS_CHUNKS];
             for (int r = 0; r < nr; r++)
-                acc[r] = _mm512_mul_ps(_mm512_loadu_ps(w->o + (r0 + r) * head_dim + 16 * c),
-                                       _mm512_set1_ps(w->alpha[r0 + r]));
+                for (int c = 0; c < nc; c++)
+                    acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(w->o + (r0 + r) * head_dim + 16 * (c0 + c)),
+                                              _mm512_set1_ps(w->alpha[r0 + r]));
             for (int64_t rp = 0; rp < pairs; rp++) {
-                const __m512i e = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vrows[2 * rp] + 16 * c)));
-                const __m512i o = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vrows[2 * rp + 1] + 16 * c)));
-                const __m512bh vp = (__m512bh)_mm512_or_si512(e, _mm512_slli_epi32(o, 16));
-                for (int r = 0; r < nr; r++)
-                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int32_t)w->pv[(r0 + r) * (ATTN_KEY_TILE / 2) + rp]), vp);
+                __m512bh vp[PAIRS_CHUNKS];
+                for (int c = 0; c < nc; c++) {
+                    const int64_t d = 16 * (c0 + c);
+                    const __m512i e = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vrows[2 * rp] + d)));
+                    const __m512i o = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vrows[2 * rp + 1] + d)));
+                    vp[c] = (__m512bh)_mm512_or_si512(e, _mm512_slli_epi32(o, 16));
+                }
+                for (int r = 0; r < nr; r++) {
+                    const __m512bh pp = (__m512bh)_mm512_set1_epi32((int32_t)w->pv[(r0 + r) * (ATTN_KEY_TILE / 2) + rp]);
+                    for (int c = 0; c < nc; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pp, vp[c]);
+                }
             }
-            for (int r = 0; r < nr; r++) _mm512_storeu_ps(w->o + (r0 + r) * head_dim + 16 * c, acc[r]);
+            for (int r = 0; r < nr; r++)
+                for (int c = 0; c < nc; c++) _mm512_storeu_ps(w->o + (r0 + r) * head_dim + 16 * (c0 + c), acc[r][c]);
         }
     }
 }
@@ -202,22 +219,38 @@ static void decode_pairs_task(pairs_scratch *w, const void *q, int q_dtype, int6
         pairs_start(&h, q, q_dtype, q_stride, seq, g, group, head_dim, scale);
     }
     const int64_t row_bytes = (g1 - g0) * head_dim * (int64_t)sizeof(uint16_t);
-    for (int64_t kb = first / ATTN_KEY_TILE * ATTN_KEY_TILE; kb <= pos; kb += ATTN_KEY_TILE) {
+    int64_t at[2 * ATTN_KEY_TILE]; /* this tile's and the next one's token rows, in elements from the cache's start */
+    int64_t kb = first / ATTN_KEY_TILE * ATTN_KEY_TILE;
+    int64_t block = kb / block_size, off = kb % block_size; /* where position kb + (tokens placed) lies */
+    int64_t placed = 0; /* positions kb .. kb + placed - 1 have their at[] */
+    for (; kb <= pos; kb += ATTN_KEY_TILE) {
         const int64_t nk = pos - kb + 1 < ATTN_KEY_TILE ? pos - kb + 1 : ATTN_KEY_TILE;
         const int64_t lo = first > kb ? first - kb : 0; /* keys of the tile before the window */
-        for (int64_t j = kb + ATTN_KEY_TILE; j < kb + 2 * ATTN_KEY_TILE && j <= pos; j++) { /* the next tile */
-            ts_prefetch_bytes(pairs_row(k_cache, table, j, block_size, token_stride, g0, head_dim), row_bytes);
-            ts_prefetch_bytes(pairs_row(v_cache, table, j, block_size, token_stride, g0, head_dim), row_bytes);
+        const int64_t want = pos + 1 - kb < 2 * ATTN_KEY_TILE ? pos + 1 - kb : 2 * ATTN_KEY_TILE;
+        for (; placed < want; placed++) { /* block by block, no division per key */
+            at[placed] = (table[block] * block_size + off) * token_stride;
+            if (++off == block_size) {
+                off = 0;
+                block++;
+            }
+        }
+        for (int64_t j = ATTN_KEY_TILE; j < placed; j++) { /* the next tile */
+            ts_prefetch_bytes(k_cache + at[j] + g0 * head_dim, row_bytes);
+            ts_prefetch_bytes(v_cache + at[j] + g0 * head_dim, row_bytes);
         }
         for (int64_t g = g0; g < g1; g++) {
             const uint16_t *krows[ATTN_KEY_TILE], *vrows[ATTN_KEY_TILE];
             for (int64_t j = 0; j < ATTN_KEY_TILE; j++) {
-                krows[j] = j < nk ? pairs_row(k_cache, table, kb + j, block_size, token_stride, g, head_dim) : w->zero;
-                vrows[j] = j < nk ? pairs_row(v_cache, table, kb + j, block_size, token_stride, g, head_dim) : w->zero;
+                krows[j] = j < nk ? k_cache + at[j] + g * head_dim : w->zero;
+                vrows[j] = j < nk ? v_cache + at[j] + g * head_dim : w->zero;
             }
             pairs_scratch h = pairs_head(w, g - g0, group, head_dim);
             pairs_tile(&h, krows, vrows, nk, lo, group, head_dim, softcap);
         }
+        /* the next tile's rows move to the front */
+        const int64_t kept = placed > ATTN_KEY_TILE ? placed - ATTN_KEY_TILE : 0;
+        memmove(at, at + ATTN_KEY_TILE, (size_t)kept * sizeof(int64_t));
+        placed = kept;
     }
     for (int64_t g = g0; g < g1; g++) {
         const pairs_scratch h = pairs_head(w, g - g0, group, head_dim);
@@ -241,7 +274,7 @@ static int paged_decode_pairs_bf16(const void *q, int64_t q_stride, int q_dtype,
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         const size_t words = (size_t)(rows * half + rows * ATTN_KEY_TILE + rows * head_dim + 3 * rows +
-                                      rows * ATTN_KEY_TILE / 2 + half);
+                                      rows * ATTN_KEY_TILE / 2 + half * ATTN_KEY_TILE + half);
         uint32_t *mem = (uint32_t *)aligned_alloc(64, (words * sizeof(uint32_t) + 63) / 64 * 64);
         pairs_scratch w;
         if (mem == NULL) {
@@ -254,7 +287,8 @@ static int paged_decode_pairs_bf16(const void *q, int64_t q_stride, int q_dtype,
             w.l = w.m + rows;
             w.alpha = w.l + rows;
             w.pv = (uint32_t *)(w.alpha + rows);
-            w.zero = (uint16_t *)(w.pv + rows * ATTN_KEY_TILE / 2);
+            w.kt = w.pv + rows * ATTN_KEY_TILE / 2;
+            w.zero = (uint16_t *)(w.kt + half * ATTN_KEY_TILE);
             memset(w.zero, 0, (size_t)head_dim * sizeof(uint16_t));
         }
 #pragma omp for schedule(dynamic, 1)
