@@ -4,9 +4,12 @@
 Each "cold" and "restart" figure is the first request of a freshly built engine (the pool starts empty and
 grows for it, as a server's first request does); "warm" is the same prompt again in the engine that just
 ran it. Also reported: the cold TTFT with the tier off (the cost of writing the blocks down) and the
-restart TTFT relative to warm and cold.
+restart TTFT relative to warm and cold. ``--samples`` takes that many warm and restart figures per cold run
+(each restart a fresh engine on the same directory): they are short, so on a shared machine several of them
+give a steadier median than more cold runs would.
 
     .venv/bin/python benchmarks/kv_disk_tier_ttft.py --prompt-tokens 3000 --repeats 3
+    .venv/bin/python benchmarks/kv_disk_tier_ttft.py --prompt-tokens 3000 --repeats 2 --samples 5
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-tokens", type=int, default=3000)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=1, help="warm and restart figures per cold run")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-memory", default="1GiB",
                         help="a fixed pool, so that 'warm' is the prefix in the pool (an elastic pool may shrink "
@@ -74,17 +78,18 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as directory:
             llm = engine(kv_cache_dir=directory)
             cold.append(ttft(llm, prompt)[0])
-            warm.append(ttft(llm, prompt)[0])
+            warm += [ttft(llm, prompt)[0] for _ in range(args.samples)]
             llm.engine.shutdown()
-            llm = engine(kv_cache_dir=directory)
-            seconds, hit = ttft(llm, prompt)
-            restart.append(seconds)
-            cached.append(hit)
-            llm.engine.shutdown()
+            for _ in range(args.samples):
+                llm = engine(kv_cache_dir=directory)
+                seconds, hit = ttft(llm, prompt)
+                restart.append(seconds)
+                cached.append(hit)
+                llm.engine.shutdown()
     med = statistics.median
     for name, values in (("tier off", off), ("cold", cold), ("warm", warm), ("restart", restart)):
         print(f"  {name:9s} " + " ".join(f"{v:.3f}" for v in values))
-    print(f"prompt {len(prompt)} tokens, {args.repeats} repeats (medians), KV dtype "
+    print(f"prompt {len(prompt)} tokens, {args.repeats} repeats x {args.samples} samples (medians), KV dtype "
           f"{str(base.engine.kv_dtype).removeprefix('torch.')}")
     print(f"cold, tier off        {med(off):7.3f} s")
     print(f"cold, tier on         {med(cold):7.3f} s  ({med(cold) / med(off):.2f}x tier off)")

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from tideserve import native
@@ -261,9 +262,11 @@ class Worker:
         """Fill each (tier key, block id) from its file, in order, up to the first missing or bad one."""
         if self.disk_tier is None:
             return DiskTierLoad(0, [], 0)
-        result = self.disk_tier.load([key for key, _ in items], self.kv_storage.bytes_per_block())
-        num = len(result.payloads)
-        self.kv_storage.write_blocks([block_id for _, block_id in items[:num]], result.payloads)
+        payload_bytes = self.kv_storage.bytes_per_block()
+        rows = np.empty((len(items), payload_bytes), dtype=np.uint8)
+        result = self.disk_tier.load_into([key for key, _ in items], payload_bytes, memoryview(rows).cast("B"))
+        num = result.num_loaded
+        self.kv_storage.write_blocks([block_id for _, block_id in items[:num]], rows[:num])
         return DiskTierLoad(num, result.bad_keys, result.bytes_read)
 
     def remove_kv_blocks_from_disk(self, keys: list[bytes]) -> None:
