@@ -11,12 +11,16 @@ module runs the two around each step:
   has it. The price is one copy of each new block's bytes out of the pool per step (a memcpy; the file
   is written on the tier's own thread), and a file for prefixes that are never reused, which the LRU
   bound ages out.
-- **Load before scheduling.** Before each step, for the waiting requests that could be admitted, the
-  blocks right after a request's pool hit that the tier holds are loaded into free blocks and published
-  as cached prefixes (``load_for_waiting``); the scheduler then admits the request with them as an
-  ordinary prefix hit. A file that fails its checks ends the load there: the rest of the prompt is
-  computed, so the output is the same. The load runs on the engine thread, between steps (reads and
-  checksums release the GIL, but the step waits for them).
+- **Load beside the steps.** Before each step, for the waiting requests that could be admitted soon, the
+  blocks right after a request's pool hit that the tier holds start loading (``start_loads``): each rank
+  reads its files into a buffer of its own on the tier's threads, and the request is
+  ``WAITING_FOR_REMOTE_KVS`` meanwhile, so the scheduler passes over it while every other request keeps
+  its steps. Once every rank's read is over (``finish_loads``, before a later step) the blocks are copied
+  into free blocks of the pool and published as cached prefixes, and the request, back in its previous
+  state and place, is admitted with them as an ordinary prefix hit. The pool is only touched on the
+  engine thread, at that moment, so it may grow, shrink or compact while files are read. When nothing
+  else can run the engine waits for the oldest read instead of spinning. A file that fails its checks
+  ends the load there: the rest of the prompt is computed, so the output is the same.
 
 Everything the tier does is optional to a request: a tier that cannot write turns itself off with one
 warning, and nothing it does fails a request.
@@ -25,9 +29,11 @@ warning, and nothing it does fails a request.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,6 +43,7 @@ from tideserve.core.kv_cache.manager import KVCacheManager
 from tideserve.core.kv_cache.tiers import TierIndex, TierStats
 from tideserve.core.scheduler import Scheduler
 from tideserve.model.loader import LoadedModel
+from tideserve.request import Request, RequestStatus
 from tideserve.tokenizer.tokenizer import Tokenizer
 from tideserve.worker.executor import Executor
 from tideserve.worker.worker import Worker
@@ -44,6 +51,20 @@ from tideserve.worker.worker import Worker
 logger = logging.getLogger(__name__)
 GiB = 2**30
 DISK_MEDIUM = "DISK"  # the tier's name in metrics (vLLM's KV events call a tier a medium)
+LOAD_WAIT_S = 0.05  # how long an engine with nothing else to run waits for a read at a time
+LOADING = RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+@dataclass
+class PendingLoad:
+    """A load whose files are being read: its request, the state it returns to, the pool hit (in blocks)
+    it continues, the tier keys it reads, and when it began."""
+
+    request: Request
+    status: RequestStatus
+    start: int
+    keys: list[bytes]
+    began: float
 
 
 def _model_files(path: Path) -> str:
@@ -83,6 +104,8 @@ class KVDiskTier:
         self.path = path
         self.stats = TierStats(DISK_MEDIUM, capacity_bytes=index.capacity_bytes)
         self._open = True
+        self._loads: dict[int, PendingLoad] = {}  # by load id, oldest first
+        self._load_ids = itertools.count()
         kv.enable_tier(index)
 
     @classmethod
@@ -123,17 +146,35 @@ class KVDiskTier:
         return self._open
 
     # ----------------------------------------------------------------- around each step
-    def load_for_waiting(self) -> None:
-        """Load the tier's blocks of the waiting requests that could be admitted now into free blocks, as
-        cached prefixes the scheduler then hits."""
+    @property
+    def loading(self) -> bool:
+        """Whether some request waits for its blocks to be read."""
+        return bool(self._loads)
+
+    def before_step(self) -> None:
+        """Finish the loads whose reads are over, start the waiting requests' loads, and, when nothing else
+        can run, wait a little for the oldest read (module doc)."""
         if not self._open:
             return
+        self.finish_loads()
+        if self.scheduler.waiting:
+            self.start_loads()
+        scheduler = self.scheduler
+        if self._loads and not scheduler.running and all(r.status == LOADING for r in scheduler.waiting):
+            self.finish_loads(LOAD_WAIT_S)
+
+    def start_loads(self) -> None:
+        """Start reading the tier's blocks of the waiting requests that could be admitted soon (the first
+        ``max_num_seqs`` free seats' worth, within one step's token budget)."""
         scheduler, kv = self.scheduler, self.kv
         seats = scheduler.config.max_num_seqs - len(scheduler.running)
-        budget = scheduler.config.max_num_batched_tokens  # the requests past it cannot start in this step
+        budget = scheduler.config.max_num_batched_tokens  # the requests past it cannot start in the next step
         for request in list(scheduler.waiting)[:max(0, seats)]:
             if budget <= 0:
                 return
+            if request.status == LOADING:
+                budget -= request.num_tokens - (len(request.all_token_ids) // kv.block_size) * kv.block_size
+                continue
             if request.request_id in kv.swapped or request.sampling_params.needs_every_prompt_position:
                 continue
             token_ids = request.all_token_ids
@@ -141,25 +182,47 @@ class KVDiskTier:
             budget -= len(token_ids) - (start + len(keys)) * kv.block_size
             if not keys:
                 continue
-            grow = scheduler.on_out_of_blocks  # the elastic pool grows for a load as for an allocation
-            while grow is not None and (short := kv.tier_load_shortfall(request.request_id, start, len(keys))):
-                free = kv.num_free_blocks
-                if not grow(short) or kv.num_free_blocks <= free:
-                    break
-            if not self._load(request.request_id, token_ids, start, keys):
-                return
+            load_id = next(self._load_ids)
+            self.executor.collective_rpc(Worker.start_kv_disk_load, load_id, keys)
+            self._loads[load_id] = PendingLoad(request, request.status, start, keys, time.perf_counter())
+            request.status = LOADING
 
-    def _load(self, request_id: str, token_ids: list[int], start: int, keys: list[bytes]) -> int:
-        """Load the tier's ``keys`` after the request's pool hit of ``start`` blocks (as many as there are
-        free blocks for); returns how many blocks were loaded."""
-        began = time.perf_counter()
-        hit, blocks = self.kv.begin_tier_load(request_id, start, len(keys))
-        answers = (self.executor.collective_rpc(Worker.load_kv_blocks_from_disk,
-                                                [(key, b.block_id) for key, b in zip(keys, blocks)])
-                   if blocks else [])
-        num = min((a.num_loaded for a in answers), default=0)
-        self.kv.finish_tier_load(request_id, token_ids, hit, blocks, num)
-        for key in keys[:num]:
+    def finish_loads(self, wait_s: float = 0.0) -> None:
+        """Put the blocks of every load whose reads are over on every rank into the pool (waiting up to
+        ``wait_s`` for the oldest when none is over)."""
+        if not self._loads:
+            return
+        answers = self.executor.collective_rpc(Worker.kv_disk_loads_done, wait_s)
+        done = set(answers[0]).intersection(*answers[1:])
+        for load_id in [i for i in self._loads if i in done]:
+            self._finish(load_id, min(a[load_id] for a in answers))
+
+    def _finish(self, load_id: int, num_read: int) -> None:
+        """Copy what load ``load_id`` read (its first ``num_read`` blocks, whole on every rank) into free
+        blocks after its request's pool hit and publish them; the request returns to its queue state. A
+        request that went away meanwhile, or whose pool hit shrank below where the load starts, gets
+        nothing (it is planned again, or computes its prefix: the same output)."""
+        load = self._loads.pop(load_id)
+        request, kv, scheduler = load.request, self.kv, self.scheduler
+        hit, blocks, first, token_ids = [], [], 0, []
+        if scheduler.requests.get(request.request_id) is request and request.status == LOADING:
+            request.status = load.status
+            token_ids = request.all_token_ids
+            start = kv.num_pool_hit_blocks(request.request_id, token_ids)
+            first = start - load.start  # of the loaded blocks, those the pool holds again already
+            if 0 <= first < num_read:
+                grow = scheduler.on_out_of_blocks  # the elastic pool grows for a load as for an allocation
+                while grow is not None and (short := kv.tier_load_shortfall(request.request_id, start,
+                                                                            num_read - first)):
+                    free = kv.num_free_blocks
+                    if not grow(short) or kv.num_free_blocks <= free:
+                        break
+                hit, blocks = kv.begin_tier_load(request.request_id, start, num_read - first)
+        answers = self.executor.collective_rpc(Worker.finish_kv_disk_load, load_id, max(first, 0),
+                                               [b.block_id for b in blocks])
+        if blocks:
+            kv.finish_tier_load(request.request_id, token_ids, hit, blocks, len(blocks))
+        for key in load.keys[:num_read]:
             self.index.touch(key)
         bad = sorted({key for a in answers for key in a.bad_keys})
         if bad:  # the other ranks' shards of a bad block are no use either
@@ -168,14 +231,14 @@ class KVDiskTier:
             self.executor.collective_rpc(Worker.remove_kv_blocks_from_disk, bad)
             self.stats.bad_files += len(bad)
         stats = self.stats
-        stats.hits += num
+        stats.hits += len(blocks)
         stats.bytes_read += sum(a.bytes_read for a in answers)
-        if num:
+        if blocks:
+            seconds = time.perf_counter() - load.began
             stats.loads += 1
-            stats.load_seconds += time.perf_counter() - began
-            logger.debug("KV disk tier: request %s loaded %d blocks (%d..%d) in %.1f ms", request_id, num, start,
-                         start + num - 1, 1e3 * (time.perf_counter() - began))
-        return num
+            stats.load_seconds += seconds
+            logger.debug("KV disk tier: request %s loaded %d blocks (%d..%d) in %.1f ms", request.request_id,
+                         len(blocks), load.start + first, load.start + first + len(blocks) - 1, 1e3 * seconds)
 
     def store_published(self) -> None:
         """Write down the full blocks the step that just ran computed and published (module doc)."""
@@ -210,8 +273,13 @@ class KVDiskTier:
         return dataclasses.replace(self.stats, used_bytes=self.index.used_bytes, enabled=self._open)
 
     def close(self) -> None:
-        """Finish the writes under way (every published block is on disk afterwards); idempotent."""
+        """Finish the writes under way (every published block is on disk afterwards) and drop the loads
+        under way (their requests compute their prefixes); idempotent."""
         if self._open:
             self._open = False
+            for load in self._loads.values():
+                if load.request.status == LOADING:
+                    load.request.status = load.status
+            self._loads.clear()
             self.kv.enable_tier(None)
             self.executor.collective_rpc(Worker.close_kv_disk_tier)

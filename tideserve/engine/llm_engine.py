@@ -300,8 +300,8 @@ class LLMEngine:
                 touched[parent_id] = None
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, len(self.scheduler.running))
-        if self.kv_disk_tier is not None and self.scheduler.waiting:
-            self.kv_disk_tier.load_for_waiting()
+        if self.kv_disk_tier is not None:  # loads beside the steps (engine/kv_tiers.py)
+            self.kv_disk_tier.before_step()
         sched_out = self.scheduler.schedule()
         if not sched_out.is_empty:
             runner_out = self._execute(sched_out)

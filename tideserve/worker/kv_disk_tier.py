@@ -37,6 +37,7 @@ import struct
 import threading
 import time
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,9 @@ _HEADER = struct.Struct("<4sH16s16sQI")  # magic, version, fingerprint, key, pay
 HEADER_BYTES = _HEADER.size
 SUFFIX = ".kv"
 STALE_TMP_S = 60.0  # a temporary file this old belongs to a write that will never finish
+# Files of one load are read and checked by this many threads at once: a read (preadv) and a CRC-32 each
+# release the GIL, and on two cores two threads halve a restart's load.
+READ_THREADS = 2
 
 
 def checksum(payload: bytes | memoryview) -> int:
@@ -101,6 +105,8 @@ class DiskTier:
         self._queue: queue.Queue[bytes | None] = queue.Queue()
         self._writer: threading.Thread | None = None
         self._tmp_seq = 0
+        self._loads: ThreadPoolExecutor | None = None  # one load after the other (``start_load``)
+        self._files: ThreadPoolExecutor | None = None  # the files of one load, READ_THREADS at a time
 
     def open(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -112,6 +118,8 @@ class DiskTier:
         probe.unlink()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-tier", daemon=True)
         self._writer.start()
+        self._loads = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-load")
+        self._files = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kv-disk-read")
 
     def other_fingerprints(self) -> list[str]:
         """Fingerprint directories under the root other than this one (another model, dtype, TP size)."""
@@ -210,11 +218,15 @@ class DiskTier:
         self._writer.start()
 
     def close(self) -> None:
-        """Finish the queued writes and stop the writer thread."""
+        """Finish the queued writes and loads and stop the tier's threads."""
         if self._writer is not None:
             self._queue.put(None)
             self._writer.join()
             self._writer = None
+        for pool in (self._loads, self._files):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._loads = self._files = None
 
     # ----------------------------------------------------------------- reads and removals
     def load(self, keys: list[bytes], payload_bytes: int) -> TierLoadResult:
@@ -224,50 +236,78 @@ class DiskTier:
         result.payloads = [buffer[i * payload_bytes:(i + 1) * payload_bytes] for i in range(result.num_loaded)]
         return result
 
+    def start_load(self, keys: list[bytes], payload_bytes: int, out: memoryview) -> Future[TierLoadResult]:
+        """``load_into`` on the tier's own thread (loads run one after the other, in the order started):
+        the caller goes on meanwhile, and ``out`` must stay alive and untouched until the future is done."""
+        if self._loads is None:
+            raise RuntimeError("the disk tier is closed")
+        return self._loads.submit(self.load_into, keys, payload_bytes, out)
+
     def load_into(self, keys: list[bytes], payload_bytes: int, out: memoryview) -> TierLoadResult:
         """Read the payloads of ``keys`` into consecutive ``payload_bytes`` rows of ``out``, in order, up to
         the first missing or bad one (a bad file, one whose size, header or checksum is wrong, is removed);
         each file read is marked recently used.
 
-        One ``preadv`` per file reads its header and payload straight into place (no intermediate copy:
-        a restart's load is memory bandwidth as much as storage), and the checksum is computed on the row."""
+        One ``preadv`` per file reads its header and payload straight into place (no intermediate copy: a
+        restart's load is memory bandwidth as much as storage), and the checksum is computed on the row;
+        ``READ_THREADS`` threads share the files. Files past the first miss may be read too (they are
+        checked, and a bad one removed), but only the leading good ones count."""
         out = memoryview(out).cast("B")
+        rows = [out[i * payload_bytes:(i + 1) * payload_bytes] for i in range(len(keys))]
+        files = self._files
+        if files is None or len(keys) < 2 * READ_THREADS:
+            outcomes = [self._read_one(key, row) for key, row in zip(keys, rows)]
+        else:
+            step = -(-len(keys) // READ_THREADS)
+            parts = [files.submit(self._read_some, keys[i:i + step], rows[i:i + step])
+                     for i in range(step, len(keys), step)]
+            outcomes = self._read_some(keys[:step], rows[:step])
+            for part in parts:
+                outcomes += part.result()
         result = TierLoadResult(0, [], 0)
-        header = bytearray(HEADER_BYTES)
-        file_bytes = HEADER_BYTES + payload_bytes
-        for i, key in enumerate(keys):
-            row = out[i * payload_bytes:(i + 1) * payload_bytes]
-            with self._lock:
-                pending = self._pending.get(key)
-            if pending is not None:  # not on disk yet: the bytes are right here
-                row[:] = pending[1]
-                result.num_loaded += 1
-                continue
-            path = self.path_of(key)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                break  # gone (another server evicted it) or unreadable: a miss
-            try:
-                size = os.fstat(fd).st_size
-                num_read = os.preadv(fd, [header, row], 0) if size == file_bytes else size
-                try:
-                    os.utime(fd)
-                except OSError:
-                    pass
-            except OSError:
-                break
-            finally:
-                os.close(fd)
+        counting = True
+        for key, (status, num_read) in zip(keys, outcomes):
             result.bytes_read += num_read
-            if num_read != file_bytes or not self._check(key, header, row, payload_bytes):
-                logger.warning("KV disk tier: %s failed its checks (truncated, corrupted or foreign): removed, "
-                               "its prefix is recomputed", path)
-                self.remove([key])
+            if status == "bad":
                 result.bad_keys.append(key)
-                break
-            result.num_loaded += 1
+            counting = counting and status == "ok"
+            result.num_loaded += counting
         return result
+
+    def _read_some(self, keys: list[bytes], rows: list[memoryview]) -> list[tuple[str, int]]:
+        return [self._read_one(key, row) for key, row in zip(keys, rows)]
+
+    def _read_one(self, key: bytes, row: memoryview) -> tuple[str, int]:
+        """Read one block into ``row``: ("ok" | "missing" | "bad", bytes read); a bad file is removed."""
+        with self._lock:
+            pending = self._pending.get(key)
+        if pending is not None:  # not on disk yet: the bytes are right here
+            row[:] = pending[1]
+            return "ok", 0
+        path = self.path_of(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return "missing", 0  # gone (another server evicted it) or unreadable: a miss
+        header = bytearray(HEADER_BYTES)
+        file_bytes = HEADER_BYTES + len(row)
+        try:
+            size = os.fstat(fd).st_size
+            num_read = os.preadv(fd, [header, row], 0) if size == file_bytes else size
+            try:
+                os.utime(fd)
+            except OSError:
+                pass
+        except OSError:
+            return "missing", 0
+        finally:
+            os.close(fd)
+        if num_read != file_bytes or not self._check(key, header, row, len(row)):
+            logger.warning("KV disk tier: %s failed its checks (truncated, corrupted or foreign): removed, its "
+                           "prefix is recomputed", path)
+            self.remove([key])
+            return "bad", num_read
+        return "ok", num_read
 
     def _check(self, key: bytes, header: bytes | bytearray, payload: memoryview, payload_bytes: int) -> bool:
         magic, version, digest, file_key, length, check = _HEADER.unpack_from(header)

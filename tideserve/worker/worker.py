@@ -19,6 +19,7 @@ import importlib
 import logging
 import os
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ from tideserve.core.kv_cache.memory import MemoryProbe
 from tideserve.core.scheduler import SchedulerOutput
 from tideserve.native.cores import intra_op_threads, lend_core
 from tideserve.platform import platform_for
-from tideserve.worker.kv_disk_tier import DiskTier, TierFile
+from tideserve.worker.kv_disk_tier import DiskTier, TierFile, TierLoadResult
 from tideserve.worker.kv_store import KVCacheStorage, KVLayout
 from tideserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -142,6 +143,7 @@ class Worker:
         self._host_weights: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # sleep level 1 on a GPU
         self.runner: ModelRunner | None = None
         self.disk_tier: DiskTier | None = None  # this rank's files of the KV disk tier (open_kv_disk_tier)
+        self._disk_loads: dict[int, tuple[np.ndarray, Future[TierLoadResult]]] = {}  # start_kv_disk_load
         self._build_runner()
 
     def _build_runner(self) -> None:
@@ -258,16 +260,33 @@ class Worker:
                 tier.save(key, row)
         return tier.file_bytes(self.kv_storage.bytes_per_block()), tier.error
 
-    def load_kv_blocks_from_disk(self, items: list[tuple[bytes, int]]) -> DiskTierLoad:
-        """Fill each (tier key, block id) from its file, in order, up to the first missing or bad one."""
+    def start_kv_disk_load(self, load_id: int, keys: list[bytes]) -> None:
+        """Start reading these blocks' files, in order, into a buffer of this rank's, on the tier's own
+        thread (``kv_disk_loads_done`` says when it is over, ``finish_kv_disk_load`` puts the blocks in the
+        pool). Nothing here touches the pool: it may resize or compact while the files are read."""
         if self.disk_tier is None:
+            return
+        rows = np.empty((len(keys), self.kv_storage.bytes_per_block()), dtype=np.uint8)
+        future = self.disk_tier.start_load(keys, rows.shape[1], memoryview(rows).cast("B"))
+        self._disk_loads[load_id] = rows, future
+
+    def kv_disk_loads_done(self, wait_s: float = 0.0) -> dict[int, int]:
+        """The loads whose reads are over, with how many leading blocks each read whole; waits up to
+        ``wait_s`` for the oldest one when none is over yet (the engine has nothing else to do)."""
+        if wait_s > 0 and self._disk_loads and not any(f.done() for _, f in self._disk_loads.values()):
+            wait([next(iter(self._disk_loads.values()))[1]], timeout=wait_s)
+        return {load_id: future.result().num_loaded
+                for load_id, (_, future) in self._disk_loads.items() if future.done()}
+
+    def finish_kv_disk_load(self, load_id: int, first: int, block_ids: list[int]) -> DiskTierLoad:
+        """Fill ``block_ids`` with the load's blocks from its ``first`` on (none: the load is dropped) and
+        free its buffer; waits for the read if it is not over. Returns what the read found."""
+        if load_id not in self._disk_loads:  # the tier was closed meanwhile
             return DiskTierLoad(0, [], 0)
-        payload_bytes = self.kv_storage.bytes_per_block()
-        rows = np.empty((len(items), payload_bytes), dtype=np.uint8)
-        result = self.disk_tier.load_into([key for key, _ in items], payload_bytes, memoryview(rows).cast("B"))
-        num = result.num_loaded
-        self.kv_storage.write_blocks([block_id for _, block_id in items[:num]], rows[:num])
-        return DiskTierLoad(num, result.bad_keys, result.bytes_read)
+        rows, future = self._disk_loads.pop(load_id)
+        result = future.result()
+        self.kv_storage.write_blocks(block_ids, rows[first:first + len(block_ids)])
+        return DiskTierLoad(result.num_loaded, result.bad_keys, result.bytes_read)
 
     def remove_kv_blocks_from_disk(self, keys: list[bytes]) -> None:
         """Drop these blocks' files (evicted from the tier, or found on some ranks only)."""
@@ -279,6 +298,7 @@ class Worker:
         if self.disk_tier is not None:
             self.disk_tier.close()
             self.disk_tier = None
+        self._disk_loads.clear()
 
     # ----------------------------------------------------------------- requests
     def execute_model(self, scheduler_output: SchedulerOutput,

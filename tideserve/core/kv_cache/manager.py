@@ -159,11 +159,8 @@ class KVCacheManager:
         ``get_computed_blocks`` is (the last token is always computed). Nothing is allocated."""
         if self.tier is None:
             return 0, []
-        hashes = self._full_block_hashes(request_id, token_ids)
+        start = self.num_pool_hit_blocks(request_id, token_ids)
         max_blocks = (len(token_ids) - 1) // self.block_size
-        start = 0
-        while start < max_blocks and self.pool.lookup(hashes[start]) is not None:
-            start += 1
         found: list[TierKey] = []
         for i in range(start, max_blocks):
             key = self._tier_block_keys(request_id, token_ids, i + 1)[i]
@@ -171,6 +168,16 @@ class KVCacheManager:
                 break
             found.append(key)
         return start, found
+
+    def num_pool_hit_blocks(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """How many leading full blocks of the request the pool holds now, capped as ``get_computed_blocks``
+        is (the last token is always computed). Nothing is allocated or touched."""
+        hashes = self._full_block_hashes(request_id, token_ids)
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        start = 0
+        while start < max_blocks and self.pool.lookup(hashes[start]) is not None:
+            start += 1
+        return start
 
     def tier_load_shortfall(self, request_id: str, start: int, num_blocks: int) -> int:
         """How many more free blocks loading ``num_blocks`` after the request's pool hit of ``start``
