@@ -256,9 +256,61 @@ def test_a_request_aborted_while_its_blocks_load_leaves_nothing_behind(make_llm,
     assert engine.scheduler.requests[request_id].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     engine.abort_request(request_id)
     gate.set()
-    while engine.kv_disk_tier.loading or engine.has_unfinished_requests():
+    while engine.kv_tiers.loading or engine.has_unfinished_requests():
         engine.step()
     engine.kv_manager.check_invariants()
     assert engine.kv_manager.num_cached_blocks() == 0  # the read was dropped, nothing published
     assert _run(llm, PROMPT) == (cold[PROMPT], (len(engine.tokenizer.encode(PROMPT)) - 1) // 16 * 16)
     engine.shutdown()
+
+
+def test_the_host_tier_keeps_the_prefixes_an_idle_shrink_gives_up(make_llm, cold):
+    llm = make_llm(kv_offloading_size="64MiB", **SETTINGS)
+    assert llm.engine.kv_disk_tier is None and llm.engine.kv_host_tier is not None
+    _run(llm, PROMPT)
+    stats = llm.engine.kv_host_tier.snapshot()
+    num_hit = (len(llm.engine.tokenizer.encode(PROMPT)) - 1) // 16
+    assert stats.medium == "CPU" and stats.blocks_written >= num_hit and stats.used_bytes == stats.bytes_written
+    llm.engine.pool.shrink(1, "test")  # the pool's pages go back, its cached prefixes with them
+    kept = llm.engine.kv_manager.num_cached_blocks()
+    tokens, cached = _run(llm, PROMPT)
+    assert tokens == cold[PROMPT] and cached == num_hit * 16
+    stats = llm.engine.kv_host_tier.snapshot()
+    assert stats.hits == num_hit - kept and stats.loads == 1 and stats.bytes_read > 0
+    llm.engine.kv_manager.check_invariants()
+    llm.engine.shutdown()
+
+
+def test_the_tiers_stack_host_before_disk(make_llm, tmp_path, cold):
+    """Both tiers keep every published block; a prefix both hold comes from the host tier, and after a restart
+    (host memory empty) from the disk."""
+    llm = make_llm(kv_offloading_size="64MiB", kv_cache_dir=str(tmp_path), **SETTINGS)
+    _run(llm, PROMPT)
+    llm.engine.pool.shrink(1, "test")
+    kept = llm.engine.kv_manager.num_cached_blocks()
+    num_hit = (len(llm.engine.tokenizer.encode(PROMPT)) - 1) // 16
+    assert _run(llm, PROMPT) == (cold[PROMPT], num_hit * 16)
+    assert llm.engine.kv_host_tier.snapshot().hits == num_hit - kept
+    assert llm.engine.kv_disk_tier.snapshot().hits == 0
+    llm.engine.shutdown()
+
+    again = make_llm(kv_offloading_size="64MiB", kv_cache_dir=str(tmp_path), **SETTINGS)
+    assert _run(again, PROMPT) == (cold[PROMPT], num_hit * 16)
+    assert again.engine.kv_host_tier.snapshot().hits == 0
+    assert again.engine.kv_disk_tier.snapshot().hits == num_hit
+    assert again.engine.kv_host_tier.snapshot().blocks_written == 0  # it got the blocks from the disk only
+    again.engine.shutdown()
+
+
+def test_a_full_host_tier_evicts_least_recently_used_blocks(make_llm, cold):
+    probe = make_llm(kv_offloading_size="64MiB", **SETTINGS)
+    _run(probe, PROMPT)
+    block_bytes = probe.engine.executor.driver_worker.kv_storage.bytes_per_block()
+    probe.engine.shutdown()
+    llm = make_llm(kv_offloading_size=f"{3 * block_bytes}B", **SETTINGS)
+    _run(llm, PROMPT)
+    assert _run(llm, OTHER)[0] == cold[OTHER]
+    stats = llm.engine.kv_host_tier.snapshot()
+    assert stats.evictions > 0 and stats.used_bytes == 3 * block_bytes
+    assert len(llm.engine.executor.driver_worker.host_tier) == 3
+    llm.engine.shutdown()

@@ -73,9 +73,10 @@ class KVCacheManager:
         self.swap: SwapSpace | None = None
         self.swapped: dict[str, list[int]] = {}  # request id -> swap block ids, in table order
         self.events: list[KVCacheEvent] | None = None  # see enable_events
-        # A KV tier below the pool (core/kv_cache/tiers.py; None: off). Its keys are a second, stable hash
-        # chain per request; blocks published since the last take_tier_writes wait in _tier_writes.
-        self.tier: TierIndex | None = None
+        # The KV tiers below the pool, nearest first (core/kv_cache/tiers.py; none: off). Their keys are a
+        # second, stable hash chain per request; blocks published since the last take_tier_writes wait in
+        # _tier_writes.
+        self.tiers: list[TierIndex] = []
         self.tier_keys: dict[str, list[TierKey]] = {}
         self._tier_writes: list[tuple[KVBlock, BlockHash, TierKey]] = []
 
@@ -137,11 +138,20 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------- KV tiers below the pool
     def enable_tier(self, index: TierIndex | None) -> None:
-        """Keep full prefix blocks in a tier below the pool too (``index``: the keys it holds; None: off).
-        Off, nothing per block is computed."""
-        self.tier = index if self.enable_prefix_caching else None
+        """Keep full prefix blocks in one tier below the pool too (``index``: the keys it holds; None: off)."""
+        self.enable_tiers([] if index is None else [index])
+
+    def enable_tiers(self, indexes: list[TierIndex]) -> None:
+        """Keep full prefix blocks in these tiers below the pool too (the keys each holds, nearest first;
+        none: off). Off, nothing per block is computed."""
+        self.tiers = list(indexes) if self.enable_prefix_caching else []
         self.tier_keys.clear()
         self._tier_writes.clear()
+
+    @property
+    def tier(self) -> TierIndex | None:
+        """The nearest tier's keys (None: no tier)."""
+        return self.tiers[0] if self.tiers else None
 
     def _tier_block_keys(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[TierKey]:
         """Tier keys of the first ``num_blocks`` full blocks of token_ids, extending what was computed."""
@@ -153,18 +163,21 @@ class KVCacheManager:
             keys.append(parent)
         return keys
 
-    def plan_tier_load(self, request_id: str, token_ids: Sequence[int]) -> tuple[int, list[TierKey]]:
+    def plan_tier_load(self, request_id: str, token_ids: Sequence[int],
+                       index: TierIndex | None = None) -> tuple[int, list[TierKey]]:
         """Where a waiting request's prefix hit in the pool ends, and the tier keys of the blocks right
-        after it that the tier holds, in order: what loading them back would add to its hit. Capped as
-        ``get_computed_blocks`` is (the last token is always computed). Nothing is allocated."""
-        if self.tier is None:
+        after it that the tier ``index`` (default: the nearest) holds, in order: what loading them back
+        would add to its hit. Capped as ``get_computed_blocks`` is (the last token is always computed).
+        Nothing is allocated."""
+        index = self.tier if index is None else index
+        if index is None:
             return 0, []
         start = self.num_pool_hit_blocks(request_id, token_ids)
         max_blocks = (len(token_ids) - 1) // self.block_size
         found: list[TierKey] = []
         for i in range(start, max_blocks):
             key = self._tier_block_keys(request_id, token_ids, i + 1)[i]
-            if key not in self.tier:
+            if key not in index:
                 break
             found.append(key)
         return start, found
@@ -217,14 +230,15 @@ class KVCacheManager:
 
     def take_tier_writes(self) -> list[tuple[int, TierKey]]:
         """(block id, tier key) of the blocks published since the last call that still hold their prefix
-        and that the tier lacks: what to write down once the step that computed them has run."""
+        and that some tier lacks: what to write down once the step that computed them has run (each tier
+        keeps those it lacks)."""
         out: list[tuple[int, TierKey]] = []
-        if self.tier is None:
+        if not self.tiers:
             self._tier_writes.clear()
             return out
         seen: set[TierKey] = set()
         for block, block_hash, key in self._tier_writes:
-            if block.block_hash == block_hash and key not in self.tier and key not in seen:
+            if block.block_hash == block_hash and key not in seen and any(key not in t for t in self.tiers):
                 seen.add(key)
                 out.append((block.block_id, key))
         self._tier_writes.clear()
@@ -340,12 +354,12 @@ class KVCacheManager:
         events = self.events
         stored: BlockStored | None = None  # the run of consecutive blocks published by this call
         bs = self.block_size
-        tier_keys = self._tier_block_keys(request_id, token_ids, num_tokens // bs) if self.tier is not None else None
+        tier_keys = self._tier_block_keys(request_id, token_ids, num_tokens // bs) if self.tiers else None
         for i in range(num_tokens // bs):
             if table[i].block_hash is not None or not self.pool.publish(table[i], hashes[i]):
                 stored = None
                 continue
-            if tier_keys is not None and tier_keys[i] not in self.tier:
+            if tier_keys is not None and any(tier_keys[i] not in t for t in self.tiers):
                 self._tier_writes.append((table[i], hashes[i], tier_keys[i]))
             if events is None:
                 continue
