@@ -175,7 +175,7 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
             fingerprint = tier_fingerprint(loaded, kv_dtype, device, tokenizer, executor.world_size)
             tiers.append(open_disk_tier(cache_config, fingerprint, executor, kv_manager))
         tiers = [t for t in tiers if t is not None]
-        kv_tiers = KVTiers(executor, kv_manager, scheduler, tiers) if tiers else None
+        kv_tiers = KVTiers(executor, kv_manager, scheduler, tiers, pool.prepare_growth) if tiers else None
         processor = InputProcessor(tokenizer, arch, loaded.name, max_model_len, model_config, sched_config,
                                    structured_output)
         # Last, so a failed start-up leaves no socket bound.

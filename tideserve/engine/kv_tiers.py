@@ -37,6 +37,7 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,7 +124,8 @@ class KVTier:
 
     def snapshot(self) -> TierStats:
         """The tier's counters with its occupancy now."""
-        return dataclasses.replace(self.stats, used_bytes=self.index.used_bytes, enabled=self.enabled)
+        return dataclasses.replace(self.stats, used_bytes=self.index.used_bytes, enabled=self.enabled,
+                                   load_buckets=list(self.stats.load_buckets))
 
     def close(self) -> None:
         """Finish the workers' writes under way (every published block is on disk afterwards); idempotent."""
@@ -180,14 +182,21 @@ class KVTiers:
     """Keeps published blocks in the tiers and loads tier hits back, around the engine's steps (module doc).
     ``tiers`` are nearest first; a tier that turned itself off leaves the list."""
 
-    def __init__(self, executor: Executor, kv: KVCacheManager, scheduler: Scheduler, tiers: list[KVTier]) -> None:
+    def __init__(self, executor: Executor, kv: KVCacheManager, scheduler: Scheduler, tiers: list[KVTier],
+                 prepare_growth: Callable[[int], None] | None = None) -> None:
         self.executor = executor
+        # Told how many more blocks a load just started will need (the elastic pool commits their pages in
+        # the background meanwhile: PoolController.prepare_growth); None: a fixed pool.
+        self.prepare_growth = prepare_growth
         self.kv = kv
         self.scheduler = scheduler
         self.tiers = tiers
         self.all_tiers = list(tiers)  # for the metrics: a tier that turned off still reports
         self._loads: dict[int, PendingLoad] = {}  # by load id, oldest first
         self._load_ids = itertools.count()
+        # Waiting requests whose last load found no free block for what it read: not loaded again while
+        # they wait (a pool that cannot grow would otherwise read the same blocks before every step).
+        self._no_room: set[str] = set()
         kv.enable_tiers([t.index for t in tiers])
 
     def medium(self, medium: str) -> KVTier | None:
@@ -217,13 +226,16 @@ class KVTiers:
         scheduler, kv = self.scheduler, self.kv
         seats = scheduler.config.max_num_seqs - len(scheduler.running)
         budget = scheduler.config.max_num_batched_tokens  # the requests past it cannot start in the next step
+        if self._no_room:
+            self._no_room.intersection_update(r.request_id for r in scheduler.waiting)
         for request in list(scheduler.waiting)[:max(0, seats)]:
             if budget <= 0:
                 return
             if request.status == LOADING:
                 budget -= request.num_tokens % kv.block_size or kv.block_size
                 continue
-            if request.request_id in kv.swapped or request.sampling_params.needs_every_prompt_position:
+            if (request.request_id in kv.swapped or request.request_id in self._no_room
+                    or request.sampling_params.needs_every_prompt_position):
                 continue
             token_ids = request.all_token_ids
             start, keys, tier = 0, [], None
@@ -239,6 +251,8 @@ class KVTiers:
             self.executor.collective_rpc(Worker.start_kv_load, tier.medium, load_id, keys)
             self._loads[load_id] = PendingLoad(request, request.status, start, keys, time.perf_counter(), tier)
             request.status = LOADING
+            if self.prepare_growth is not None:
+                self.prepare_growth(kv.tier_load_shortfall(request.request_id, start, len(keys)))
 
     def finish_loads(self, wait_s: float = 0.0) -> None:
         """Put the blocks of every load whose reads are over on every rank into the pool (waiting up to
@@ -271,6 +285,8 @@ class KVTiers:
                     if not grow(short) or kv.num_free_blocks <= free:
                         break
                 hit, blocks = kv.begin_tier_load(request.request_id, start, num_read - first)
+                if not blocks:
+                    self._no_room.add(request.request_id)
         answers = self.executor.collective_rpc(Worker.finish_kv_load, load_id, max(first, 0),
                                                [b.block_id for b in blocks])
         if blocks:
@@ -288,8 +304,7 @@ class KVTiers:
         stats.bytes_read += sum(a.bytes_read for a in answers)
         if blocks:
             seconds = time.perf_counter() - load.began
-            stats.loads += 1
-            stats.load_seconds += seconds
+            stats.observe_load(seconds)
             logger.debug("KV %s tier: request %s loaded %d blocks (%d..%d) in %.1f ms", tier.medium,
                          request.request_id, len(blocks), load.start + first, load.start + first + len(blocks) - 1,
                          1e3 * seconds)
