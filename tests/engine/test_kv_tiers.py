@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tideserve import SamplingParams
+from tideserve.core.kv_cache.events import BlockRemoved, BlockStored
 from tideserve.core.kv_cache.tiers import tier_block_key, tier_root_key
 from tideserve.request import RequestStatus
 from tideserve.worker.kv_disk_tier import HEADER_BYTES, DiskTier
@@ -313,4 +314,25 @@ def test_a_full_host_tier_evicts_least_recently_used_blocks(make_llm, cold):
     stats = llm.engine.kv_host_tier.snapshot()
     assert stats.evictions > 0 and stats.used_bytes == 3 * block_bytes
     assert len(llm.engine.executor.driver_worker.host_tier) == 3
+    llm.engine.shutdown()
+
+
+def test_kv_events_name_each_tier_by_its_medium(make_llm, tmp_path):
+    """The blocks a tier keeps are BlockStored events with its medium (CPU, DISK), naming the blocks as the
+    pool's own events do; a block a tier drops to stay within its size is a BlockRemoved of that medium."""
+    probe = make_llm(**SETTINGS)
+    block_bytes = probe.engine.executor.driver_worker.kv_storage.bytes_per_block()
+    probe.engine.shutdown()
+    llm = make_llm(kv_offloading_size=f"{3 * block_bytes}B", kv_cache_dir=str(tmp_path), **SETTINGS)
+    llm.engine.kv_manager.enable_events()
+    _run(llm, PROMPT)
+    events = llm.engine.kv_manager.take_events()
+    stored = {m: [h for e in events if isinstance(e, BlockStored) and e.medium == m for h in e.block_hashes]
+              for m in ("GPU", "CPU", "DISK")}
+    num_blocks = len(_block_files(llm, PROMPT))
+    assert len(stored["GPU"]) >= num_blocks and stored["DISK"] == stored["GPU"][:len(stored["DISK"])]
+    assert len(stored["DISK"]) == len(stored["CPU"]) >= num_blocks
+    removed = [h for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU" for h in e.block_hashes]
+    assert removed == stored["CPU"][:len(stored["CPU"]) - 3]  # the host tier keeps the 3 newest
+    assert not [e for e in events if isinstance(e, BlockRemoved) and e.medium == "DISK"]
     llm.engine.shutdown()

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from tideserve.config import CacheConfig
+from tideserve.core.kv_cache.events import BlockRemoved, BlockStored, KVCacheEvent
 from tideserve.core.kv_cache.manager import KVCacheManager
 from tideserve.core.kv_cache.tiers import TierIndex, TierStats
 from tideserve.core.scheduler import Scheduler
@@ -109,18 +110,42 @@ class KVTier:
         self.where = where  # for the log: the directory, or "host memory"
         self.stats = TierStats(medium, capacity_bytes=index.capacity_bytes)
         self.enabled = True
+        # tier key -> the hash the KV events name its block by, for the blocks stored while events are on
+        # (a restart's blocks have none: their events were a previous process's)
+        self.event_hashes: dict[bytes, int] = {}
 
-    def store(self, file_bytes: int, keys: list[bytes]) -> None:
+    def store(self, file_bytes: int, keys: list[bytes],
+              event_blocks: dict[bytes, tuple[int, int | None, list[int]]]) -> list[KVCacheEvent]:
         """Record blocks the workers just kept (``file_bytes`` each, all ranks together); drop from the
-        workers what the index evicts to stay within its size."""
+        workers what the index evicts to stay within its size. Returns the KV events of both, with this
+        tier's medium (``event_blocks``: what names each block in the events; empty with events off)."""
         evicted = []
+        events: list[KVCacheEvent] = []
         for key in keys:
             evicted += self.index.add(key, file_bytes)
+            block = event_blocks.get(key)
+            if block is None:
+                continue
+            block_hash, parent, token_ids = block
+            self.event_hashes[key] = block_hash
+            last = events[-1] if events else None
+            if isinstance(last, BlockStored) and last.block_hashes[-1] == parent:  # one event per run
+                last.block_hashes.append(block_hash)
+                last.token_ids.extend(token_ids)
+            else:
+                events.append(BlockStored([block_hash], parent, list(token_ids), len(token_ids), self.medium))
         if evicted:
             self.executor.collective_rpc(Worker.remove_kv_blocks, self.medium, evicted)
             self.stats.evictions += len(evicted)
+            events += self.forget(evicted)
         self.stats.blocks_written += len(keys)
         self.stats.bytes_written += file_bytes * len(keys)
+        return events
+
+    def forget(self, keys: list[bytes]) -> list[KVCacheEvent]:
+        """The BlockRemoved event (this medium) of the blocks among ``keys`` that events named."""
+        hashes = [h for h in (self.event_hashes.pop(k, None) for k in keys) if h is not None]
+        return [BlockRemoved(hashes, self.medium)] if hashes else []
 
     def snapshot(self) -> TierStats:
         """The tier's counters with its occupancy now."""
@@ -299,6 +324,7 @@ class KVTiers:
                 tier.index.remove(key)
             self.executor.collective_rpc(Worker.remove_kv_blocks, tier.medium, bad)
             tier.stats.bad_files += len(bad)
+            kv.record_events(tier.forget(bad))
         stats = tier.stats
         stats.hits += len(blocks)
         stats.bytes_read += sum(a.bytes_read for a in answers)
@@ -313,6 +339,7 @@ class KVTiers:
         """Keep the full blocks the step that just ran computed and published in every tier that lacks
         them (module doc)."""
         items = self.kv.take_tier_writes()
+        event_blocks = self.kv.take_tier_event_blocks()
         if not items or not self.tiers:
             return
         wanted = {t.medium: [(block_id, key) for block_id, key in items if key not in t.index] for t in self.tiers}
@@ -324,13 +351,15 @@ class KVTiers:
             if error is not None:
                 self._turn_off(tier, error)
                 continue
-            tier.store(sum(a[tier.medium][0] for a in answers), [key for _, key in wanted[tier.medium]])
+            self.kv.record_events(tier.store(sum(a[tier.medium][0] for a in answers),
+                                             [key for _, key in wanted[tier.medium]], event_blocks))
 
     def _turn_off(self, tier: KVTier, reason: str) -> None:
         logger.warning("KV %s tier off: %s; requests are served without it (prefixes that leave the pool "
                        "are recomputed)", tier.medium.lower(), reason)
         self.tiers.remove(tier)
         self.kv.enable_tiers([t.index for t in self.tiers])
+        self.kv.record_events(tier.forget(list(tier.event_hashes)))
         tier.index.clear()
         tier.close()
 

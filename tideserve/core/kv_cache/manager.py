@@ -77,6 +77,9 @@ class KVCacheManager:
         # second, stable hash chain per request; blocks published since the last take_tier_writes wait in
         # _tier_writes.
         self.tiers: list[TierIndex] = []
+        # With events on: tier key -> (event hash, parent's event hash, token ids) of the blocks in
+        # _tier_writes, for the tiers' BlockStored events (take_tier_event_blocks)
+        self._tier_event_blocks: dict[TierKey, tuple[int, int | None, list[int]]] = {}
         self.tier_keys: dict[str, list[TierKey]] = {}
         self._tier_writes: list[tuple[KVBlock, BlockHash, TierKey]] = []
 
@@ -147,6 +150,7 @@ class KVCacheManager:
         self.tiers = list(indexes) if self.enable_prefix_caching else []
         self.tier_keys.clear()
         self._tier_writes.clear()
+        self._tier_event_blocks.clear()
 
     @property
     def tier(self) -> TierIndex | None:
@@ -227,6 +231,17 @@ class KVCacheManager:
                 stored.block_hashes.append(external_hash(hashes[i]))
                 stored.token_ids.extend(token_ids[i * bs:(i + 1) * bs])
         self.pool.release(blocks[::-1] + hit[::-1])
+
+    def take_tier_event_blocks(self) -> dict[TierKey, tuple[int, int | None, list[int]]]:
+        """For the blocks of the last ``take_tier_writes``, with events on: tier key -> (hash, parent hash,
+        token ids) as the pool's events name them, so a tier's events name the same blocks."""
+        out, self._tier_event_blocks = self._tier_event_blocks, {}
+        return out
+
+    def record_events(self, events: list[KVCacheEvent]) -> None:
+        """Add events from outside the pool (the KV tiers'), in order, when events are on."""
+        if self.events is not None:
+            self.events.extend(events)
 
     def take_tier_writes(self) -> list[tuple[int, TierKey]]:
         """(block id, tier key) of the blocks published since the last call that still hold their prefix
@@ -361,6 +376,9 @@ class KVCacheManager:
                 continue
             if tier_keys is not None and any(tier_keys[i] not in t for t in self.tiers):
                 self._tier_writes.append((table[i], hashes[i], tier_keys[i]))
+                if events is not None:  # what a tier's BlockStored event for this block will say
+                    self._tier_event_blocks[tier_keys[i]] = (external_hash(hashes[i]), external_hash(hashes[i - 1])
+                                                             if i else None, list(token_ids[i * bs:(i + 1) * bs]))
             if events is None:
                 continue
             if stored is None:
@@ -496,6 +514,7 @@ class KVCacheManager:
         self.req_hashes = {}
         self.tier_keys = {}  # the tier's keys are rooted in the block size
         self._tier_writes = []
+        self._tier_event_blocks = {}
         tables = {}
         for request_id, num_tokens in live.items():
             blocks = self.pool.allocate(-(-num_tokens // new_block_size))
