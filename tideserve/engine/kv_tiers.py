@@ -279,6 +279,15 @@ class KVTiers:
             if self.prepare_growth is not None:
                 self.prepare_growth(kv.tier_load_shortfall(request.request_id, start, len(keys)))
 
+    def _grow_for(self, request_id: str, start: int, num_blocks: int) -> None:
+        """Grow the elastic pool (as for an allocation) until ``num_blocks`` after the request's pool hit of
+        ``start`` blocks have free blocks (pages ``prepare_growth`` committed meanwhile are taken first)."""
+        grow, kv = self.scheduler.on_out_of_blocks, self.kv
+        while grow is not None and (short := kv.tier_load_shortfall(request_id, start, num_blocks)):
+            free = kv.num_free_blocks
+            if not grow(short) or kv.num_free_blocks <= free:
+                break
+
     def finish_loads(self, wait_s: float = 0.0) -> None:
         """Put the blocks of every load whose reads are over on every rank into the pool (waiting up to
         ``wait_s`` for the oldest when none is over)."""
@@ -303,12 +312,7 @@ class KVTiers:
             start = kv.num_pool_hit_blocks(request.request_id, token_ids)
             first = start - load.start  # of the loaded blocks, those the pool holds again already
             if 0 <= first < num_read and tier.enabled:
-                grow = scheduler.on_out_of_blocks  # the elastic pool grows for a load as for an allocation
-                while grow is not None and (short := kv.tier_load_shortfall(request.request_id, start,
-                                                                            num_read - first)):
-                    free = kv.num_free_blocks
-                    if not grow(short) or kv.num_free_blocks <= free:
-                        break
+                self._grow_for(request.request_id, start, num_read - first)
                 hit, blocks = kv.begin_tier_load(request.request_id, start, num_read - first)
                 if not blocks:
                     self._no_room.add(request.request_id)
@@ -343,6 +347,8 @@ class KVTiers:
         if not items or not self.tiers:
             return
         wanted = {t.medium: [(block_id, key) for block_id, key in items if key not in t.index] for t in self.tiers}
+        if not any(wanted.values()):
+            return
         answers = self.executor.collective_rpc(Worker.save_kv_blocks, {m: v for m, v in wanted.items() if v})
         for tier in list(self.tiers):
             if not wanted[tier.medium]:

@@ -282,10 +282,12 @@ class Worker:
         tier's own thread (``kv_loads_done`` says when it is over, ``finish_kv_load`` puts the blocks in the
         pool). Nothing here touches the pool: it may resize or compact while the blocks are read."""
         tier = self._kv_tier(medium)
-        if tier is None:
-            return
-        rows = np.empty((len(keys), self.kv_storage.bytes_per_block()), dtype=np.uint8)
-        future = tier.start_load(keys, rows.shape[1], memoryview(rows).cast("B"))
+        rows = np.empty((len(keys) if tier is not None else 0, self.kv_storage.bytes_per_block()), dtype=np.uint8)
+        if tier is None:  # closed meanwhile: a load that found nothing
+            future: Future[TierLoadResult] = Future()
+            future.set_result(TierLoadResult(0, [], 0))
+        else:
+            future = tier.start_load(keys, rows.shape[1], memoryview(rows).cast("B"))
         self._kv_loads[load_id] = medium, rows, future
 
     def kv_loads_done(self, wait_s: float = 0.0) -> dict[int, int]:
