@@ -34,6 +34,7 @@ from tideserve.native.cores import intra_op_threads, lend_core
 from tideserve.platform import platform_for
 from tideserve.worker.kv_disk_tier import DiskTier, TierFile, TierLoadResult
 from tideserve.worker.kv_host_tier import HostTier
+from tideserve.worker.kv_staging import StagingBuffers
 from tideserve.worker.kv_store import KVCacheStorage, KVLayout
 from tideserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -147,6 +148,7 @@ class Worker:
         self.host_tier: HostTier | None = None  # this rank's blocks in the KV host tier (open_kv_host_tier)
         # the loads under way (start_kv_load): load id -> (medium, buffer, read)
         self._kv_loads: dict[int, tuple[str, np.ndarray, Future[TierLoadResult]]] = {}
+        self._staging = StagingBuffers()  # the loads' buffers, kept between loads (worker/kv_staging.py)
         self._build_runner()
 
     def _build_runner(self) -> None:
@@ -282,7 +284,7 @@ class Worker:
         tier's own thread (``kv_loads_done`` says when it is over, ``finish_kv_load`` puts the blocks in the
         pool). Nothing here touches the pool: it may resize or compact while the blocks are read."""
         tier = self._kv_tier(medium)
-        rows = np.empty((len(keys) if tier is not None else 0, self.kv_storage.bytes_per_block()), dtype=np.uint8)
+        rows = self._staging.take(len(keys) if tier is not None else 0, self.kv_storage.bytes_per_block())
         if tier is None:  # closed meanwhile: a load that found nothing
             future: Future[TierLoadResult] = Future()
             future.set_result(TierLoadResult(0, [], 0))
@@ -306,6 +308,7 @@ class Worker:
         _, rows, future = self._kv_loads.pop(load_id)
         result = future.result()
         self.kv_storage.write_blocks(block_ids, rows[first:first + len(block_ids)])
+        self._staging.give_back(rows)
         return TierLoad(result.num_loaded, result.bad_keys, result.bytes_read)
 
     def remove_kv_blocks(self, medium: str, keys: list[bytes]) -> None:
