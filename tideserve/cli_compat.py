@@ -68,7 +68,8 @@ ENGINE_FLAGS = (
     ForeignFlag(("--max-num-partial-prefills", "--long-prefill-token-threshold"), "chunked prefill shares "
                 "one token budget per step (--max-num-batched-tokens)", takes_value=True),
     ForeignFlag(("--speculative-model", "--num-speculative-tokens"), "vLLM's older spelling: use "
-                "--speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'", takes_value=True),
+                "--speculative-config '{\"model\": PATH, \"num_speculative_tokens\": 4}' (a draft model) or "
+                "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'", takes_value=True),
     ForeignFlag(("--tokenizer-mode",), "the model's fast tokenizer is always used", takes_value=True,
                 harmless=_one_of("auto", "hf")),
     ForeignFlag(("--load-format",), "the weights are read from the model's GGUF or safetensors files as "

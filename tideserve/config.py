@@ -137,7 +137,7 @@ def parse_kv_events_config(value: Any) -> KVEventsConfig | None:
                             '{"enable_kv_cache_events": true, "publisher": "zmq"}')
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass
@@ -145,27 +145,34 @@ class SpeculativeConfig:
     """vLLM's ``--speculative-config``: propose ``num_speculative_tokens`` tokens per step and verify them in
     one forward pass (tideserve/spec_decode/). ``method`` "ngram" looks the proposals up in the request's own
     prompt and output: the tokens that followed the latest earlier occurrence of its last n tokens, n from
-    ``prompt_lookup_max`` down to ``prompt_lookup_min``. Field names are vLLM's; ``disable_by_batch_size``
-    (vLLM's too) stops proposing while at least that many requests run, where a step is bound by
-    arithmetic rather than by reading the weights, so verifying proposals costs more than it saves."""
+    ``prompt_lookup_max`` down to ``prompt_lookup_min``. ``method`` "draft_model" (implied by ``model``) has a
+    smaller model with the same vocabulary and KV geometry (KV heads, head size) propose them greedily; its
+    KV lives in the same pool as extra layers (spec_decode/draft.py). Field names are vLLM's;
+    ``disable_by_batch_size`` (vLLM's too) stops proposing while at least that many requests run, where a step
+    is bound by arithmetic rather than by reading the weights, so verifying proposals costs more than it
+    saves."""
 
     method: str | None = None
     num_speculative_tokens: int | None = None
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
-    model: str | None = None  # a draft model: not available yet (refused with the reason)
+    model: str | None = None  # the draft model's path (method "draft_model")
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         name = "speculative_config"
-        if self.model is not None and self.method in (None, "draft_model"):
-            raise ValueError(f"{name}.model: draft-model speculation is not available in this version; use "
-                             f'{{"method": "ngram", "num_speculative_tokens": 4}}.')
         if self.method is None:
-            self.method = "ngram" if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None \
-                else None
+            self.method = ("draft_model" if self.model is not None else
+                           "ngram" if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None
+                           else None)
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"{name}.method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}.")
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f'{name}.model must name the draft model (a path or file) for method "draft_model", '
+                             f"got {self.model!r}.")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError(f'{name}.model ({self.model!r}) is for method "draft_model"; method "ngram" looks '
+                             "its proposals up in the request's own text: drop one of the two.")
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 32:
             raise ValueError(f"{name}.num_speculative_tokens must be an integer in [1, 32], got {k!r}.")
@@ -315,7 +322,8 @@ class SchedulerConfig:
         None, metavar="JSON",
         help='speculative decoding in vLLM\'s format, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
              '"prompt_lookup_max": 4}\': proposals from the request\'s own text, verified in one forward pass '
-             '(greedy output unchanged)')
+             '(greedy output unchanged); \'{"model": PATH, "num_speculative_tokens": 4}\': a smaller draft model '
+             'with the same vocabulary and KV geometry proposes them')
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
@@ -379,12 +387,12 @@ class ModelConfig:
         help="auto: cpu-native on the CPU when the native kernels build and the dtypes fit, triton on CUDA when "
              "triton is installed, else torch (SDPA over gathered blocks, runs anywhere)")
     # The same request gives the same answer whatever shares its steps (docs/architecture.md, "Batch
-    # invariance"): on by default. Off only lifts the CPU kernels' ceiling on AVX-512 and AMX CPUs, whose
-    # wider kernels do not share the AVX2 kernels' per-row arithmetic yet; on AVX2 CPUs it changes nothing.
+    # invariance"): on by default. Off only frees attention's unshared AVX-512 forms and AMX's tiles, which do
+    # not compute a row the same way in every cut of a step; on AVX2 CPUs it changes nothing.
     batch_invariant: bool = setting(
-        True, help="a request's tokens do not depend on its batch-mates, prefix-cache hits or chunking (CPU: the "
-                   "native kernels stay on their AVX2 path, whose kernels share one per-row arithmetic; "
-                   "--no-batch-invariant lets AVX-512 and AMX CPUs take their faster, batch-dependent kernels)")
+        True, help="a request's tokens do not depend on its batch-mates, prefix-cache hits or chunking (CPU: "
+                   "attention takes only the forms decode and prefill share, the products stay below AMX; "
+                   "--no-batch-invariant lets AVX-512 and AMX CPUs take their faster, batch-dependent forms)")
     # How /v1/embeddings (and LLM.embed) pool a prompt's hidden states (tideserve/pooling_params.py).
     pooler_config: PoolerConfig | dict | str | None = setting(
         None, metavar="JSON", aliases=("--override-pooler-config",),

@@ -45,11 +45,11 @@ def on_scalar() -> Callable[..., Any]:
 
 @pytest.fixture(autouse=True)
 def best_path() -> Iterator[None]:
-    """Each kernel test starts on the CPU's best path, attention included: an engine built earlier in the run
-    keeps the kernels at or below native.BATCH_INVARIANT_CEILING and attention at or below
-    native.ATTENTION_INVARIANT_CEILING (native.apply_batch_invariance)."""
+    """Each kernel test starts on the CPU's best path, attention's fastest forms included: an engine built
+    earlier in the run keeps the kernels at or below native.BATCH_INVARIANT_CEILING and attention in its
+    invariant mode (native.apply_batch_invariance)."""
     if native.load_library() is not None:
-        native.set_attention_cap(None)
+        native.set_attention_invariant(False)
         if "TIDESERVE_ISA" not in os.environ:
             native.set_isa("auto")
     yield

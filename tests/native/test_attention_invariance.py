@@ -2,8 +2,9 @@
 0 .. p of its sequence comes out bit-identical from a whole-prompt prefill, a prefill of the tail after a
 cached prefix of any length, a chunked prefill of any chunk size, a decode step, and whatever other
 sequences share the call or how many threads run it. Checked on every instruction-set path this machine
-has, with attention capped as batch invariance caps it (native.ATTENTION_INVARIANT_CEILING: on an AVX-512
-CPU the products run AVX-512 while attention runs its AVX2 forms), with torch.equal, not a tolerance."""
+has, in attention's invariant mode (what batch invariance turns on: attn_rows.h's AVX2 forms, or on an
+AVX-512 BF16 CPU with a bfloat16 cache and head_dim a multiple of 32 the vdpbf16ps form in both kernels), with
+torch.equal, not a tolerance."""
 
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ def pools():
 @pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: f"q-{str(d[0])[6:]}-kv-{str(d[1])[6:]}")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
 def test_every_way_to_cut_a_step_gives_the_same_bits(isa, pools, case, dtypes):
-    native.set_attention_cap(native.ATTENTION_INVARIANT_CEILING)  # lifted again by conftest's best_path
+    native.set_attention_invariant(True)  # turned off again by conftest's best_path
     pool = pools(case, dtypes)
     full = pool.prefill([(0, 0, SEQ_LEN)])
     assert not full.isnan().any()

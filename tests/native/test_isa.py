@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tideserve import native
 
@@ -102,20 +103,23 @@ def test_batch_invariance_keeps_the_kernels_at_its_ceiling_and_the_flag_lifts_it
         with caplog.at_level("INFO", logger="tideserve.native"):
             make_llm(dtype="float32")
         assert native.isa() == "scalar"
-        assert native.attention_isa() == "scalar"
+        assert native.attention_isa(torch.bfloat16, 64) == "scalar"
         assert any("batch invariance: native kernels on scalar" in r.message for r in caplog.records)
         make_llm(dtype="float32", batch_invariant=False)
         assert native.isa() == best
-        assert native.attention_isa() == best
+        assert native.attention_isa(torch.bfloat16, 64) == best
         monkeypatch.setattr(native, "BATCH_INVARIANT_CEILING", best)  # the products keep the best path,
-        make_llm(dtype="float32")  # attention its own ceiling
+        make_llm(dtype="float32")  # attention its shared forms: vdpbf16ps for bfloat16 caches, else AVX2
         assert native.isa() == best
         levels = native.ISA_LEVELS
-        ceiling = levels.index(native.ATTENTION_INVARIANT_CEILING)
-        assert native.attention_isa() == levels[min(levels.index(best), ceiling)]
+        rows = min(best, "avx2", key=levels.index)  # attn_rows.h's forms
+        shared = "avx512bf16" if levels.index(best) >= levels.index("avx512bf16") else rows
+        assert native.attention_isa(torch.bfloat16, 64) == shared
+        assert native.attention_isa(torch.float32, 64) == rows
+        assert native.attention_isa(torch.bfloat16, 48) == rows
         monkeypatch.setenv("TIDESERVE_ISA", "avx2" if "avx2" in native.supported_isas() else "scalar")
         native.set_isa("auto")
         assert native.apply_batch_invariance(True) == best  # the user's choice is left alone
     finally:
         native.set_isa("auto")
-        native.set_attention_cap(None)
+        native.set_attention_invariant(False)

@@ -2,7 +2,9 @@
 tiny pool, under both preemption modes, with and without prefix caching. Every request ends with exactly the
 tokens it would have produced without proposals, each running request's table covers exactly its computed
 tokens after every step (the slots of rejected proposals go back at once), the cache manager's invariants
-hold, the counters add up, and nothing leaks."""
+hold, the counters add up, and nothing leaks. With lookahead (the draft-model method), a request whose step
+reaches its last token also holds that many slots past its scheduled ones during the step, and gives them back
+with the step's update like the slots of rejected proposals."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,13 +25,16 @@ def truth(i: int, j: int) -> int:
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 9)), min_size=1, max_size=6),
-       st.sampled_from(["recompute", "swap"]), st.integers(1, 3), st.integers(4, 10), st.booleans(), st.data())
+       st.sampled_from(["recompute", "swap"]), st.integers(1, 3), st.integers(4, 10), st.booleans(),
+       st.integers(0, 3), st.data())
 def test_outputs_equal_the_unspeculated_ones_and_nothing_leaks(specs, mode, max_seqs, budget, prefix_caching,
-                                                               data):
+                                                               ahead, data):
     kv = KVCacheManager(NUM_BLOCKS, BLOCK, enable_prefix_caching=prefix_caching)
     if mode == "swap":
         kv.enable_swap(4)
     s = Scheduler(SchedulerConfig(max_seqs, budget, True, mode), kv, max_model_len=64)
+    if ahead:
+        s.lookahead = lambda request, num_spec: ahead
     index = {}
     for i, (n_prompt, max_tokens) in enumerate(specs):
         rid = f"r{i}"
@@ -51,6 +56,12 @@ def test_outputs_equal_the_unspeculated_ones_and_nothing_leaks(specs, mode, max_
         sampled = {}
         for rid, drafts in out.spec_token_ids.items():
             assert out.num_scheduled_tokens[rid] == 1 + len(drafts)
+        for rid in out.num_scheduled_tokens:  # the lookahead slots exist for the step, after its last token
+            r = s.requests[rid]
+            reaches_end = r.num_computed_tokens >= r.num_tokens + len(out.spec_token_ids.get(rid, []))
+            assert out.num_lookahead_tokens.get(rid, 0) == (ahead if reaches_end else 0)
+            assert kv.num_request_blocks(rid) >= -(-(r.num_computed_tokens + out.num_lookahead_tokens.get(rid, 0))
+                                                   // BLOCK)
         for rid in out.num_scheduled_tokens:
             r = s.requests[rid]
             if r.num_computed_tokens < r.num_tokens:
@@ -73,7 +84,9 @@ def test_outputs_equal_the_unspeculated_ones_and_nothing_leaks(specs, mode, max_
         kv.check_invariants()
         for r in s.running:
             assert kv.num_request_blocks(r.request_id) == -(-r.num_computed_tokens // BLOCK)
-            assert r.num_computed_tokens == r.num_tokens - 1 or r.num_computed_tokens < r.num_prompt_tokens
+            # caught up, or prefilling (its prompt; after a recompute preemption, its outputs too)
+            assert r.num_computed_tokens == r.num_tokens - 1 or r.num_computed_tokens < r.num_prompt_tokens or (
+                r.num_preemptions and r.num_computed_tokens < r.num_tokens - 1)
     assert not s.has_unfinished(), "requests left unfinished after 300 steps"
     want = {f"r{i}": [truth(i, j) for j in range(max_tokens)] for i, (_, max_tokens) in enumerate(specs)}
     assert done == want

@@ -76,6 +76,10 @@ class SchedulerOutput:
     # Speculative decoding: the proposals each request's step verifies after its last token (its scheduled
     # tokens are 1 + their number).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # The draft-model method: per request whose step reaches its last token, how many tokens the draft
+    # proposes after the step's new token. Its slots (that many past the scheduled ones) are allocated for
+    # this step only: the draft writes KV there, and ``update_from_output`` hands them back.
+    num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -112,6 +116,10 @@ class Scheduler:
         self.on_out_of_blocks_to_admit: Callable[[int], bool] | None = None
         self.num_swap_ins = 0  # resumed by copying their KV back (no recompute)
         self.spec_stats = SpecDecodeStats()  # proposals verified and accepted, since start
+        # The draft-model method: (request, proposals it verifies this step) -> lookahead slots for the draft
+        # after its step (spec_decode/proposals.py); None: no lookahead.
+        self.lookahead: Callable[[Request, int], int] | None = None
+        self._with_lookahead: list[str] = []  # requests holding lookahead slots until update_from_output
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -168,13 +176,16 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute (should not happen); leave it
                 i += 1
                 continue
+            spec = num_new - 1 if request.spec_token_ids and request.num_tokens - request.num_computed_tokens == 1 \
+                else 0
+            ahead = self._lookahead(request, request.num_computed_tokens, num_new, spec)
             while True:
                 new_ids = self.kv.allocate_slots(request.request_id, request.all_token_ids,
-                                                 request.num_computed_tokens, num_new)
+                                                 request.num_computed_tokens, num_new + ahead)
                 if new_ids is not None:
                     break
                 if self._grow(self.kv.num_blocks_short(request.request_id, request.num_computed_tokens,
-                                                       num_new)):
+                                                       num_new + ahead)):
                     continue
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -184,9 +195,10 @@ class Scheduler:
             if new_ids is None:
                 break
             scheduled_running.append(request)
-            if request.spec_token_ids and request.num_tokens - request.num_computed_tokens == 1 and num_new > 1:
-                out.spec_token_ids[request.request_id] = request.spec_token_ids[:num_new - 1]
-                request.num_scheduled_spec = num_new - 1
+            if spec:
+                out.spec_token_ids[request.request_id] = request.spec_token_ids[:spec]
+                request.num_scheduled_spec = spec
+            self._note_lookahead(request, ahead, out)
             out.cached_requests.append(
                 CachedRequestData(request.request_id, new_ids, request.num_computed_tokens))
             out.num_scheduled_tokens[request.request_id] = num_new
@@ -199,6 +211,18 @@ class Scheduler:
         for request_id, num in out.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num
         return out
+
+    def _lookahead(self, request: Request, num_computed: int, num_new: int, num_spec: int) -> int:
+        """Lookahead slots for the draft after this step: only when the step reaches the request's last
+        token (so it samples one), as many as the draft-model policy asks (0 without one)."""
+        if self.lookahead is None or num_computed + num_new < request.num_tokens:
+            return 0
+        return self.lookahead(request, num_spec)
+
+    def _note_lookahead(self, request: Request, ahead: int, out: SchedulerOutput) -> None:
+        if ahead:
+            out.num_lookahead_tokens[request.request_id] = ahead
+            self._with_lookahead.append(request.request_id)
 
     def _order_key(self, request: Request) -> int | tuple[int, int]:
         arrival = self._arrival[request.request_id]
@@ -298,14 +322,16 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break  # the whole prompt fits a later step (max_num_batched_tokens >= max_model_len)
                 num_new = budget
-            if not self._room_to_resume(request, 0, num_new, hit_blocks):
+            ahead = self._lookahead(request, num_hit, num_new, 0)
+            if not self._room_to_resume(request, 0, num_new + ahead, hit_blocks):
                 break
-            new_ids = self.kv.allocate_slots(request.request_id, token_ids, 0, num_new, hit_blocks)
-            if new_ids is None and self._grow(self.kv.num_blocks_short(request.request_id, 0, num_new,
+            new_ids = self.kv.allocate_slots(request.request_id, token_ids, 0, num_new + ahead, hit_blocks)
+            if new_ids is None and self._grow(self.kv.num_blocks_short(request.request_id, 0, num_new + ahead,
                                                                         hit_blocks), admitting=True):
-                new_ids = self.kv.allocate_slots(request.request_id, token_ids, 0, num_new, hit_blocks)
+                new_ids = self.kv.allocate_slots(request.request_id, token_ids, 0, num_new + ahead, hit_blocks)
             if new_ids is None:
                 break
+            self._note_lookahead(request, ahead, out)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
@@ -331,13 +357,15 @@ class Scheduler:
             if not self.config.enable_chunked_prefill:
                 return None
             num_new = budget
-        if not self._room_to_resume(request, saved, num_new):
+        ahead = self._lookahead(request, saved, num_new, 0)
+        if not self._room_to_resume(request, saved, num_new + ahead):
             return None
-        result = self.kv.swap_in(request.request_id, token_ids, saved, num_new)
-        if result is None and self._grow(self.kv.num_blocks_short(request.request_id, saved, num_new)):
-            result = self.kv.swap_in(request.request_id, token_ids, saved, num_new)
+        result = self.kv.swap_in(request.request_id, token_ids, saved, num_new + ahead)
+        if result is None and self._grow(self.kv.num_blocks_short(request.request_id, saved, num_new + ahead)):
+            result = self.kv.swap_in(request.request_id, token_ids, saved, num_new + ahead)
         if result is None:
             return None
+        self._note_lookahead(request, ahead, out)
         block_ids, pairs = result
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
@@ -372,6 +400,7 @@ class Scheduler:
             out.preempted_ids.append(request.request_id)
             out.num_scheduled_tokens.pop(request.request_id, None)
             out.spec_token_ids.pop(request.request_id, None)
+            out.num_lookahead_tokens.pop(request.request_id, None)
             if pairs:
                 out.swap_out.extend(pairs)
         else:
@@ -397,7 +426,8 @@ class Scheduler:
         """Append each request's new tokens in order (one, or its accepted proposals and the model's token
         after them), stopping at the first that ends it; returns the requests that got a token, each with
         ``num_new_tokens`` set. The slots of proposals that were not accepted are handed back: the request's
-        computed tokens and block table shrink to what it keeps."""
+        computed tokens and block table shrink to what it keeps, and so do those of requests that held lookahead
+        slots for the draft this step."""
         updated = []
         for request_id, token_ids in sampled.items():
             request = self.requests.get(request_id)
@@ -429,6 +459,11 @@ class Scheduler:
                 self._arrival.pop(request_id, None)
                 self._release(request)
             updated.append(request)
+        for request_id in self._with_lookahead:
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self.kv.trim(request_id, request.num_computed_tokens)
+        self._with_lookahead = []
         return updated
 
     def _release(self, request: Request) -> None:

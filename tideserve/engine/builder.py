@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ from tideserve.model.loader import LoadedModel, load_model
 from tideserve.model.tensor_parallel import check_tensor_parallel, shard_model
 from tideserve.platform import Platform, platform_for, resolve_device
 from tideserve.platform.memory_ledger import MemoryLedger
+from tideserve.spec_decode.draft import check_draft_model
 from tideserve.structured_output.manager import StructuredOutputManager
 from tideserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 from tideserve.worker.executor import Executor, UniprocExecutor
@@ -113,6 +115,7 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
     model = _prepare_weights(loaded, tokenizer, device)
     max_model_len = resolve_max_model_len(model_config.max_model_len, arch.max_position_embeddings,
                                           model_config.allow_long_max_model_len)
+    draft = _load_draft(sched_config, loaded, device, max_model_len, parallel.tensor_parallel_size)
     _check_batched_tokens(sched_config, args.max_num_batched_tokens, max_model_len)
     kv_dtype = (platform.auto_kv_dtype(loaded.dtype, loaded.quantization) if cache_config.kv_cache_dtype == "auto"
                 else getattr(torch, KV_CACHE_TORCH_DTYPES[cache_config.kv_cache_dtype]))
@@ -120,18 +123,23 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
     structured_output = StructuredOutputManager(
         tokenizer.hf, arch.vocab_size, [*tokenizer.stop_token_ids, *arch.eos_token_ids])
     executor = _start_workers(args, model_config, loaded, model, device, kv_dtype,
-                              cache_config.initial_block_size, structured_output, tokenizer)
+                              cache_config.initial_block_size, structured_output, tokenizer, draft)
     try:
         memory = WorkersMemoryProbe(executor, platform.host_memory)
         logger.info("memory probe: %s", memory.describe())
         token_bytes = executor.collective_rpc(Worker.kv_token_bytes)[0]
+        # Layer slots per block: the target's (one group's) and a draft model's, whose KV shares the pool.
+        num_slots = executor.collective_rpc(Worker.kv_num_layer_slots)[0]
         kv_dtype_name = str(kv_dtype).removeprefix("torch.")
         groups = arch.kv_cache_groups()
-        per_token = (f"{2 * groups.group_size * token_bytes} bytes per token" if not groups.is_hybrid else
+        per_token = (f"{2 * num_slots * token_bytes} bytes per token" if not groups.is_hybrid else
                      f"{2 * groups.group_size * token_bytes} bytes per token in each of {groups.num_groups} layer "
                      f"groups")
         logger.info("KV cache dtype %s (%s); decode attention: %s", kv_dtype_name, per_token,
                     executor.collective_rpc(Worker.describe_attention, unique_reply_rank=0))
+        if draft is not None:
+            logger.info("KV cache: %d target layers and %d draft layers per block (the draft's KV shares the pool)",
+                        groups.group_size, num_slots - groups.group_size)
         if groups.is_hybrid:
             logger.info("KV cache: %s; a block holds one group's layers, sliding groups keep only their window",
                         groups.describe())
@@ -144,7 +152,7 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
                                  "support models that mix sliding-window and global layers yet "
                                  f"({groups.describe()}); leave kv_offloading_size unset for this model.")
         # A block holds one group's layers (all of them for a single-group model): its bytes count those.
-        shape = KVGeometry(groups.group_size, token_bytes, kv_dtype_name, cache_config.initial_block_size, 0)
+        shape = KVGeometry(num_slots, token_bytes, kv_dtype_name, cache_config.initial_block_size, 0)
         plan = _plan(cache_config, sched_config, args.elastic_config(), executor, memory, model, shape,
                      max_model_len, groups.num_groups)
         limits = KVStoreLimits.tightest(executor.collective_rpc(
@@ -173,6 +181,8 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
             tiers.append(open_host_tier(cache_config, executor, kv_manager))
         if cache_config.kv_cache_dir:
             fingerprint = tier_fingerprint(loaded, kv_dtype, device, tokenizer, executor.world_size)
+            if draft is not None:  # its layers are part of every block's bytes
+                fingerprint["draft_model"] = str(sched_config.speculative_config.model)
             tiers.append(open_disk_tier(cache_config, fingerprint, executor, kv_manager))
         tiers = [t for t in tiers if t is not None]
         kv_tiers = KVTiers(executor, kv_manager, scheduler, tiers, pool.prepare_growth) if tiers else None
@@ -243,6 +253,34 @@ def _prepare_weights(loaded: LoadedModel, tokenizer: Tokenizer, device: torch.de
     return loaded.model
 
 
+def _load_draft(sched: SchedulerConfig, loaded: LoadedModel, device: torch.device, max_model_len: int,
+                tensor_parallel_size: int) -> torch.nn.Module | None:
+    """The draft-model method's model, loaded in the target's dtype (the target's own weights when it names
+    the same file: only its KV is separate), after the checks that it can share the target's pool
+    (spec_decode/draft.py); None for any other method."""
+    spec = sched.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    if _names_same_file(spec.model, loaded.path):
+        draft = loaded
+    else:
+        try:
+            draft = load_model(spec.model, dtype, device, "auto")
+        except (OSError, ValueError, RuntimeError, KeyError) as exc:
+            raise ValueError(f"speculative_config.model={spec.model!r}: the draft model cannot be loaded "
+                             f"({type(exc).__name__}: {exc}).") from exc
+    check_draft_model(loaded.arch, draft.arch, loaded.name, draft.name, max_model_len, tensor_parallel_size)
+    return draft.model
+
+
+def _names_same_file(path: str, loaded_path: str) -> bool:
+    try:
+        return Path(path).resolve() == Path(loaded_path).resolve()
+    except OSError:
+        return False
+
+
 def _check_batched_tokens(sched: SchedulerConfig, requested: int | None, max_model_len: int) -> None:
     """Without chunked prefill a prompt runs in one step, so one step must hold the longest prompt."""
     if sched.enable_chunked_prefill:
@@ -258,13 +296,15 @@ def _check_batched_tokens(sched: SchedulerConfig, requested: int | None, max_mod
 
 def _start_workers(args: EngineArgs, model_config: ModelConfig, loaded: LoadedModel, model: torch.nn.Module,
                    device: torch.device, kv_dtype: torch.dtype, block_size: int,
-                   structured_output: StructuredOutputManager, tokenizer: Tokenizer) -> Executor:
+                   structured_output: StructuredOutputManager, tokenizer: Tokenizer,
+                   draft: torch.nn.Module | None = None) -> Executor:
     """One worker in this process, or under tensor parallelism this process's rank 0 and one process per
     other rank, each loading its shard of the same checkpoint."""
     parallel = args.parallel_config()
     cls = worker_class(parallel.worker_extension_cls)
     driver = {"rank": 0, "block_size": block_size, "memory_probe": args.memory_probe,
-              "structured_output": structured_output, "batch_invariant": model_config.batch_invariant}
+              "structured_output": structured_output, "batch_invariant": model_config.batch_invariant,
+              "draft_model": draft}
 
     # What a wake needs to load the weights again: names only, never the loaded model (held here, it would
     # keep the weights alive through every sleep).

@@ -89,9 +89,13 @@ class LLMEngine:
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         if spec is not None:
             self.scheduler.spec_stats = SpecDecodeStats.for_proposals(spec.num_speculative_tokens)
-            logger.info("Speculative decoding: %s, %d proposed tokens per step (lookup of the last %d..%d "
-                        "tokens), off while %d or more requests run", spec.method, spec.num_speculative_tokens,
-                        spec.prompt_lookup_min, spec.prompt_lookup_max, spec.disable_by_batch_size)
+            if spec.method == "draft_model":  # the worker drafts after each step into lookahead slots
+                self.scheduler.lookahead = self.speculator.lookahead
+                source = f"greedy tokens of the draft model {spec.model}"
+            else:
+                source = f"lookup of the last {spec.prompt_lookup_min}..{spec.prompt_lookup_max} tokens"
+            logger.info("Speculative decoding: %s, %d proposed tokens per step (%s), off while %d or more requests "
+                        "run", spec.method, spec.num_speculative_tokens, source, spec.disable_by_batch_size)
         self._num_generation_tokens = 0
 
     @property
@@ -327,6 +331,8 @@ class LLMEngine:
                 self.output_processor.on_pooled(rid, part)
             updated = self.scheduler.update_from_output(
                 {rid: [s.token_id for s in tokens] for rid, tokens in sampled.items()})
+            if self.speculator is not None and runner_out.draft_token_ids:
+                self.speculator.receive(runner_out.draft_token_ids, self.scheduler.requests)
             self._num_generation_tokens += sum(r.num_new_tokens for r in updated if r.max_tokens > 0)
             for request in updated:  # prompt tokens count when their prefill is done, as vLLM counts them
                 if not request.prefill_counted:

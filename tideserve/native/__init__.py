@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "paged_prefill.c", "rows.c", "qgemm.c",
                                                           "rope_store.c", "decode_forward.c", "isa.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("attn_rows.h", "paged_decode_kv.h", "tideserve_native.h",
-                                                          "ts_simd.h"))
+                                                          "ts_simd.h", "paged_decode_pairs.h"))
 KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the float types the kernels compute in, by suffix
 # KV cache element types the kernels read and write, by their TS_DTYPE_* code (e4m3: --kv-cache-dtype fp8)
 CACHE_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
@@ -185,8 +185,9 @@ def _declare_isa_exports(lib: ctypes.CDLL) -> None:
         "ts_isa_best": (cint, []),
         "ts_isa_level": (cint, []),
         "ts_set_isa_level": (cint, [cint]),
-        "ts_attn_isa_level": (cint, []),
-        "ts_set_attn_isa_cap": (cint, [cint]),
+        "ts_attn_isa_level": (cint, [cint, i64]),
+        "ts_attn_invariant": (cint, []),
+        "ts_set_attn_invariant": (cint, [cint]),
         "ts_cpu_features": (ctypes.c_uint32, []),
         "ts_amx_probe": (cint, []),
         "ts_paged_decode": (cint, [ptr, i64, cint, ptr, ptr, cint, ptr, i64, ptr, ptr, i64, cint, i64, i64, i64, i64,
@@ -230,49 +231,48 @@ def _select_isa(lib: ctypes.CDLL) -> None:
 # rotary) compute a row with the same operations whatever its batch, chunk or cached prefix: AMX's bfloat16
 # tiles round differently from the paths below their thresholds.
 BATCH_INVARIANT_CEILING = "avx512bf16"
-# Attention's: attn_rows.h's scalar and AVX2 forms are the arithmetic decode and prefill share; the AVX-512
-# forms sum a score's products in 16 lanes in decode and in column order in prefill, so a token's output would
-# depend on how its step was cut. Reading the cache bounds decode attention, so the narrower form costs little
-# (docs/benchmarks.md).
-ATTENTION_INVARIANT_CEILING = "avx2"
 _invariance_logged: bool | None = None
 
 
 def apply_batch_invariance(enabled: bool) -> str | None:
-    """Keep the kernels at or below BATCH_INVARIANT_CEILING and attention at or below
-    ATTENTION_INVARIANT_CEILING (``enabled``), or let both take the CPU's best path; TIDESERVE_ISA, when set,
-    stays the ceiling of the whole level. Returns the level in effect (None without the library).
+    """Keep the kernels at or below BATCH_INVARIANT_CEILING and attention in its invariant mode
+    (``enabled``: ``set_attention_invariant``), or let both take the CPU's best path; TIDESERVE_ISA, when
+    set, stays the ceiling of the whole level. Returns the level in effect (None without the library).
     Process-wide, as the path is: engines in one process should agree."""
     global _invariance_logged
     lib = load_library()
     if lib is None:
         return None
-    set_attention_cap(ATTENTION_INVARIANT_CEILING if enabled else None)
+    set_attention_invariant(enabled)
     if os.environ.get("TIDESERVE_ISA", "auto").strip().lower() not in ("", "auto"):
         return isa()
     best = ISA_LEVELS[lib.ts_isa_best()]
     capped = enabled and ISA_LEVELS.index(best) > ISA_LEVELS.index(BATCH_INVARIANT_CEILING)
     level = set_isa(BATCH_INVARIANT_CEILING if capped else "auto")
     if enabled and _invariance_logged is not True:
-        logger.info("batch invariance: native kernels on %s, attention on %s (best here: %s; --no-batch-invariant "
-                    "takes it, and a request's tokens may then depend on its batch)", level, attention_isa(), best)
+        logger.info("batch invariance: native kernels on %s, attention on %s for bfloat16 caches (best here: %s; "
+                    "--no-batch-invariant takes it, and a request's tokens may then depend on its batch)", level,
+                    attention_isa(torch.bfloat16, 64), best)
     _invariance_logged = enabled
     return level
 
 
-def set_attention_cap(name: str | None) -> str:
-    """Cap decode and prefill attention at ``name`` (one of ISA_LEVELS) below the level everything else
-    runs, or lift that cap (None); returns attention's level now."""
+def set_attention_invariant(on: bool) -> bool:
+    """Attention's invariant mode: decode and prefill share one arithmetic per query (attn_rows.h's AVX2
+    forms, or on AVX-512 BF16 CPUs with a bfloat16 cache the vdpbf16ps form), so a token's output does not
+    depend on how its step was cut; off, each kernel takes its fastest form. Returns the previous mode."""
     lib = load_library()
     if lib is None:
-        raise ValueError("set_attention_cap: the native kernels are not available (no compiler, or TIDESERVE_NATIVE=0)")
-    return ISA_LEVELS[lib.ts_set_attn_isa_cap(-1 if name is None else ISA_LEVELS.index(name))]
+        raise ValueError("set_attention_invariant: the native kernels are not available (no compiler, or "
+                         "TIDESERVE_NATIVE=0)")
+    return bool(lib.ts_set_attn_invariant(int(on)))
 
 
-def attention_isa() -> str | None:
-    """The path decode and prefill attention take now (ISA_LEVELS), or None without the library."""
+def attention_isa(kv_dtype: torch.dtype, head_dim: int) -> str | None:
+    """The path attention takes now for a cache of ``kv_dtype`` and heads of ``head_dim`` (ISA_LEVELS), or
+    None without the library."""
     lib = load_library()
-    return None if lib is None else ISA_LEVELS[lib.ts_attn_isa_level()]
+    return None if lib is None else ISA_LEVELS[lib.ts_attn_isa_level(CACHE_DTYPE_CODES[kv_dtype], head_dim)]
 
 
 def kernel_isa(level: str) -> str:

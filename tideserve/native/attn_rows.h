@@ -143,4 +143,28 @@ static inline void attn_fold_part(float *M, float *L, float *O, float m, float l
     *M = mn;
 }
 
+#ifdef TS_HAVE_AVX512
+/* The sum of a tile's ATTN_KEY_TILE probabilities in the AVX-512 forms, by one fixed tree: key j + 16 to key
+ * j, then j + 8, j + 4, j + 2, j + 1. Prefill holds 16 query rows per vector (attn_tile_sum_rows512: keys are
+ * rows of st, ``stride`` floats apart, every key up to the tile's 32 written, 0 where a row does not see
+ * it); decode holds 16 keys per vector (attn_tile_sum_keys512: keys 0-15 in p0, 16-31 in p1). The same adds
+ * of the same operands, so a row's sum has the same bits in both. */
+TS_ALWAYS_INLINE __m512 attn_tile_sum_rows512(const float *st, int64_t stride) {
+    __m512 t[16];
+    for (int j = 0; j < 16; j++) t[j] = _mm512_add_ps(_mm512_loadu_ps(st + j * stride), _mm512_loadu_ps(st + (j + 16) * stride));
+    for (int j = 0; j < 8; j++) t[j] = _mm512_add_ps(t[j], t[j + 8]);
+    for (int j = 0; j < 4; j++) t[j] = _mm512_add_ps(t[j], t[j + 4]);
+    for (int j = 0; j < 2; j++) t[j] = _mm512_add_ps(t[j], t[j + 2]);
+    return _mm512_add_ps(t[0], t[1]);
+}
+
+TS_ALWAYS_INLINE float attn_tile_sum_keys512(__m512 p0, __m512 p1) {
+    const __m512 t16 = _mm512_add_ps(p0, p1);
+    const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(t16), _mm512_extractf32x8_ps(t16, 1));
+    const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+    const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+    return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
+}
+#endif
+
 #endif /* TS_ATTN_ROWS_H */

@@ -31,7 +31,7 @@ static int ts_detected;        /* 0 until ts_detect has filled the two below */
 static uint32_t ts_features;   /* TS_CPU_* this CPU has and this build can use */
 static int ts_best;            /* the best TS_ISA_* they allow */
 static int ts_cap = -1;        /* the requested ceiling, -1 for none */
-static int ts_attn_cap = -1;   /* attention's own ceiling below it, -1 for none (ts_set_attn_isa_cap) */
+static int ts_attn_inv = 0;    /* attention keeps one arithmetic for every cut of a step (ts_set_attn_invariant) */
 
 #ifdef TS_HAVE_AMX
 static int ts_request_amx(void) {
@@ -107,14 +107,17 @@ int ts_set_isa_level(int level) {
     return ts_isa_level();
 }
 
-int ts_attn_isa_level(void) {
-    const int level = ts_isa_level(), cap = __atomic_load_n(&ts_attn_cap, __ATOMIC_RELAXED);
-    return cap >= 0 && cap < level ? cap : level;
+int ts_attn_invariant(void) { return __atomic_load_n(&ts_attn_inv, __ATOMIC_RELAXED); }
+
+int ts_set_attn_invariant(int on) {
+    return __atomic_exchange_n(&ts_attn_inv, on != 0, __ATOMIC_RELAXED);
 }
 
-int ts_set_attn_isa_cap(int level) {
-    __atomic_store_n(&ts_attn_cap, level < 0 ? -1 : level, __ATOMIC_RELAXED);
-    return ts_attn_isa_level();
+int ts_attn_isa_level(int kv_dtype, int64_t head_dim) {
+    const int level = ts_isa_level();
+    if (!ts_attn_invariant()) return level;
+    if (level >= TS_ISA_AVX512_BF16 && kv_dtype == TS_DTYPE_BF16 && head_dim % 32 == 0) return TS_ISA_AVX512_BF16;
+    return level < TS_ISA_AVX2 ? level : TS_ISA_AVX2;
 }
 
 uint32_t ts_cpu_features(void) {

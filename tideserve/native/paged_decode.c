@@ -19,12 +19,15 @@
  * threads. Paths (ts_attn_isa_level): scalar reference; AVX2 + FMA; AVX-512; AVX-512 BF16, which takes the
  * q . k products of a bfloat16 q and cache with vdpbf16ps (exact products of bfloat16 pairs, summed in
  * float32). From AVX-512 up, the scores are summed in 16 lanes (or by vdpbf16ps), where prefill's AVX-512
- * form sums each in column order, so there the two kernels agree to rounding, not to the bit. AMX is not
+ * form sums each in column order, so there the two kernels agree to rounding, not to the bit; in attention's
+ * invariant mode (ts_set_attn_invariant) those forms are not taken, and a bfloat16 cache on AVX-512 BF16
+ * takes paged_decode_pairs.h, prefill's vdpbf16ps arithmetic per query, instead. AMX is not
  * used: a decode query is a handful of rows per KV head, so the tiles would be mostly empty, and the kernel
  * is bound by reading the cache, not by arithmetic (docs/benchmarks.md). AVX2 and AVX-512 are one body
  * for the block steps (paged_decode_vec.h), compiled per vector level (ts_vec.h).
  */
 #include "ts_align_loops.h" /* first: see there */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -58,6 +61,8 @@
 #define KV_LOAD1(p) ts_fp8_to_f32(*(p))
 #include "paged_decode_kv.h"
 
+#include "paged_decode_pairs.h"
+
 int ts_paged_decode(const void *q, int64_t q_stride, int q_dtype, const void *k_cache, const void *v_cache,
                     int kv_dtype, const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
                     void *out, int64_t out_stride, int out_dtype, int64_t num_seqs, int64_t num_heads,
@@ -79,6 +84,13 @@ int ts_paged_decode_window(const void *q, int64_t q_stride, int q_dtype, const v
         return paged_decode_f32(q, q_stride, q_dtype, k_cache, v_cache, block_tables, table_width, context_lens, out,
                                 out_stride, out_dtype, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
                                 window, softcap, num_threads);
+#ifdef TS_HAVE_AVX512BF16
+    if (kv_dtype == TS_DTYPE_BF16 && ts_attn_invariant() && ts_attn_isa_level(kv_dtype, head_dim) == TS_ISA_AVX512_BF16
+        && num_kv_heads > 0 && num_heads % num_kv_heads == 0)
+        return paged_decode_pairs_bf16(q, q_stride, q_dtype, k_cache, v_cache, block_tables, table_width, context_lens,
+                                       out, out_stride, out_dtype, num_seqs, num_heads, num_kv_heads, head_dim,
+                                       block_size, scale, window, softcap, num_threads);
+#endif
     if (kv_dtype == TS_DTYPE_BF16)
         return paged_decode_bf16(q, q_stride, q_dtype, k_cache, v_cache, block_tables, table_width, context_lens, out,
                                  out_stride, out_dtype, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,

@@ -241,7 +241,7 @@ static int KV_NAME(paged_decode)(const void *q, int64_t q_stride, int q_dtype, c
                                  const int64_t *context_lens, void *out, int64_t out_stride, int out_dtype,
                                  int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                  int64_t block_size, float scale, int64_t window, float softcap, int num_threads) {
-    const int isa = ts_attn_isa_level();
+    const int isa = ts_attn_isa_level(KV_IS_BF16 ? TS_DTYPE_BF16 : (sizeof(KV_T) == 1 ? TS_DTYPE_FP8 : TS_DTYPE_F32), head_dim);
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row_width = num_heads * head_dim;
     int64_t max_context = 1;

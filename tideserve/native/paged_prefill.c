@@ -624,17 +624,15 @@ static void run_rows_avx512(const prefill_args *a, int isa, scratch *w, int64_t 
             mx1 = _mm512_mask_max_ps(mx1, see1[j], mx1, _mm512_loadu_ps(w->st + j * LANE_ROWS + 16));
         }
         const __m512 alpha0 = ts_exp512(_mm512_sub_ps(m0, mx0)), alpha1 = ts_exp512(_mm512_sub_ps(m1, mx1));
-        l0 = _mm512_mul_ps(l0, alpha0);
-        l1 = _mm512_mul_ps(l1, alpha1);
         for (int64_t j = 0; j < nk; j++) {
             float *sj = w->st + j * LANE_ROWS;
-            const __m512 p0 = _mm512_maskz_mov_ps(see0[j], ts_exp512(_mm512_sub_ps(_mm512_loadu_ps(sj), mx0)));
-            const __m512 p1 = _mm512_maskz_mov_ps(see1[j], ts_exp512(_mm512_sub_ps(_mm512_loadu_ps(sj + 16), mx1)));
-            _mm512_storeu_ps(sj, p0);
-            _mm512_storeu_ps(sj + 16, p1);
-            l0 = _mm512_add_ps(l0, p0);
-            l1 = _mm512_add_ps(l1, p1);
+            _mm512_storeu_ps(sj, _mm512_maskz_mov_ps(see0[j], ts_exp512(_mm512_sub_ps(_mm512_loadu_ps(sj), mx0))));
+            _mm512_storeu_ps(sj + 16, _mm512_maskz_mov_ps(see1[j], ts_exp512(_mm512_sub_ps(_mm512_loadu_ps(sj + 16), mx1))));
         }
+        for (int64_t j = nk; j < KEY_TILE; j++) memset(w->st + j * LANE_ROWS, 0, LANE_ROWS * sizeof(float));
+        /* the tile's sum by attn_rows.h's tree, which decode's dpbf16 form shares */
+        l0 = _mm512_add_ps(_mm512_mul_ps(l0, alpha0), attn_tile_sum_rows512(w->st, LANE_ROWS));
+        l1 = _mm512_add_ps(_mm512_mul_ps(l1, alpha1), attn_tile_sum_rows512(w->st + 16, LANE_ROWS));
         m0 = mx0;
         m1 = mx1;
 #ifdef TS_HAVE_AMX
@@ -795,7 +793,7 @@ static inline int64_t packed_keys(const prefill_args *a, int64_t s) {
 int ts_paged_prefill_tiles(int kv_dtype, int64_t head_dim) {
 #ifdef TS_PREFILL_PAIRS
     const prefill_args probe = {.kv_dtype = kv_dtype, .head_dim = head_dim};
-    return head_dim > 0 ? pairs_form(&probe, ts_attn_isa_level()) : 0;
+    return head_dim > 0 ? pairs_form(&probe, ts_attn_isa_level(kv_dtype, head_dim)) : 0;
 #else
     (void)kv_dtype;
     (void)head_dim;
@@ -841,7 +839,7 @@ int ts_paged_prefill_window(const void *q, int64_t q_stride, int q_dtype, const 
         items_before[s + 1] = items_before[s] + num_kv_heads * ((len + tokens_per_item - 1) / tokens_per_item);
     }
     const int64_t total = items_before[num_spans];
-    const int isa = ts_attn_isa_level();
+    const int isa = ts_attn_isa_level(kv_dtype, head_dim);
     const int64_t rows = tokens_per_item * group;
     int failed = 0;
     /* The bfloat16 forms: every span's keys and values packed once per call (TS_PREFILL_PACK_MAX_BYTES). */

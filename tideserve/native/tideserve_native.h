@@ -45,14 +45,16 @@ int ts_isa_level(void);
 /* Cap the level (a negative value removes the cap); returns the level now in use. Not for use while
  * kernels run on other threads: tests and start-up only. */
 int ts_set_isa_level(int level);
-/* The level decode and prefill attention use: ts_isa_level, or lower when capped by ts_set_attn_isa_cap.
- * Attention is invariant to how a step is cut only in attn_rows.h's scalar and AVX2 forms (its AVX-512
- * forms sum a score's products in other orders in decode and prefill), so batch invariance caps attention
- * at AVX2 while the products (qgemm) and row kernels keep the CPU's wider paths. */
-int ts_attn_isa_level(void);
-/* Cap attention's level (negative: no cap of its own); returns attention's level now. Start-up and tests
- * only, as ts_set_isa_level. */
-int ts_set_attn_isa_cap(int level);
+/* Attention's invariant mode (batch invariance): decode and prefill give a query the same bits however its
+ * step was cut. Two arithmetics are shared by both kernels: attn_rows.h's scalar and AVX2 forms, and the
+ * vdpbf16ps form (bfloat16 caches, head_dim a multiple of 32, AVX-512 BF16: paged_decode_pairs.h and
+ * paged_prefill.c's dpbf16 form); the other AVX-512 forms and AMX's tiles are not shared, so in this mode
+ * attention never takes them. Off (the default of the library; engines turn it on): every form is free. */
+int ts_set_attn_invariant(int on); /* returns the previous mode; start-up and tests only, as ts_set_isa_level */
+int ts_attn_invariant(void);
+/* The level attention runs at for a cache of kv_dtype and heads of head_dim: ts_isa_level, or in the
+ * invariant mode the highest shared arithmetic at or below it. */
+int ts_attn_isa_level(int kv_dtype, int64_t head_dim);
 /* TS_CPU_* bits of this CPU that this build can use. */
 uint32_t ts_cpu_features(void);
 /* Runs one AMX bf16 tile product and checks it: 1 when AMX works in this process, 0 when it is not there. */

@@ -32,6 +32,7 @@ from tideserve.sampling_params import SamplingParams
 from tideserve.spec_decode import verify
 from tideserve.structured_output.backend import MatcherAfter
 from tideserve.worker.cuda_graphs import DecodeGraphs, GraphCapture, cuda_graph_capture
+from tideserve.worker.draft_proposer import propose_with_draft
 from tideserve.worker.kv_store import CopyKVStore, KVCacheStorage
 
 logger = logging.getLogger(__name__)
@@ -82,14 +83,20 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]]
     # Per embedding request whose pooled positions this step computed.
     pooled: dict[str, PooledPart] = field(default_factory=dict)
+    # The draft-model method: per request that drafted after this step's token, the draft's greedy tokens for
+    # the positions after it (the next step's proposals; worker/draft_proposer.py).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
     """Keeps the per-request batch state and runs steps over ``kv_storage``, which owns the KV tensors."""
 
     def __init__(self, model: torch.nn.Module, kv_storage: KVCacheStorage, device: torch.device,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", draft_model: torch.nn.Module | None = None) -> None:
+        """``draft_model``: the draft-model method's proposer, whose layers are the store's layer slots after
+        the target's (worker/draft_proposer.py)."""
         self.model = model
+        self.draft_model = draft_model
         self.device = device
         self.platform = platform_for(device)
         self.kv_storage = kv_storage
@@ -98,8 +105,13 @@ class ModelRunner:
         self.sampler = Sampler()
         # Chosen once (model/attention/selector.py): its kernels are bound, its builder makes each step's metadata.
         self.attn_backend = backend_for_model(attention_backend, model, kv_dtype, device)
+        # The draft's own: a backend binds its kernels to the model's query heads.
+        self.draft_attn_backend = (backend_for_model(attention_backend, draft_model, kv_dtype, device)
+                                   if draft_model is not None else None)
         self.kv_groups: KVCacheGroups = model.arch.kv_cache_groups()
         self.hybrid = self.kv_groups.is_hybrid
+        # The target's layer slots come first in the store; a draft model's follow them.
+        self.num_target_slots = self.kv_groups.group_size
         self.requests: dict[str, CachedRequestState] = {}
         # Seeded requests' generators, by request id. Kept across preemption (a resumed request draws on
         # from where it stopped, so its tokens are those of an uninterrupted run); dropped when it finishes.
@@ -127,7 +139,13 @@ class ModelRunner:
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's (K, V): its own, or with several KV cache groups its group's layer slot."""
-        return self._layer_caches(self.kv_storage.caches)
+        slots = self.kv_storage.caches
+        return self._layer_caches(slots if self.draft_model is None else slots[:self.num_target_slots])
+
+    @property
+    def draft_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The draft model's (K, V) per layer: the store's slots after the target's."""
+        return self.kv_storage.caches[self.num_target_slots:]
 
     def _layer_caches(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if not self.hybrid:
@@ -170,7 +188,7 @@ class ModelRunner:
             meta = self._grouped([meta] * self.kv_groups.num_groups)
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
             pos = torch.arange(n, device=self.device)
-            caches = self._layer_caches(scratch.caches)
+            caches = self._layer_caches(scratch.caches[:self.num_target_slots])
             peaks[key] = self.platform.measure_peak_bytes(
                 lambda: self.model.compute_logits(self.model(ids, pos, caches, meta)[-1:]))
         measured = int(peaks[key] * num_tokens / n) + logits
@@ -266,6 +284,14 @@ class ModelRunner:
     # ----------------------------------------------------------------- one step
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """One step: the target's forward pass, sampling and verification; then, with a draft model, the
+        draft's pass over the same rows and its proposals for the next step."""
+        result = self._execute_target(out)
+        if self.draft_model is not None and not out.is_empty:
+            result.draft_token_ids = propose_with_draft(self, out, result.sampled)
+        return result
+
+    def _execute_target(self, out: SchedulerOutput) -> ModelRunnerOutput:
         # Copies first: blocks swapped out in this step may be rewritten by this step's forward pass.
         self.kv_storage.swap_out(out.swap_out)
         self.kv_storage.swap_in(out.swap_in)
@@ -444,10 +470,11 @@ class ModelRunner:
                 ids.extend([rid] * num)
         return torch.tensor(rows, dtype=torch.long, device=self.device), ids
 
-    def _forward(self, pieces: list[tuple[str, int, int]], num_decodes: int, graphs: bool = False) -> torch.Tensor:
+    def _forward(self, pieces: list[tuple[str, int, int]], num_decodes: int, graphs: bool = False,
+                 draft: bool = False) -> torch.Tensor:
         """Final hidden states of one forward pass over ``pieces`` (request id, first position, tokens),
         the first ``num_decodes`` of them single-token decodes; ``graphs``: a decode-only pass may replay a
-        captured graph."""
+        captured graph; ``draft``: the draft model's pass over its own layers (eager)."""
         if self.hybrid:
             return self._forward_groups(pieces, num_decodes)
         max_blocks = max(len(self.requests[rid].block_ids) for rid, _, _ in pieces)
@@ -461,13 +488,18 @@ class ModelRunner:
             offset += count
         layout = BatchLayout(tables, np.array([p[1] for p in pieces], dtype=np.int64),
                              np.array([p[2] for p in pieces], dtype=np.int64), num_decodes, self.block_size)
-        meta = self.attn_backend.build_metadata(layout)
+        meta = (self.draft_attn_backend if draft else self.attn_backend).build_metadata(layout)
         ids = torch.from_numpy(input_ids).to(self.device)
         positions = torch.from_numpy(layout.positions).to(self.device)
         hidden = None
         if graphs and self.graphs is not None:
-            hidden = self.graphs.run(ids, positions, meta, self.kv_storage.graph_caches, self.block_size)
-        if hidden is None:
+            caches = self.kv_storage.graph_caches  # the same list each step unless the store changes
+            if self.draft_model is not None:
+                caches = caches[:self.num_target_slots]
+            hidden = self.graphs.run(ids, positions, meta, caches, self.block_size)
+        if hidden is None and draft:
+            hidden = self.draft_model(ids, positions, self.draft_kv_caches, meta)
+        elif hidden is None:
             hidden = self.model(ids, positions, self.kv_caches, meta)
         return hidden
 

@@ -117,14 +117,19 @@ class Worker:
     def __init__(self, model: torch.nn.Module, device: torch.device, kv_dtype: torch.dtype,
                  attention_backend: str = "auto", *, rank: int = 0, block_size: int = 16,
                  memory_probe: MemoryProbe | None = None, structured_output: Any = None,
-                 reload: Callable[[], torch.nn.Module] | None = None, batch_invariant: bool = True) -> None:
+                 reload: Callable[[], torch.nn.Module] | None = None, batch_invariant: bool = True,
+                 draft_model: torch.nn.Module | None = None) -> None:
         """``model``: this rank's model (its shard under tensor parallelism: its KV heads are the ones
         cached here). Rank 0 samples; the others compute the logits' collectives only and learn each
         sampled token with the next step. ``memory_probe`` replaces the device's answers (a test double);
         ``structured_output`` computes the grammar masks of the rows rank 0 samples; ``reload`` builds this
         rank's model again from its file (sleep mode: weights released are brought back with it);
         ``batch_invariant`` keeps the CPU kernels on the paths whose rows do not depend on their batch
-        (native.apply_batch_invariance), in this rank's process."""
+        (native.apply_batch_invariance), in this rank's process. ``draft_model``: the draft-model method's
+        proposer (spec_decode/draft.py checked that its KV has the target's shape): its layers are extra layer
+        slots of the same store, after the target's, so every move of the pool carries its KV too. A separate
+        draft stays loaded through sleep (it is small beside the target); the target's own weights as the
+        draft sleep and wake with the target."""
         if device.type == "cpu":
             native.apply_batch_invariance(batch_invariant)
         self.rank = rank
@@ -133,11 +138,16 @@ class Worker:
         self.platform = platform_for(device)
         self.memory_probe: MemoryProbe = memory_probe if memory_probe is not None else self.platform
         arch = model.arch
+        self.draft_model = draft_model
+        self._draft_is_target = draft_model is model
         # One K and one V region per layer slot: every layer, or with local and global layers mixed one per
-        # layer of a KV cache group (a block then holds one group's layers; core/kv_cache/groups.py).
+        # layer of a KV cache group (a block then holds one group's layers; core/kv_cache/groups.py); then
+        # the draft model's layers.
+        num_slots = arch.kv_cache_groups().group_size
+        if draft_model is not None:
+            num_slots += draft_model.arch.num_hidden_layers
         self.kv_storage = KVCacheStorage(
-            KVLayout(arch.kv_cache_groups().group_size, arch.num_key_value_heads, arch.head_dim, kv_dtype), device,
-            block_size)
+            KVLayout(num_slots, arch.num_key_value_heads, arch.head_dim, kv_dtype), device, block_size)
         self._attention_backend = attention_backend
         self._structured_output = structured_output
         self._reload = reload
@@ -152,7 +162,8 @@ class Worker:
         self._build_runner()
 
     def _build_runner(self) -> None:
-        self.runner = ModelRunner(self.model, self.kv_storage, self.device, self._attention_backend)
+        self.runner = ModelRunner(self.model, self.kv_storage, self.device, self._attention_backend,
+                                  draft_model=self.draft_model)
         self.runner.samples = self.rank == 0
         self.runner.structured_output = self._structured_output
         if self._graphs is not None:
@@ -162,6 +173,11 @@ class Worker:
     def kv_token_bytes(self) -> int:
         """Bytes of one token of one layer's K (or V) on this rank."""
         return self.kv_storage.layout.token_bytes
+
+    def kv_num_layer_slots(self) -> int:
+        """Layer slots a block holds: the target's (one group's, for a model with several KV cache groups)
+        and a draft model's."""
+        return self.kv_storage.layout.num_layers
 
     def describe_attention(self) -> str:
         return self.runner.attn_backend.describe()
@@ -369,6 +385,8 @@ class Worker:
                 raise ValueError("this engine's weights cannot be released: it was built without the model file "
                                  "to reload them from.")
             self.model = self.runner = None
+            if self._draft_is_target:
+                self.draft_model = None
         gc.collect()
         self.platform.release_freed_memory()
 
@@ -382,6 +400,8 @@ class Worker:
                 self._build_runner()  # graphs and kernels bound to the old addresses go with the old runner
             elif self.model is None:
                 self.model = self._reload()
+                if self._draft_is_target:
+                    self.draft_model = self.model
                 self._build_runner()
         if "kv_cache" in tags:
             self.kv_storage.restore_pages()
