@@ -65,6 +65,7 @@ SAMPLES = {
     "swap_space": ("512MiB", "512MiB", 0.5),
     "kv_cache_dir": ("/tmp/kv", "/tmp/kv", "/tmp/kv"),
     "kv_cache_dir_size": ("2GiB", "2GiB", 2 * 2**30),
+    "kv_offloading_size": ("512MiB", "512MiB", 0.5),
     "max_num_seqs": (9, "9", 9),
     "max_num_batched_tokens": (4096, "4096", 4096),
     "enable_chunked_prefill": (False, None, False),

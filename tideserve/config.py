@@ -241,6 +241,12 @@ class CacheConfig:
         None, group=KV_GROUP, metavar="SIZE",
         help=f"the most the disk tier keeps: 64GiB, 500M or bytes (default {DEFAULT_KV_CACHE_DIR_SIZE // 2**30}GiB); "
              "least recently used blocks go first")
+    # GiB of host memory for the host tier (vLLM's flag; parsed to GiB in __post_init__; 0 or None: off)
+    kv_offloading_size: float | str | None = setting(
+        None, group=KV_GROUP, metavar="SIZE",
+        help="keep full prefix blocks in this much host memory too (a host tier below the pool, above the disk "
+             "tier; on CPU outside the elastic pool, so an idle shrink keeps its prefixes): 8GiB, 512M, or a "
+             "bare number of GiB as in vLLM; least recently used blocks go first (docs/architecture.md)")
 
     def __post_init__(self) -> None:
         if self.block_size != "auto" and self.block_size not in VALID_BLOCK_SIZES:
@@ -262,9 +268,16 @@ class CacheConfig:
         self.kv_cache_dir_size = parse_size(self.kv_cache_dir_size, "kv_cache_dir_size")
         if self.kv_cache_dir_size is not None and self.kv_cache_dir_size <= 0:
             raise ValueError(f"kv_cache_dir_size must be > 0 bytes, got {self.kv_cache_dir_size!r}.")
+        if self.kv_offloading_size is not None:
+            self.kv_offloading_size = parse_gib(self.kv_offloading_size, "kv_offloading_size")
         if self.kv_cache_dir_size is not None and not self.kv_cache_dir:
             raise ValueError("kv_cache_dir_size is set but kv_cache_dir is not: name the directory of the disk "
                              "tier (--kv-cache-dir PATH) or drop the size.")
+
+    @property
+    def kv_offloading_bytes(self) -> int:
+        """The host tier's bound in bytes (0: no host tier)."""
+        return int((self.kv_offloading_size or 0) * 2**30)
 
     @property
     def kv_cache_dir_bytes(self) -> int:

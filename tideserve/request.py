@@ -1,6 +1,9 @@
 """A request inside the engine, and its state machine.
 
 WAITING -> RUNNING -> FINISHED_*; RUNNING -> PREEMPTED (back in the waiting queue) -> RUNNING.
+A waiting (or preempted) request whose prefix a KV tier holds is WAITING_FOR_REMOTE_KVS (vLLM's name) while
+those blocks are read back, and returns to its previous state once they are in the pool: the scheduler
+passes over it meanwhile, keeping its place in the queue.
 ``num_computed_tokens`` is the one counter the scheduler drives: prefill, chunked prefill, decode and
 recompute after preemption are all "computed tokens catching up with all tokens".
 """
@@ -19,6 +22,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"

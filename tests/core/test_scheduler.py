@@ -332,3 +332,30 @@ def test_priority_preemption_in_swap_mode_copies_out_and_resumes_without_recompu
     out = step(s)  # vip finished at its first token: b is copied back, not recomputed
     assert len(out.swap_in) == 2 and out.num_scheduled_tokens == {"a": 1, "b": 1}
     s.kv.check_invariants()
+
+
+def test_a_request_waiting_for_its_tier_blocks_is_passed_over_and_keeps_its_place():
+    s = make(budget=16)
+    for rid in ("a", "b", "c"):
+        s.add_request(req(rid, 4))
+    s.requests["a"].status = RequestStatus.WAITING_FOR_REMOTE_KVS  # its blocks are being read
+    assert step(s).num_scheduled_tokens == {"b": 4, "c": 4}
+    assert [r.request_id for r in s.waiting] == ["a"] and s.requests["a"].num_computed_tokens == 0
+    s.add_request(req("d", 4))
+    s.requests["a"].status = RequestStatus.WAITING  # loaded: it goes before the later arrival
+    assert list(step(s).num_scheduled_tokens) == ["b", "c", "a", "d"]
+
+
+def test_priority_preemption_looks_past_a_request_waiting_for_its_tier_blocks():
+    kv = KVCacheManager(10, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(1, 16, True, scheduling_policy="priority"), kv, max_model_len=1000)
+    low = req("low", 4)
+    low.priority = 5
+    s.add_request(low)
+    step(s)
+    loading = req("loading", 4)
+    loading.priority = 0
+    s.add_request(loading)
+    loading.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+    step(s)
+    assert s.requests["low"].status == RequestStatus.RUNNING  # not preempted for a request that cannot run

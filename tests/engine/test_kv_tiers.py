@@ -2,19 +2,22 @@
 the prompt's prefix from it at once with the tokens of a cold run; corrupted and truncated files change
 nothing but are removed; another configuration's blocks are ignored with one log line; salted prefixes
 stay apart; the tier stays within its size, least recently used first; an unusable directory turns the
-tier off with a warning and no request fails."""
+tier off with a warning and no request fails; a slow load does not stall the other requests' steps."""
 
 from __future__ import annotations
 
 import logging
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
 
 from tideserve import SamplingParams
+from tideserve.core.kv_cache.events import BlockRemoved, BlockStored
 from tideserve.core.kv_cache.tiers import tier_block_key, tier_root_key
-from tideserve.worker.kv_disk_tier import HEADER_BYTES
+from tideserve.request import RequestStatus
+from tideserve.worker.kv_disk_tier import HEADER_BYTES, DiskTier
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 PROMPT = ("Shipping notes for the warehouse team. Every parcel is weighed, labelled and scanned before it leaves "
@@ -48,6 +51,19 @@ def _block_files(llm, prompt: str, salt: str | None = None) -> list[Path]:
         parent = tier_block_key(parent, ids[i * 16:(i + 1) * 16])
         out.append(tier.path_of(parent))
     return out
+
+
+def _gate_reads(monkeypatch) -> threading.Event:
+    """Make every disk read wait until the returned event is set (a slow disk, ended by the test)."""
+    gate = threading.Event()
+    load_into = DiskTier.load_into
+
+    def slow_load_into(self, *args, **kwargs):
+        gate.wait(timeout=30)
+        return load_into(self, *args, **kwargs)
+
+    monkeypatch.setattr(DiskTier, "load_into", slow_load_into)
+    return gate
 
 
 @pytest.fixture
@@ -189,4 +205,134 @@ def test_an_unusable_directory_turns_the_tier_off_with_a_warning(make_llm, tmp_p
         assert _run(llm, OTHER)[0] == cold[OTHER]
     assert not llm.engine.kv_disk_tier.enabled
     assert len([r for r in caplog.records if "KV disk tier off" in r.getMessage()]) == 1
+    llm.engine.shutdown()
+
+
+def test_a_slow_load_does_not_stall_the_running_requests(make_llm, tmp_path, cold, monkeypatch):
+    """While a restarted engine reads a prefix from disk (slowed down here), the request that waits for it
+    is WAITING_FOR_REMOTE_KVS and passed over, another running request keeps getting its steps, and both
+    produce the tokens of a run without the tier."""
+    first = make_llm(kv_cache_dir=str(tmp_path), **SETTINGS)
+    _run(first, PROMPT)
+    first.engine.shutdown()
+
+    gate = _gate_reads(monkeypatch)
+    llm = make_llm(kv_cache_dir=str(tmp_path), **SETTINGS)
+    engine = llm.engine
+    long_run = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    runner_id = engine.add_request(OTHER, long_run)
+    engine.step()  # OTHER's prefill: it is running from here on
+    waiter_id = engine.add_request(PROMPT, GREEDY)
+    waiter, runner = engine.scheduler.requests[waiter_id], engine.scheduler.requests[runner_id]
+    runner_tokens_at_start = runner.num_tokens
+    runner_tokens_while_loading = 0
+    outputs: dict[str, tuple[list[int], int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids), out.num_cached_tokens
+        if waiter.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not gate.is_set():
+            runner_tokens_while_loading = runner.num_tokens - runner_tokens_at_start
+            if runner_tokens_while_loading >= 8:
+                gate.set()
+        else:
+            gate.set()
+    assert runner_tokens_while_loading >= 8  # the running request kept stepping while the waiting one loaded
+    assert outputs[waiter_id] == (cold[PROMPT], (len(engine.tokenizer.encode(PROMPT)) - 1) // 16 * 16)
+    assert outputs[runner_id][0][:4] == cold[OTHER]  # greedy: its first tokens are the short run's
+    assert engine.kv_disk_tier.snapshot().loads == 1
+    engine.kv_manager.check_invariants()
+    engine.shutdown()
+
+
+def test_a_request_aborted_while_its_blocks_load_leaves_nothing_behind(make_llm, tmp_path, cold, monkeypatch):
+    first = make_llm(kv_cache_dir=str(tmp_path), **SETTINGS)
+    _run(first, PROMPT)
+    first.engine.shutdown()
+    gate = _gate_reads(monkeypatch)
+    llm = make_llm(kv_cache_dir=str(tmp_path), **SETTINGS)
+    engine = llm.engine
+    request_id = engine.add_request(PROMPT, GREEDY)
+    engine.step()
+    assert engine.scheduler.requests[request_id].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    engine.abort_request(request_id)
+    gate.set()
+    while engine.kv_tiers.loading or engine.has_unfinished_requests():
+        engine.step()
+    engine.kv_manager.check_invariants()
+    assert engine.kv_manager.num_cached_blocks() == 0  # the read was dropped, nothing published
+    assert _run(llm, PROMPT) == (cold[PROMPT], (len(engine.tokenizer.encode(PROMPT)) - 1) // 16 * 16)
+    engine.shutdown()
+
+
+def test_the_host_tier_keeps_the_prefixes_an_idle_shrink_gives_up(make_llm, cold):
+    llm = make_llm(kv_offloading_size="64MiB", **SETTINGS)
+    assert llm.engine.kv_disk_tier is None and llm.engine.kv_host_tier is not None
+    _run(llm, PROMPT)
+    stats = llm.engine.kv_host_tier.snapshot()
+    num_hit = (len(llm.engine.tokenizer.encode(PROMPT)) - 1) // 16
+    assert stats.medium == "CPU" and stats.blocks_written >= num_hit and stats.used_bytes == stats.bytes_written
+    llm.engine.pool.shrink(1, "test")  # the pool's pages go back, its cached prefixes with them
+    kept = llm.engine.kv_manager.num_cached_blocks()
+    tokens, cached = _run(llm, PROMPT)
+    assert tokens == cold[PROMPT] and cached == num_hit * 16
+    stats = llm.engine.kv_host_tier.snapshot()
+    assert stats.hits == num_hit - kept and stats.loads == 1 and stats.bytes_read > 0
+    llm.engine.kv_manager.check_invariants()
+    llm.engine.shutdown()
+
+
+def test_the_tiers_stack_host_before_disk(make_llm, tmp_path, cold):
+    """Both tiers keep every published block; a prefix both hold comes from the host tier, and after a restart
+    (host memory empty) from the disk."""
+    llm = make_llm(kv_offloading_size="64MiB", kv_cache_dir=str(tmp_path), **SETTINGS)
+    _run(llm, PROMPT)
+    llm.engine.pool.shrink(1, "test")
+    kept = llm.engine.kv_manager.num_cached_blocks()
+    num_hit = (len(llm.engine.tokenizer.encode(PROMPT)) - 1) // 16
+    assert _run(llm, PROMPT) == (cold[PROMPT], num_hit * 16)
+    assert llm.engine.kv_host_tier.snapshot().hits == num_hit - kept
+    assert llm.engine.kv_disk_tier.snapshot().hits == 0
+    llm.engine.shutdown()
+
+    again = make_llm(kv_offloading_size="64MiB", kv_cache_dir=str(tmp_path), **SETTINGS)
+    assert _run(again, PROMPT) == (cold[PROMPT], num_hit * 16)
+    assert again.engine.kv_host_tier.snapshot().hits == 0
+    assert again.engine.kv_disk_tier.snapshot().hits == num_hit
+    assert again.engine.kv_host_tier.snapshot().blocks_written == 0  # it got the blocks from the disk only
+    again.engine.shutdown()
+
+
+def test_a_full_host_tier_evicts_least_recently_used_blocks(make_llm, cold):
+    probe = make_llm(kv_offloading_size="64MiB", **SETTINGS)
+    _run(probe, PROMPT)
+    block_bytes = probe.engine.executor.driver_worker.kv_storage.bytes_per_block()
+    probe.engine.shutdown()
+    llm = make_llm(kv_offloading_size=f"{3 * block_bytes}B", **SETTINGS)
+    _run(llm, PROMPT)
+    assert _run(llm, OTHER)[0] == cold[OTHER]
+    stats = llm.engine.kv_host_tier.snapshot()
+    assert stats.evictions > 0 and stats.used_bytes == 3 * block_bytes
+    assert len(llm.engine.executor.driver_worker.host_tier) == 3
+    llm.engine.shutdown()
+
+
+def test_kv_events_name_each_tier_by_its_medium(make_llm, tmp_path):
+    """The blocks a tier keeps are BlockStored events with its medium (CPU, DISK), naming the blocks as the
+    pool's own events do; a block a tier drops to stay within its size is a BlockRemoved of that medium."""
+    probe = make_llm(**SETTINGS)
+    block_bytes = probe.engine.executor.driver_worker.kv_storage.bytes_per_block()
+    probe.engine.shutdown()
+    llm = make_llm(kv_offloading_size=f"{3 * block_bytes}B", kv_cache_dir=str(tmp_path), **SETTINGS)
+    llm.engine.kv_manager.enable_events()
+    _run(llm, PROMPT)
+    events = llm.engine.kv_manager.take_events()
+    stored = {m: [h for e in events if isinstance(e, BlockStored) and e.medium == m for h in e.block_hashes]
+              for m in ("GPU", "CPU", "DISK")}
+    num_blocks = len(_block_files(llm, PROMPT))
+    assert len(stored["GPU"]) >= num_blocks and stored["DISK"] == stored["GPU"][:len(stored["DISK"])]
+    assert len(stored["DISK"]) == len(stored["CPU"]) >= num_blocks
+    removed = [h for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU" for h in e.block_hashes]
+    assert removed == stored["CPU"][:len(stored["CPU"]) - 3]  # the host tier keeps the 3 newest
+    assert not [e for e in events if isinstance(e, BlockRemoved) and e.medium == "DISK"]
     llm.engine.shutdown()

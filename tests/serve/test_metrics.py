@@ -79,6 +79,24 @@ def test_kv_tiers_are_exported_per_medium():
     assert value(samples(ServerMetrics()), "vllm:kv_tier_hits_total") == 0  # no tier, no series
 
 
+def test_kv_tier_load_latency_is_a_histogram_per_medium():
+    host, disk = TierStats("CPU"), TierStats("DISK")
+    for seconds in (0.002, 0.004):
+        host.observe_load(seconds)
+    disk.observe_load(0.03)
+    m = ServerMetrics()
+    m.attach_engine("tiny", lambda: EngineStats(kv_tiers=[host, disk]))
+    v = samples(m)
+    name = "vllm:kv_tier_load_latency_seconds"
+    assert value(v, f"{name}_count", medium="CPU") == 2 and value(v, f"{name}_count", medium="DISK") == 1
+    assert value(v, f"{name}_bucket", medium="CPU", le="0.0025") == 1
+    assert value(v, f"{name}_bucket", medium="CPU", le="0.005") == 2
+    assert value(v, f"{name}_bucket", medium="DISK", le="0.025") == 0
+    assert value(v, f"{name}_bucket", medium="DISK", le="0.05") == 1
+    assert abs(value(v, f"{name}_sum", medium="CPU") - 0.006) < 1e-9
+    assert value(v, "vllm:kv_tier_loads_total", medium="CPU") == 2
+
+
 def test_each_app_has_its_own_registry():
     a, b = ServerMetrics(), ServerMetrics()
     a.attach_engine("m", EngineStats)

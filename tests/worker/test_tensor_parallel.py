@@ -98,6 +98,24 @@ def test_tp2_swap_preemption_matches_tp1(tiny_checkpoint, smollm2_tokenizer):
     assert got == want and two.engine.scheduler.num_swap_ins > 0
 
 
+def test_tp2_disk_tier_serves_a_restart_from_each_ranks_shard(tiny_checkpoint, smollm2_tokenizer, tmp_path):
+    """Each rank writes its shard of every block to its own directory; a restart on it loads every rank's
+    shard back (read on each rank's threads) and the outputs equal one rank's without a tier."""
+    loaded = load_model(str(tiny_checkpoint("qwen2-kv3-bias")), dtype="float32")
+    prompts = [[(5 * i + 2) % 130 for i in range(45)]]
+    settings = {"max_model_len": 64, "block_size": 8}
+    want = _greedy(LLM.from_loaded(loaded, smollm2_tokenizer, **settings), prompts)
+    first = LLM.from_loaded(loaded, smollm2_tokenizer, tensor_parallel_size=2, kv_cache_dir=str(tmp_path), **settings)
+    assert _greedy(first, prompts) == want
+    first.engine.shutdown()
+    assert {p.name for p in tmp_path.glob("*/rank*")} == {"rank0", "rank1"}
+    again = LLM.from_loaded(loaded, smollm2_tokenizer, tensor_parallel_size=2, kv_cache_dir=str(tmp_path), **settings)
+    out = again.generate(prompts, GREEDY, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == want[0] and out.num_cached_tokens == 40
+    assert again.engine.kv_disk_tier.snapshot().hits == 5
+    again.engine.shutdown()
+
+
 def test_tp2_speculative_proposals_match_tp1(tiny_checkpoint, smollm2_tokenizer):
     """N-gram proposals verified on two ranks (the other rank learns the accepted tokens with the next step
     and cuts its tables as rank 0 does), under swap preemption: the tokens of one rank without proposals."""

@@ -245,8 +245,11 @@ class Scheduler:
         """Priority policy: while the first waiting request outranks the last running one (lower value)
         and could not be admitted now (no seat, or too few blocks even after growing the pool), preempt
         that running request; the freed seat and blocks go to the waiting one in this step."""
-        while self.waiting and self.running:
-            head, victim = self.waiting[0], self.running[-1]
+        while self.running:
+            head = next((r for r in self.waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS), None)
+            if head is None:
+                return
+            victim = self.running[-1]
             if victim.priority <= head.priority or self._could_admit(head, budget):
                 return
             self.running.pop()
@@ -289,8 +292,20 @@ class Scheduler:
         return num_short > 0 and grow is not None and grow(num_short)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting requests in queue order while the budget, the seats and the blocks last. A request
+        whose blocks a KV tier is still loading is passed over and keeps its place."""
+        loading: list[Request] = []
+        try:
+            return self._admit_waiting(out, budget, loading)
+        finally:
+            self.waiting.extendleft(reversed(loading))
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, loading: list[Request]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                loading.append(self.waiting.popleft())
+                continue
             if request.request_id in self.kv.swapped:
                 taken = self._swap_in(request, out, budget)
                 if taken is None:

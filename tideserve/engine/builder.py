@@ -39,7 +39,7 @@ from tideserve.engine.arg_utils import EngineArgs
 from tideserve.engine.input_processor import InputProcessor
 from tideserve.engine.kv_events import EventPublisher, create_publisher
 from tideserve.engine.kv_sizing import KVPlan, memory_account, plan_kv_cache
-from tideserve.engine.kv_tiers import KVDiskTier, tier_fingerprint
+from tideserve.engine.kv_tiers import KVTiers, open_disk_tier, open_host_tier, tier_fingerprint
 from tideserve.engine.loaded_model import POST_LOAD_METHODS, match_loaded
 from tideserve.engine.memory_probe import WorkersMemoryProbe
 from tideserve.engine.output_processor import OutputProcessor
@@ -90,7 +90,7 @@ class EngineParts:
     structured_output: StructuredOutputManager
     thread_governor: ThreadGovernor | None
     kv_events: EventPublisher | None
-    kv_disk_tier: KVDiskTier | None = None
+    kv_tiers: KVTiers | None = None
 
 
 def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
@@ -147,6 +147,10 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
                 raise ValueError(f"kv_cache_dir={cache_config.kv_cache_dir!r}: the disk tier does not support models "
                                  f"that mix sliding-window and global layers yet ({groups.describe()}); leave "
                                  "kv_cache_dir unset for this model.")
+            if cache_config.kv_offloading_size:
+                raise ValueError(f"kv_offloading_size={cache_config.kv_offloading_size!r}: the host tier does not "
+                                 "support models that mix sliding-window and global layers yet "
+                                 f"({groups.describe()}); leave kv_offloading_size unset for this model.")
         # A block holds one group's layers (all of them for a single-group model): its bytes count those.
         shape = KVGeometry(num_slots, token_bytes, kv_dtype_name, cache_config.initial_block_size, 0)
         plan = _plan(cache_config, sched_config, args.elastic_config(), executor, memory, model, shape,
@@ -172,12 +176,16 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
         # What loading and the profiling pass freed goes back now: the allocator keeps freed activations for
         # the next step (tune_allocator), and a server sharing the machine must see them free at start-up.
         executor.collective_rpc(Worker.release_freed_memory)
-        kv_disk_tier = None
+        tiers = []  # nearest first
+        if cache_config.kv_offloading_size:
+            tiers.append(open_host_tier(cache_config, executor, kv_manager))
         if cache_config.kv_cache_dir:
             fingerprint = tier_fingerprint(loaded, kv_dtype, device, tokenizer, executor.world_size)
             if draft is not None:  # its layers are part of every block's bytes
                 fingerprint["draft_model"] = str(sched_config.speculative_config.model)
-            kv_disk_tier = KVDiskTier.open(cache_config, fingerprint, executor, kv_manager, scheduler)
+            tiers.append(open_disk_tier(cache_config, fingerprint, executor, kv_manager))
+        tiers = [t for t in tiers if t is not None]
+        kv_tiers = KVTiers(executor, kv_manager, scheduler, tiers, pool.prepare_growth) if tiers else None
         processor = InputProcessor(tokenizer, arch, loaded.name, max_model_len, model_config, sched_config,
                                    structured_output)
         # Last, so a failed start-up leaves no socket bound.
@@ -193,7 +201,7 @@ def build_engine(args: EngineArgs | Mapping[str, Any], loaded: LoadedModel,
         tokenizer=tokenizer, max_model_len=max_model_len, executor=executor, memory=memory, kv_manager=kv_manager,
         scheduler=scheduler, pool=pool, input_processor=processor, output_processor=OutputProcessor(tokenizer),
         structured_output=structured_output, thread_governor=thread_governor, kv_events=kv_events,
-        kv_disk_tier=kv_disk_tier)
+        kv_tiers=kv_tiers)
 
 
 def make_kv_manager(geometry: KVGeometry, groups: KVCacheGroups, enable_prefix_caching: bool,

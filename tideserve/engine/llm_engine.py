@@ -22,6 +22,7 @@ from tideserve.core.scheduler import SchedulerOutput
 from tideserve.engine.arg_utils import EngineArgs
 from tideserve.engine.builder import EngineParts, build_engine, check_cpu_offload
 from tideserve.engine.input_processor import EngineRequest
+from tideserve.engine.kv_tiers import DISK_MEDIUM, HOST_MEDIUM, KVTier
 from tideserve.engine.stats import EngineStats
 from tideserve.errors import EngineBusyError, EngineSleepingError, InvalidParameterError
 from tideserve.model.loader import LoadedModel, load_model
@@ -76,7 +77,8 @@ class LLMEngine:
         self.structured_output = parts.structured_output
         self.thread_governor = parts.thread_governor
         self.kv_events = parts.kv_events
-        self.kv_disk_tier = parts.kv_disk_tier  # --kv-cache-dir: full prefix blocks kept on disk too
+        # --kv-offloading-size, --kv-cache-dir: full prefix blocks kept in host memory and on disk too
+        self.kv_tiers = parts.kv_tiers
         self._ids = itertools.count()
         self._sampled_last_step: dict[str, list[int]] = {}
         self.sleep_level = 0  # sleep mode: 0 awake, else the level the engine was put to sleep at
@@ -272,13 +274,23 @@ class LLMEngine:
             if events:
                 self.kv_events.publish(events)
 
+    @property
+    def kv_disk_tier(self) -> KVTier | None:
+        """The disk tier (``--kv-cache-dir``), None without one."""
+        return self.kv_tiers.medium(DISK_MEDIUM) if self.kv_tiers is not None else None
+
+    @property
+    def kv_host_tier(self) -> KVTier | None:
+        """The host tier (``--kv-offloading-size``), None without one."""
+        return self.kv_tiers.medium(HOST_MEDIUM) if self.kv_tiers is not None else None
+
     def close(self) -> None:
         """Stop what runs beside the engine (the KV events publisher) and withdraw its claim on the memory
         it shares with other engines; idempotent."""
         if self.kv_events is not None:
             self.kv_events.shutdown()
-        if self.kv_disk_tier is not None:
-            self.kv_disk_tier.close()
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
         if self.pool.ledger is not None:
             self.pool.ledger.close()
 
@@ -286,8 +298,8 @@ class LLMEngine:
         """Stop the workers' processes (tensor-parallel ranks; bounded) and withdraw the engine's memory
         claim; the disk tier's writes under way finish first. The engine is unusable afterwards. Garbage
         collection and interpreter exit do the same."""
-        if self.kv_disk_tier is not None:
-            self.kv_disk_tier.close()
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
         if self.pool.ledger is not None:
             self.pool.ledger.close()
         self.executor.shutdown()
@@ -304,13 +316,13 @@ class LLMEngine:
                 touched[parent_id] = None
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, len(self.scheduler.running))
-        if self.kv_disk_tier is not None and self.scheduler.waiting:
-            self.kv_disk_tier.load_for_waiting()
+        if self.kv_tiers is not None:  # loads beside the steps (engine/kv_tiers.py)
+            self.kv_tiers.before_step()
         sched_out = self.scheduler.schedule()
         if not sched_out.is_empty:
             runner_out = self._execute(sched_out)
-            if self.kv_disk_tier is not None:
-                self.kv_disk_tier.store_published()
+            if self.kv_tiers is not None:
+                self.kv_tiers.store_published()
             now = time.monotonic()  # when this step's tokens exist
             sampled = runner_out.sampled
             for rid, (first, entries) in runner_out.prompt_logprobs.items():
@@ -420,5 +432,5 @@ class LLMEngine:
             spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(spec.accepted_per_pos),
-            kv_tiers=[self.kv_disk_tier.snapshot()] if self.kv_disk_tier is not None else [],
+            kv_tiers=self.kv_tiers.snapshots() if self.kv_tiers is not None else [],
         )

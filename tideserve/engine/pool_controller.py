@@ -318,6 +318,19 @@ class PoolController:
             target = min(target, max(need, state.committed_ahead_blocks))
         return self._resize(target, "grow on demand")
 
+    def prepare_growth(self, num_short: int) -> None:
+        """``num_short`` more blocks will be needed shortly (a KV tier's load under way): have a large
+        growth's pages committed in the background now, beside the load, so that the growth the load then
+        asks for (``grow_for_allocation``) takes resident pages instead of committing them on the engine's
+        thread. After an idle shrink that commit is most of what a host-tier hit costs."""
+        if self.policy is None or num_short <= 0 or self.clock() < self._grow_blocked_until:
+            return
+        target = self.policy.grow_target(self.geometry, self.num_used_blocks(), num_short, self._reachable_blocks,
+                                         self.demand_blocks)
+        state = self._commit_state()
+        if target is not None and not state.in_flight:
+            self._commit_ahead(self._ahead_target(target), state)
+
     def grow_to_admit(self, num_short: int = 1) -> bool:
         """A waiting request lacks ``num_short`` blocks while others run: grow as for any allocation, but
         not by waiting on a background commit (the running requests' step goes on without the newcomer,

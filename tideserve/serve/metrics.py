@@ -10,6 +10,7 @@ uses the same ``vllm:`` prefix; docs/metrics.md describes each metric.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 
@@ -21,10 +22,11 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tideserve.config import VALID_BLOCK_SIZES
+from tideserve.core.kv_cache.tiers import LOAD_SECONDS_BUCKETS
 from tideserve.engine.stats import EngineStats
 from tideserve.outputs import RequestOutput
 
@@ -137,6 +139,15 @@ class _EngineStatsCollector(Collector):
             for tier in stats.kv_tiers:
                 family.add_metric([self.model_name, tier.medium], float(getattr(tier, attr)))
             yield family
+        latency = HistogramMetricFamily("vllm:kv_tier_load_latency_seconds",
+                                        "Time from a load's start to its blocks being in the pool, in seconds.",
+                                        labels=["model_name", "medium"])
+        for tier in stats.kv_tiers:
+            cumulative = list(itertools.accumulate(tier.load_buckets))
+            bounds = [str(b) for b in LOAD_SECONDS_BUCKETS] + ["+Inf"]
+            latency.add_metric([self.model_name, tier.medium], list(zip(bounds, map(float, cumulative))),
+                               tier.load_seconds)
+        yield latency
         if self.cache_info:
             keys = sorted(self.cache_info)
             info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",

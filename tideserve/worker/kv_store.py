@@ -486,6 +486,30 @@ class CopyKVStore(KVStore):
         s.view(*s.shape[:2], -1, *s.shape[4:]).index_fill_(2, slots, fill_code(self.storage, value))
 
 
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def _word(*num_bytes: int) -> torch.dtype:
+    """The widest integer type whose size divides every one of ``num_bytes``.
+
+    Why copies of the KV tiers' payloads go by words: an indexed copy (``index_copy_``, ``index_select``)
+    moves one element at a time, so the same bytes move several times faster as 8-byte words than as single
+    bytes. Rows of a cache are whole blocks and payload columns whole layers, so 8 divides them in every
+    layout in practice; narrower types keep any other one working."""
+    for dtype in _WORDS:
+        size = torch.empty((), dtype=dtype).element_size()
+        if all(n % size == 0 for n in num_bytes):
+            return dtype
+    return torch.uint8
+
+
+def _block_rows(cache: torch.Tensor, *num_bytes: int) -> torch.Tensor:
+    """A cache tensor as one row per block (a view: writes land in the cache), in the widest integer type
+    that divides its row, its offset and ``num_bytes`` (the payload's offsets the row is copied to or from)."""
+    rows = cache.view(cache.shape[0], -1).view(torch.uint8)
+    return rows.view(_word(rows.shape[1], rows.storage_offset(), *num_bytes))
+
+
 def create_kv_store(layout: KVLayout, device: torch.device, block_size: int, num_blocks: int,
                     reserve_bytes: int, static: bool) -> KVStore:
     """The device's pool: a reserved host range on CPU, a mapped device range where the driver maps memory in
@@ -682,25 +706,52 @@ class KVCacheStorage:
     # ----------------------------------------------------------------- a block's bytes (the KV tiers)
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
         """The bytes of each block, one row per block: every layer's K then V, as the pool holds them (the
-        payload a KV tier keeps; ``write_blocks`` puts it back)."""
+        payload a KV tier keeps; ``write_blocks`` puts it back). One gather per layer's K and V."""
+        if self._host_memory:  # NumPy's gathers copy whole rows (torch's go by element and thread)
+            ids = np.asarray(block_ids, dtype=np.intp)
+            out = np.empty((len(block_ids), self.bytes_per_block()), dtype=np.uint8)
+            offset = 0
+            for k, v in self.caches:
+                for t in (k, v):
+                    rows = t.view(t.shape[0], -1).view(torch.uint8).numpy()
+                    np.take(rows, ids, axis=0, out=out[:, offset:offset + rows.shape[1]], mode="clip")
+                    offset += rows.shape[1]
+            return out
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        rows = [t.view(torch.uint8).index_select(0, ids).reshape(len(block_ids), -1)
-                for k, v in self.caches for t in (k, v)]
+        rows = [_block_rows(t).index_select(0, ids).view(torch.uint8) for k, v in self.caches for t in (k, v)]
         return torch.cat(rows, dim=1).cpu().numpy()
 
-    def write_blocks(self, block_ids: list[int], payloads: list) -> None:
-        """Fill each block with a payload ``read_blocks`` produced (at this block size and layout)."""
+    def write_blocks(self, block_ids: list[int], payloads: np.ndarray | list) -> None:
+        """Fill each block with its row of ``payloads`` (an array of one row per block, or a list of rows)
+        as ``read_blocks`` produced it (at this block size and layout): one indexed copy per layer's K and V,
+        whatever the number of blocks (and, on a device, one transfer of the whole batch before them)."""
         if not block_ids:
             return
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        data = torch.from_numpy(np.stack([np.frombuffer(p, dtype=np.uint8) for p in payloads])).to(self.device)
+        if not isinstance(payloads, np.ndarray):
+            payloads = np.stack([np.frombuffer(p, dtype=np.uint8) for p in payloads])
+        payloads = payloads[:len(block_ids)]
         offset = 0
+        if self._host_memory:  # the caches are host memory: NumPy scatters whole rows (see read_blocks)
+            ids = np.asarray(block_ids, dtype=np.intp)
+            for k, v in self.caches:
+                for t in (k, v):
+                    rows = t.view(t.shape[0], -1).view(torch.uint8).numpy()
+                    rows[ids] = payloads[:, offset:offset + rows.shape[1]]
+                    offset += rows.shape[1]
+            return
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        data = torch.from_numpy(payloads).to(self.device)
         for k, v in self.caches:
             for t in (k, v):
-                raw = t.view(torch.uint8)
-                width = raw[0].numel()
-                raw.index_copy_(0, ids, data[:, offset:offset + width].reshape(len(block_ids), *raw.shape[1:]))
+                rows = _block_rows(t, offset, data.shape[1])
+                width = rows.shape[1] * rows.element_size()
+                rows.index_copy_(0, ids, data[:, offset:offset + width].view(rows.dtype))
                 offset += width
+
+    @property
+    def _host_memory(self) -> bool:
+        """Whether the caches are host memory (NumPy can address them in place)."""
+        return platform_for(self.device).host_memory
 
     # ----------------------------------------------------------------- slots nobody wrote
     def zero_block(self, block_id: int) -> None:

@@ -19,9 +19,11 @@ import importlib
 import logging
 import os
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from tideserve import native
@@ -30,7 +32,9 @@ from tideserve.core.kv_cache.memory import MemoryProbe
 from tideserve.core.scheduler import SchedulerOutput
 from tideserve.native.cores import intra_op_threads, lend_core
 from tideserve.platform import platform_for
-from tideserve.worker.kv_disk_tier import DiskTier, TierFile
+from tideserve.worker.kv_disk_tier import DiskTier, TierFile, TierLoadResult
+from tideserve.worker.kv_host_tier import HostTier
+from tideserve.worker.kv_staging import StagingBuffers
 from tideserve.worker.kv_store import KVCacheStorage, KVLayout
 from tideserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -53,9 +57,9 @@ class MemoryReport:
 
 
 @dataclass(frozen=True)
-class DiskTierLoad:
-    """One rank's part of a load from the disk tier: how many leading blocks it filled, the keys whose
-    files were bad (removed) and the bytes it read."""
+class TierLoad:
+    """One rank's part of a load from a KV tier: how many leading blocks its read found whole, the keys
+    whose files were bad (removed; the disk tier's) and the bytes it read."""
 
     num_loaded: int
     bad_keys: list[bytes]
@@ -151,6 +155,10 @@ class Worker:
         self._host_weights: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # sleep level 1 on a GPU
         self.runner: ModelRunner | None = None
         self.disk_tier: DiskTier | None = None  # this rank's files of the KV disk tier (open_kv_disk_tier)
+        self.host_tier: HostTier | None = None  # this rank's blocks in the KV host tier (open_kv_host_tier)
+        # the loads under way (start_kv_load): load id -> (medium, buffer, read)
+        self._kv_loads: dict[int, tuple[str, np.ndarray, Future[TierLoadResult]]] = {}
+        self._staging = StagingBuffers()  # the loads' buffers, kept between loads (worker/kv_staging.py)
         self._build_runner()
 
     def _build_runner(self) -> None:
@@ -244,7 +252,7 @@ class Worker:
         """Hand memory the process freed back to the system or the device (the platform's way)."""
         self.platform.release_freed_memory()
 
-    # ----------------------------------------------------------------- the KV disk tier
+    # ----------------------------------------------------------------- the KV tiers (host, disk)
     def open_kv_disk_tier(self, root: str, fingerprint: dict[str, str]
                           ) -> tuple[list[TierFile], list[str], str | None]:
         """Open this rank's files of the disk tier of ``fingerprint`` under ``root`` (each rank keeps its own
@@ -260,38 +268,83 @@ class Worker:
         self.disk_tier = tier
         return files, tier.other_fingerprints(), None
 
-    def save_kv_blocks_to_disk(self, items: list[tuple[int, bytes]]) -> tuple[int, str | None]:
-        """Write these (block id, tier key) blocks down: their bytes are copied out now (the blocks may be
-        reused after this call), the files written on the tier's own thread. Returns the bytes of one
-        block's file and why the tier stopped writing (None while it works)."""
-        tier = self.disk_tier
-        if tier is None:
-            return 0, "the disk tier is closed"
-        if items and tier.error is None:
-            rows = self.kv_storage.read_blocks([block_id for block_id, _ in items])
-            for (_, key), row in zip(items, rows):
-                tier.save(key, row)
-        return tier.file_bytes(self.kv_storage.bytes_per_block()), tier.error
+    def open_kv_host_tier(self) -> None:
+        """Start this rank's host tier (empty: host memory does not outlive the process)."""
+        self.host_tier = HostTier()
 
-    def load_kv_blocks_from_disk(self, items: list[tuple[bytes, int]]) -> DiskTierLoad:
-        """Fill each (tier key, block id) from its file, in order, up to the first missing or bad one."""
-        if self.disk_tier is None:
-            return DiskTierLoad(0, [], 0)
-        result = self.disk_tier.load([key for key, _ in items], self.kv_storage.bytes_per_block())
-        num = len(result.payloads)
-        self.kv_storage.write_blocks([block_id for _, block_id in items[:num]], result.payloads)
-        return DiskTierLoad(num, result.bad_keys, result.bytes_read)
+    def _kv_tier(self, medium: str) -> DiskTier | HostTier | None:
+        return self.disk_tier if medium == "DISK" else self.host_tier
 
-    def remove_kv_blocks_from_disk(self, keys: list[bytes]) -> None:
-        """Drop these blocks' files (evicted from the tier, or found on some ranks only)."""
-        if self.disk_tier is not None:
-            self.disk_tier.remove(keys)
+    def save_kv_blocks(self, items: dict[str, list[tuple[int, bytes]]]) -> dict[str, tuple[int, str | None]]:
+        """Keep these (block id, tier key) blocks in each medium's tier: their bytes are copied out of the
+        pool now, once for every tier (the blocks may be reused after this call); a disk tier writes its
+        files on its own thread. Returns, per medium, the bytes one block takes there and why the tier
+        stopped keeping blocks (None while it works)."""
+        block_ids = sorted({block_id for pairs in items.values() for block_id, _ in pairs})
+        rows = self.kv_storage.read_blocks(block_ids) if block_ids else None
+        row_of = {block_id: i for i, block_id in enumerate(block_ids)}
+        answers = {}
+        for medium, pairs in items.items():
+            tier = self._kv_tier(medium)
+            if tier is None:
+                answers[medium] = 0, f"the {medium} tier is closed"
+                continue
+            if tier.error is None:
+                for block_id, key in pairs:
+                    tier.save(key, rows[row_of[block_id]])
+            answers[medium] = tier.file_bytes(self.kv_storage.bytes_per_block()), tier.error
+        return answers
 
-    def close_kv_disk_tier(self) -> None:
-        """Finish the queued writes (shutdown: every published block is on disk) and stop the writer."""
-        if self.disk_tier is not None:
-            self.disk_tier.close()
-            self.disk_tier = None
+    def start_kv_load(self, medium: str, load_id: int, keys: list[bytes]) -> None:
+        """Start reading these blocks from the medium's tier, in order, into a buffer of this rank's, on the
+        tier's own thread (``kv_loads_done`` says when it is over, ``finish_kv_load`` puts the blocks in the
+        pool). Nothing here touches the pool: it may resize or compact while the blocks are read."""
+        tier = self._kv_tier(medium)
+        rows = self._staging.take(len(keys) if tier is not None else 0, self.kv_storage.bytes_per_block())
+        if tier is None:  # closed meanwhile: a load that found nothing
+            future: Future[TierLoadResult] = Future()
+            future.set_result(TierLoadResult(0, [], 0))
+        else:
+            future = tier.start_load(keys, rows.shape[1], memoryview(rows).cast("B"))
+        self._kv_loads[load_id] = medium, rows, future
+
+    def kv_loads_done(self, wait_s: float = 0.0) -> dict[int, int]:
+        """The loads whose reads are over, with how many leading blocks each read whole; waits up to
+        ``wait_s`` for the oldest one when none is over yet (the engine has nothing else to do)."""
+        if wait_s > 0 and self._kv_loads and not any(f.done() for _, _, f in self._kv_loads.values()):
+            wait([next(iter(self._kv_loads.values()))[2]], timeout=wait_s)
+        return {load_id: future.result().num_loaded
+                for load_id, (_, _, future) in self._kv_loads.items() if future.done()}
+
+    def finish_kv_load(self, load_id: int, first: int, block_ids: list[int]) -> TierLoad:
+        """Fill ``block_ids`` with the load's blocks from its ``first`` on (none: the load is dropped) and
+        free its buffer; waits for the read if it is not over. Returns what the read found."""
+        if load_id not in self._kv_loads:  # the tier was closed meanwhile
+            return TierLoad(0, [], 0)
+        _, rows, future = self._kv_loads.pop(load_id)
+        result = future.result()
+        self.kv_storage.write_blocks(block_ids, rows[first:first + len(block_ids)])
+        self._staging.give_back(rows)
+        return TierLoad(result.num_loaded, result.bad_keys, result.bytes_read)
+
+    def remove_kv_blocks(self, medium: str, keys: list[bytes]) -> None:
+        """Drop these blocks from the medium's tier (evicted from it, or found on some ranks only)."""
+        tier = self._kv_tier(medium)
+        if tier is not None:
+            tier.remove(keys)
+
+    def close_kv_tier(self, medium: str) -> None:
+        """Finish the tier's writes under way (shutdown: every published block is on disk) and loads, and
+        stop its threads; the loads of that medium not yet finished are dropped."""
+        tier = self._kv_tier(medium)
+        if tier is not None:
+            tier.close()
+            if medium == "DISK":
+                self.disk_tier = None
+            else:
+                self.host_tier = None
+            for load_id in [i for i, (m, _, _) in self._kv_loads.items() if m == medium]:
+                del self._kv_loads[load_id]
 
     # ----------------------------------------------------------------- requests
     def execute_model(self, scheduler_output: SchedulerOutput,

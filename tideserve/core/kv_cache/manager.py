@@ -73,9 +73,13 @@ class KVCacheManager:
         self.swap: SwapSpace | None = None
         self.swapped: dict[str, list[int]] = {}  # request id -> swap block ids, in table order
         self.events: list[KVCacheEvent] | None = None  # see enable_events
-        # A KV tier below the pool (core/kv_cache/tiers.py; None: off). Its keys are a second, stable hash
-        # chain per request; blocks published since the last take_tier_writes wait in _tier_writes.
-        self.tier: TierIndex | None = None
+        # The KV tiers below the pool, nearest first (core/kv_cache/tiers.py; none: off). Their keys are a
+        # second, stable hash chain per request; blocks published since the last take_tier_writes wait in
+        # _tier_writes.
+        self.tiers: list[TierIndex] = []
+        # With events on: tier key -> (event hash, parent's event hash, token ids) of the blocks in
+        # _tier_writes, for the tiers' BlockStored events (take_tier_event_blocks)
+        self._tier_event_blocks: dict[TierKey, tuple[int, int | None, list[int]]] = {}
         self.tier_keys: dict[str, list[TierKey]] = {}
         self._tier_writes: list[tuple[KVBlock, BlockHash, TierKey]] = []
 
@@ -137,11 +141,21 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------- KV tiers below the pool
     def enable_tier(self, index: TierIndex | None) -> None:
-        """Keep full prefix blocks in a tier below the pool too (``index``: the keys it holds; None: off).
-        Off, nothing per block is computed."""
-        self.tier = index if self.enable_prefix_caching else None
+        """Keep full prefix blocks in one tier below the pool too (``index``: the keys it holds; None: off)."""
+        self.enable_tiers([] if index is None else [index])
+
+    def enable_tiers(self, indexes: list[TierIndex]) -> None:
+        """Keep full prefix blocks in these tiers below the pool too (the keys each holds, nearest first;
+        none: off). Off, nothing per block is computed."""
+        self.tiers = list(indexes) if self.enable_prefix_caching else []
         self.tier_keys.clear()
         self._tier_writes.clear()
+        self._tier_event_blocks.clear()
+
+    @property
+    def tier(self) -> TierIndex | None:
+        """The nearest tier's keys (None: no tier)."""
+        return self.tiers[0] if self.tiers else None
 
     def _tier_block_keys(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[TierKey]:
         """Tier keys of the first ``num_blocks`` full blocks of token_ids, extending what was computed."""
@@ -153,24 +167,34 @@ class KVCacheManager:
             keys.append(parent)
         return keys
 
-    def plan_tier_load(self, request_id: str, token_ids: Sequence[int]) -> tuple[int, list[TierKey]]:
+    def plan_tier_load(self, request_id: str, token_ids: Sequence[int],
+                       index: TierIndex | None = None) -> tuple[int, list[TierKey]]:
         """Where a waiting request's prefix hit in the pool ends, and the tier keys of the blocks right
-        after it that the tier holds, in order: what loading them back would add to its hit. Capped as
-        ``get_computed_blocks`` is (the last token is always computed). Nothing is allocated."""
-        if self.tier is None:
+        after it that the tier ``index`` (default: the nearest) holds, in order: what loading them back
+        would add to its hit. Capped as ``get_computed_blocks`` is (the last token is always computed).
+        Nothing is allocated."""
+        index = self.tier if index is None else index
+        if index is None:
             return 0, []
+        start = self.num_pool_hit_blocks(request_id, token_ids)
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        found: list[TierKey] = []
+        for i in range(start, max_blocks):
+            key = self._tier_block_keys(request_id, token_ids, i + 1)[i]
+            if key not in index:
+                break
+            found.append(key)
+        return start, found
+
+    def num_pool_hit_blocks(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """How many leading full blocks of the request the pool holds now, capped as ``get_computed_blocks``
+        is (the last token is always computed). Nothing is allocated or touched."""
         hashes = self._full_block_hashes(request_id, token_ids)
         max_blocks = (len(token_ids) - 1) // self.block_size
         start = 0
         while start < max_blocks and self.pool.lookup(hashes[start]) is not None:
             start += 1
-        found: list[TierKey] = []
-        for i in range(start, max_blocks):
-            key = self._tier_block_keys(request_id, token_ids, i + 1)[i]
-            if key not in self.tier:
-                break
-            found.append(key)
-        return start, found
+        return start
 
     def tier_load_shortfall(self, request_id: str, start: int, num_blocks: int) -> int:
         """How many more free blocks loading ``num_blocks`` after the request's pool hit of ``start``
@@ -208,16 +232,28 @@ class KVCacheManager:
                 stored.token_ids.extend(token_ids[i * bs:(i + 1) * bs])
         self.pool.release(blocks[::-1] + hit[::-1])
 
+    def take_tier_event_blocks(self) -> dict[TierKey, tuple[int, int | None, list[int]]]:
+        """For the blocks of the last ``take_tier_writes``, with events on: tier key -> (hash, parent hash,
+        token ids) as the pool's events name them, so a tier's events name the same blocks."""
+        out, self._tier_event_blocks = self._tier_event_blocks, {}
+        return out
+
+    def record_events(self, events: list[KVCacheEvent]) -> None:
+        """Add events from outside the pool (the KV tiers'), in order, when events are on."""
+        if self.events is not None:
+            self.events.extend(events)
+
     def take_tier_writes(self) -> list[tuple[int, TierKey]]:
         """(block id, tier key) of the blocks published since the last call that still hold their prefix
-        and that the tier lacks: what to write down once the step that computed them has run."""
+        and that some tier lacks: what to write down once the step that computed them has run (each tier
+        keeps those it lacks)."""
         out: list[tuple[int, TierKey]] = []
-        if self.tier is None:
+        if not self.tiers:
             self._tier_writes.clear()
             return out
         seen: set[TierKey] = set()
         for block, block_hash, key in self._tier_writes:
-            if block.block_hash == block_hash and key not in self.tier and key not in seen:
+            if block.block_hash == block_hash and key not in seen and any(key not in t for t in self.tiers):
                 seen.add(key)
                 out.append((block.block_id, key))
         self._tier_writes.clear()
@@ -333,13 +369,16 @@ class KVCacheManager:
         events = self.events
         stored: BlockStored | None = None  # the run of consecutive blocks published by this call
         bs = self.block_size
-        tier_keys = self._tier_block_keys(request_id, token_ids, num_tokens // bs) if self.tier is not None else None
+        tier_keys = self._tier_block_keys(request_id, token_ids, num_tokens // bs) if self.tiers else None
         for i in range(num_tokens // bs):
             if table[i].block_hash is not None or not self.pool.publish(table[i], hashes[i]):
                 stored = None
                 continue
-            if tier_keys is not None and tier_keys[i] not in self.tier:
+            if tier_keys is not None and any(tier_keys[i] not in t for t in self.tiers):
                 self._tier_writes.append((table[i], hashes[i], tier_keys[i]))
+                if events is not None:  # what a tier's BlockStored event for this block will say
+                    self._tier_event_blocks[tier_keys[i]] = (external_hash(hashes[i]), external_hash(hashes[i - 1])
+                                                             if i else None, list(token_ids[i * bs:(i + 1) * bs]))
             if events is None:
                 continue
             if stored is None:
@@ -475,6 +514,7 @@ class KVCacheManager:
         self.req_hashes = {}
         self.tier_keys = {}  # the tier's keys are rooted in the block size
         self._tier_writes = []
+        self._tier_event_blocks = {}
         tables = {}
         for request_id, num_tokens in live.items():
             blocks = self.pool.allocate(-(-num_tokens // new_block_size))

@@ -17,14 +17,18 @@ engine decides with it what to load, write and evict, and the workers move the b
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 TierKey = bytes
 TIER_KEY_BYTES = 16
+# Upper bounds (seconds) of the load-latency histogram's buckets, one histogram per tier: a host-tier load
+# of a long prompt takes milliseconds, a disk one tens of them, a slow or busy disk seconds.
+LOAD_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _ROOT = b"tideserve-kv-tier-v1"
 
 
@@ -55,6 +59,14 @@ class TierStats:
     used_bytes: int = 0  # gauge
     capacity_bytes: int = 0  # gauge
     enabled: bool = True  # False once the tier turned itself off (unwritable storage)
+    # loads per LOAD_SECONDS_BUCKETS bucket (not cumulative), the last one past the largest bound
+    load_buckets: list[int] = field(default_factory=lambda: [0] * (len(LOAD_SECONDS_BUCKETS) + 1))
+
+    def observe_load(self, seconds: float) -> None:
+        """Count one load of ``seconds`` (the histogram, the counters of loads and their total time)."""
+        self.loads += 1
+        self.load_seconds += seconds
+        self.load_buckets[bisect.bisect_left(LOAD_SECONDS_BUCKETS, seconds)] += 1
 
 
 class TierIndex:
