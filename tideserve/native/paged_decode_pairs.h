@@ -62,10 +62,9 @@ TS_ALWAYS_INLINE void pairs_transpose(const uint16_t *const rows[16], int64_t c,
     }
 }
 
-/* The rows of one KV head (group query heads): w's arrays offset to that head's first row. */
-static inline pairs_scratch pairs_head(const pairs_scratch *w, int64_t h, int64_t group, int64_t head_dim) {
+/* w's arrays offset to its row r. */
+static inline pairs_scratch pairs_head(const pairs_scratch *w, int64_t r, int64_t head_dim) {
     pairs_scratch v = *w;
-    const int64_t r = h * group;
     v.qp += r * (head_dim / 2);
     v.s += r * ATTN_KEY_TILE;
     v.o += r * head_dim;
@@ -76,12 +75,13 @@ static inline pairs_scratch pairs_head(const pairs_scratch *w, int64_t h, int64_
     return v;
 }
 
-/* q' = bfloat16(q * scale) of KV head g's query rows (as prefill's pack_queries_amx), and their empty state. */
-static void pairs_start(pairs_scratch *w, const void *q, int q_dtype, int64_t q_stride, int64_t seq, int64_t g,
-                        int64_t group, int64_t head_dim, float scale) {
+/* q' = bfloat16(q * scale) of query heads row0 .. row0 + rows - 1 (as prefill's pack_queries_amx), and their
+ * empty state. */
+static void pairs_start(pairs_scratch *w, const void *q, int q_dtype, int64_t q_stride, int64_t seq, int64_t row0,
+                        int64_t rows, int64_t head_dim, float scale) {
     const int64_t half = head_dim / 2;
-    for (int64_t r = 0; r < group; r++) {
-        const int64_t at = seq * q_stride + (g * group + r) * head_dim;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t at = seq * q_stride + (row0 + r) * head_dim;
         for (int64_t d = 0; d < head_dim; d += 32) {
             __m512 lo, hi;
             if (q_dtype == TS_DTYPE_BF16) {
@@ -186,14 +186,14 @@ static void pairs_tile(pairs_scratch *w, const uint16_t *const *krows, const uin
     }
 }
 
-/* KV head g's outputs, o * (1 / l), into out. */
-static void pairs_finish(const pairs_scratch *w, void *out, int64_t out_stride, int out_dtype, int64_t seq, int64_t g,
-                         int64_t group, int64_t head_dim) {
+/* The outputs of query heads row0 .. row0 + rows - 1, o * (1 / l), into out. */
+static void pairs_finish(const pairs_scratch *w, void *out, int64_t out_stride, int out_dtype, int64_t seq,
+                         int64_t row0, int64_t rows, int64_t head_dim) {
     const int64_t chunks = head_dim / 16;
-    for (int64_t r = 0; r < group; r++) {
+    for (int64_t r = 0; r < rows; r++) {
         const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_set1_ps(w->l[r]));
         const float *orow = w->o + r * head_dim;
-        const int64_t at = seq * out_stride + (g * group + r) * head_dim;
+        const int64_t at = seq * out_stride + (row0 + r) * head_dim;
         for (int64_t c = 0; c < chunks; c++) {
             const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(orow + 16 * c), inv);
             if (out_dtype == TS_DTYPE_F32) {
@@ -207,16 +207,19 @@ static void pairs_finish(const pairs_scratch *w, void *out, int64_t out_stride, 
     }
 }
 
-/* KV heads g0 .. g1 - 1 of one request's decode step over keys first .. pos, tile by tile; in each tile the
- * heads' rows are read token by token, so the cache streams as it lies. */
+/* Query heads r0 .. r1 - 1 of one request's decode step over keys first .. pos, tile by tile; in each tile the
+ * KV heads they share are read token by token, so the cache streams as it lies. */
 static void decode_pairs_task(pairs_scratch *w, const void *q, int q_dtype, int64_t q_stride, const uint16_t *k_cache,
-                              const uint16_t *v_cache, const int64_t *table, int64_t pos, int64_t first, int64_t g0,
-                              int64_t g1, int64_t group, int64_t head_dim, int64_t block_size, int64_t num_kv_heads,
+                              const uint16_t *v_cache, const int64_t *table, int64_t pos, int64_t first, int64_t r0,
+                              int64_t r1, int64_t group, int64_t head_dim, int64_t block_size, int64_t num_kv_heads,
                               float scale, float softcap, void *out, int64_t out_stride, int out_dtype, int64_t seq) {
-    const int64_t token_stride = num_kv_heads * head_dim;
+    const int64_t token_stride = num_kv_heads * head_dim, g0 = r0 / group, g1 = (r1 - 1) / group + 1;
+#define PAIRS_HEAD_ROWS(g) /* this task's rows of KV head g: [ra, rb) */                                  \
+    const int64_t ra = (g) * group > r0 ? (g) * group : r0, rb = ((g) + 1) * group < r1 ? ((g) + 1) * group : r1
     for (int64_t g = g0; g < g1; g++) {
-        pairs_scratch h = pairs_head(w, g - g0, group, head_dim);
-        pairs_start(&h, q, q_dtype, q_stride, seq, g, group, head_dim, scale);
+        PAIRS_HEAD_ROWS(g);
+        pairs_scratch h = pairs_head(w, ra - r0, head_dim);
+        pairs_start(&h, q, q_dtype, q_stride, seq, ra, rb - ra, head_dim, scale);
     }
     const int64_t row_bytes = (g1 - g0) * head_dim * (int64_t)sizeof(uint16_t);
     int64_t at[2 * ATTN_KEY_TILE]; /* this tile's and the next one's token rows, in elements from the cache's start */
@@ -239,13 +242,14 @@ static void decode_pairs_task(pairs_scratch *w, const void *q, int q_dtype, int6
             ts_prefetch_bytes(v_cache + at[j] + g0 * head_dim, row_bytes);
         }
         for (int64_t g = g0; g < g1; g++) {
+            PAIRS_HEAD_ROWS(g);
             const uint16_t *krows[ATTN_KEY_TILE], *vrows[ATTN_KEY_TILE];
             for (int64_t j = 0; j < ATTN_KEY_TILE; j++) {
                 krows[j] = j < nk ? k_cache + at[j] + g * head_dim : w->zero;
                 vrows[j] = j < nk ? v_cache + at[j] + g * head_dim : w->zero;
             }
-            pairs_scratch h = pairs_head(w, g - g0, group, head_dim);
-            pairs_tile(&h, krows, vrows, nk, lo, group, head_dim, softcap);
+            pairs_scratch h = pairs_head(w, ra - r0, head_dim);
+            pairs_tile(&h, krows, vrows, nk, lo, rb - ra, head_dim, softcap);
         }
         /* the next tile's rows move to the front */
         const int64_t kept = placed > ATTN_KEY_TILE ? placed - ATTN_KEY_TILE : 0;
@@ -253,23 +257,26 @@ static void decode_pairs_task(pairs_scratch *w, const void *q, int q_dtype, int6
         placed = kept;
     }
     for (int64_t g = g0; g < g1; g++) {
-        const pairs_scratch h = pairs_head(w, g - g0, group, head_dim);
-        pairs_finish(&h, out, out_stride, out_dtype, seq, g, group, head_dim);
+        PAIRS_HEAD_ROWS(g);
+        const pairs_scratch h = pairs_head(w, ra - r0, head_dim);
+        pairs_finish(&h, out, out_stride, out_dtype, seq, ra, rb - ra, head_dim);
     }
+#undef PAIRS_HEAD_ROWS
 }
 
-/* The decode step in prefill's dpbf16 arithmetic. A task is a request's KV heads, all of them (the cache
- * streams token by token), or with fewer requests than threads one KV head each: a head's bits do not depend
- * on which task runs it. Returns 0, or 1 when scratch memory could not be had. */
+/* The decode step in prefill's dpbf16 arithmetic. A task is a request's query heads, all of them (the cache
+ * streams token by token), or with fewer requests than threads an equal share of them (so one request's step
+ * keeps every thread busy): a query's bits do not depend on which task runs it. Returns 0, or 1 when scratch
+ * memory could not be had. */
 static int paged_decode_pairs_bf16(const void *q, int64_t q_stride, int q_dtype, const uint16_t *k_cache,
                                    const uint16_t *v_cache, const int64_t *block_tables, int64_t table_width,
                                    const int64_t *context_lens, void *out, int64_t out_stride, int out_dtype,
                                    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                    int64_t block_size, float scale, int64_t window, float softcap, int num_threads) {
     const int64_t group = num_heads / num_kv_heads, half = head_dim / 2;
-    const int64_t heads_per_task = num_seqs < num_threads ? 1 : num_kv_heads;
-    const int64_t tasks_per_seq = num_kv_heads / heads_per_task, tasks = num_seqs * tasks_per_seq;
-    const int64_t rows = heads_per_task * group;
+    const int64_t shares = num_seqs < num_threads ? (num_threads + num_seqs - 1) / num_seqs : 1;
+    const int64_t rows = (num_heads + shares - 1) / shares; /* query heads per task */
+    const int64_t tasks_per_seq = (num_heads + rows - 1) / rows, tasks = num_seqs * tasks_per_seq;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -294,10 +301,10 @@ static int paged_decode_pairs_bf16(const void *q, int64_t q_stride, int q_dtype,
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             if (mem == NULL) continue;
-            const int64_t seq = task / tasks_per_seq, g0 = task % tasks_per_seq * heads_per_task;
-            const int64_t g1 = g0 + heads_per_task, context = context_lens[seq];
+            const int64_t seq = task / tasks_per_seq, r0 = task % tasks_per_seq * rows;
+            const int64_t r1 = r0 + rows < num_heads ? r0 + rows : num_heads, context = context_lens[seq];
             if (context <= 0) { /* an empty context's output: zeros */
-                for (int64_t r = g0 * group; r < g1 * group; r++) {
+                for (int64_t r = r0; r < r1; r++) {
                     const int64_t at = seq * out_stride + r * head_dim;
                     if (out_dtype == TS_DTYPE_F32)
                         memset((float *)out + at, 0, (size_t)head_dim * sizeof(float));
@@ -308,7 +315,7 @@ static int paged_decode_pairs_bf16(const void *q, int64_t q_stride, int q_dtype,
             }
             const int64_t pos = context - 1;
             decode_pairs_task(&w, q, q_dtype, q_stride, k_cache, v_cache, block_tables + seq * table_width, pos,
-                              attn_window_first(pos, window), g0, g1, group, head_dim, block_size, num_kv_heads,
+                              attn_window_first(pos, window), r0, r1, group, head_dim, block_size, num_kv_heads,
                               scale, softcap, out, out_stride, out_dtype, seq);
         }
         free(mem);
