@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 import time
-from typing import IO
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
 
 import httpx
 
@@ -47,3 +51,19 @@ def start_serve(args: list[str], log: IO[str], env: dict[str, str], load_timeout
         proc.kill()
         proc.wait(10)
         raise
+
+
+@contextmanager
+def serving_openai(args: list[str], log_dir: Path, load_timeout: float = 180) -> Iterator[tuple[Any, str, IO[str]]]:
+    """(openai client, base url, log) of ``tideserve serve <args>`` as a module fixture holds it: started, and
+    stopped on exit, its log kept in ``log_dir`` for the tests to read."""
+    import openai
+
+    log = (log_dir / "serve.log").open("w+")
+    proc, url = start_serve(args, log, dict(os.environ), load_timeout=load_timeout)
+    try:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=0), url, log
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()

@@ -6,14 +6,13 @@ the draft; a server given a draft that cannot share the target's pool refuses to
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 
 import httpx
 import pytest
-from serve_process import free_port, log_tail, start_serve
+from serve_process import free_port, log_tail, serving_openai
 
 from tideserve import SamplingParams
 from tideserve.model.loader import default_model_path
@@ -26,15 +25,9 @@ openai = pytest.importorskip("openai")
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     spec = {"model": default_model_path(), "num_speculative_tokens": 4}
-    log = (tmp_path_factory.mktemp("serve") / "serve.log").open("w+")
-    proc, url = start_serve(["--max-model-len", "1024", "--speculative-config", json.dumps(spec)], log,
-                            dict(os.environ), load_timeout=180)
-    try:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=0), url, log
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
+    with serving_openai(["--max-model-len", "1024", "--speculative-config", json.dumps(spec)],
+                        tmp_path_factory.mktemp("serve")) as running:
+        yield running
 
 
 def test_answers_equal_the_engines_without_proposals_and_metrics_count_them(served, make_llm):

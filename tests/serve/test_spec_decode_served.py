@@ -6,12 +6,11 @@ spec_decode counters with accepted proposals."""
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import httpx
 import pytest
-from serve_process import log_tail, start_serve
+from serve_process import log_tail, serving_openai
 
 from tideserve import SamplingParams
 
@@ -30,15 +29,9 @@ EDIT = ("Change the default port from 8080 to 9090 and print the whole file.\n\n
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    log = (tmp_path_factory.mktemp("serve") / "serve.log").open("w+")
-    proc, url = start_serve(["--max-model-len", "1024", "--speculative-config", json.dumps(SPEC)], log,
-                            dict(os.environ), load_timeout=180)
-    try:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=0), url, log
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
+    with serving_openai(["--max-model-len", "1024", "--speculative-config", json.dumps(SPEC)],
+                        tmp_path_factory.mktemp("serve")) as running:
+        yield running
 
 
 def test_answers_equal_the_engines_without_proposals_and_metrics_count_them(served, make_llm):
